@@ -1,0 +1,223 @@
+"""The engine contract: request, sampling, result, metrics and step-record types.
+
+Every engine (the reference PyTorch engine, the TensorRT-LLM adapter) speaks these types, and
+nothing above `engines/` (the batch pipeline, the Serve app, the cost module) sees anything
+else. The types are plain dataclasses so they pickle cheaply across Ray and import no torch.
+
+Times are `time.monotonic()` seconds of the process that runs the engine. They are only
+compared with each other (and with the actor's own monotonic clock), never with wall time.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, runtime_checkable
+
+FinishReason = Literal["stop", "length", "error", "cancelled"]
+
+
+class EngineError(RuntimeError):
+    """The engine itself failed (bad model directory, dead step loop); not one request's fault."""
+
+
+class EngineDeadError(EngineError):
+    """The step loop has stopped; no further request can be served by this engine."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens for one request. Invalid values raise ValueError naming the field."""
+
+    max_tokens: int = 16  # tokens to generate at most (>= 1)
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0  # nucleus mass in (0, 1]; 1 disables
+    top_k: int = 0  # keep the k most likely tokens; 0 disables
+    seed: int | None = None  # same seed → same tokens, whatever else is in the batch
+    stop: tuple[str, ...] = ()  # stop strings; the match is cut from the text
+    stop_token_ids: tuple[int, ...] = ()  # extra token ids that end the request (kept in ids)
+    ignore_eos: bool = False  # keep generating past the model's end-of-sequence token
+
+    def __post_init__(self) -> None:
+        # Normalize lists (from YAML / JSON) to tuples so the params stay hashable.
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        problems = []
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            problems.append(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not _finite(self.temperature) or self.temperature < 0:
+            problems.append(f"temperature must be a number >= 0, got {self.temperature!r}")
+        if not _finite(self.top_p) or not 0 < self.top_p <= 1:
+            problems.append(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            problems.append(f"top_k must be an integer >= 0 (0 disables), got {self.top_k!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            problems.append(f"seed must be an integer or null, got {self.seed!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            problems.append(f"stop must be non-empty strings, got {self.stop!r}")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            problems.append(f"stop_token_ids must be integers >= 0, got {self.stop_token_ids!r}")
+        if problems:
+            raise ValueError("invalid sampling params: " + "; ".join(problems))
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+def _finite(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One prompt to complete. The engine batches many of these itself."""
+
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+
+@dataclass
+class RequestMetrics:
+    """Monotonic timestamps of one request's life in the engine (None: never reached)."""
+
+    arrival_time: float  # the request entered the engine
+    first_scheduled_time: float | None = None  # first step that computed any of its tokens
+    first_token_time: float | None = None  # its first output token was sampled
+    finish_time: float | None = None  # it left the engine (finished, failed or cancelled)
+
+    @property
+    def queue_s(self) -> float | None:
+        return _delta(self.arrival_time, self.first_scheduled_time)
+
+    @property
+    def ttft_s(self) -> float | None:
+        return _delta(self.arrival_time, self.first_token_time)
+
+    @property
+    def decode_s(self) -> float | None:
+        return _delta(self.first_token_time, self.finish_time)
+
+    @property
+    def latency_s(self) -> float | None:
+        return _delta(self.arrival_time, self.finish_time)
+
+
+def _delta(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else b - a
+
+
+@dataclass
+class GenerationResult:
+    """What came of one request. Per-request problems are results, not exceptions."""
+
+    request_id: str
+    output_token_ids: list[int]
+    text: str
+    finish_reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    error: str | None = None  # set iff finish_reason == "error"
+    stop_reason: str | int | None = None  # the stop string or stop token id that matched
+    num_preemptions: int = 0  # times the request was evicted and recomputed
+    metrics: RequestMetrics | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.finish_reason != "error"
+
+
+@dataclass(frozen=True)
+class StreamDelta:
+    """One increment of a streamed request: new token ids and the text they completed.
+
+    The last delta of a stream has `finished=True` and carries the full result.
+    """
+
+    token_ids: list[int]
+    text: str
+    finished: bool = False
+    result: GenerationResult | None = None
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One engine step: its duration and the tokens each request processed in it.
+
+    The cost module shares [start, end) among the requests in proportion to their (weighted)
+    tokens, so the record must list every request the step computed for.
+    """
+
+    start: float  # monotonic seconds
+    end: float
+    prefill_tokens: dict[str, int]  # request_id -> prompt tokens computed in this step
+    decode_tokens: dict[str, int]  # request_id -> output tokens produced in this step
+
+    @property
+    def request_ids(self) -> set[str]:
+        return set(self.prefill_tokens) | set(self.decode_tokens)
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """Static facts about a loaded engine, for manifests, cost and the Serve /v1/models."""
+
+    kind: str  # "reference" | "trtllm"
+    model: str  # model path or name as given
+    max_model_len: int  # prompt + output tokens the model accepts
+    device: str  # "cpu", "cuda:0", ...
+    num_devices: int  # devices this engine holds (cost: devices x lifetime)
+    dtype: str  # compute dtype
+    has_step_records: bool  # True: step-based cost split; False: interval-based
+    eos_token_ids: tuple[int, ...] = ()
+    load_seconds: float = 0.0  # time spent loading weights and warming up
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A point-in-time view of the engine's load, for metrics and tests."""
+
+    num_running: int  # requests holding KV blocks
+    num_waiting: int  # requests queued, not yet scheduled (includes preempted ones)
+    num_finished: int  # requests finished since load
+    num_preemptions: int  # evictions since load
+    kv_blocks_total: int
+    kv_blocks_used: int
+    num_steps: int
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What every engine offers. All methods may be called from one asyncio loop; the engine
+    runs its own step loop (a thread or an executor) and batches concurrent requests itself."""
+
+    info: EngineInfo
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        """Run one request to completion. Never raises for a per-request problem (too long a
+        prompt, ...): that is a result with finish_reason "error". Raises EngineDeadError once
+        the engine has stopped."""
+        ...
+
+    def stream(self, request: GenerationRequest) -> AsyncIterator[StreamDelta]:
+        """Like generate, yielding deltas as tokens are produced. Closing the iterator early
+        (client gone) cancels the request and frees its KV blocks."""
+        ...
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request; its generate() returns finish_reason "cancelled"."""
+        ...
+
+    def drain_step_records(self) -> list[StepRecord]:
+        """Step records since the last call (empty for engines without step records)."""
+        ...
+
+    def stats(self) -> EngineStats: ...
+
+    def shutdown(self) -> None:
+        """Stop the step loop and release memory. Idempotent."""
+        ...

@@ -1,0 +1,26 @@
+"""Build an engine by name. Heavy imports happen here, only for the engine asked for."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engines.api import Engine, EngineError
+
+ENGINE_KINDS = ("reference", "trtllm")
+
+
+def load_engine(kind: str, model: str, **settings: Any) -> Engine:
+    """Load `model` (a local Hugging Face directory) into the engine `kind`.
+
+    `settings` are the engine's own options (max_num_tokens, max_batch_size, ...); an unknown
+    option is a TypeError naming it, so a typo in a job file cannot pass silently.
+    """
+    if kind == "reference":
+        from engines.reference.engine import ReferenceEngine
+
+        return ReferenceEngine(model, **settings)
+    if kind == "trtllm":
+        from engines.trtllm import TrtllmEngine
+
+        return TrtllmEngine(model, **settings)
+    raise EngineError(f"unknown engine kind {kind!r}; supported: {', '.join(ENGINE_KINDS)}")

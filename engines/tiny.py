@@ -1,0 +1,164 @@
+"""Build tiny Hugging Face checkpoints locally: a byte-level BPE tokenizer trained on built-in
+text and a small random Llama / Qwen2 / Qwen3 model, saved as a normal HF directory.
+
+Nothing can be downloaded where tokenmill is built and tested, so tests, the demo and the
+benchmarks all run on models made here. Weights are random but drawn with a wide init so that
+greedy decoding produces varied tokens instead of one token repeated.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+Arch = Literal["llama", "qwen2", "qwen3"]
+ARCHS: tuple[str, ...] = ("llama", "qwen2", "qwen3")
+
+_WORDS = (
+    "the a an one every some batch token model engine prompt answer question request row job "
+    "cluster node actor storage bucket object file part manifest cost price hour second minute "
+    "fast slow large small quiet busy early late new old exact cheap dear bright dark warm cold "
+    "river mountain city garden window letter story number colour music market harbour bridge "
+    "runs reads writes counts sends waits builds checks keeps finds opens closes moves learns "
+    "and or but so because while when where if then after before over under into from with "
+    "is was are were has had will would can could should may might must does did "
+    "red green blue yellow seven twelve hundred thousand million north south east west "
+    "what why how who which please tell me explain write summarize list describe compare"
+).split()
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+
+def sample_text(num_sentences: int = 2000, seed: int = 0) -> list[str]:
+    """Deterministic pseudo-English sentences: tokenizer training and calibration text."""
+    rng = random.Random(seed)
+    sentences = []
+    for _ in range(num_sentences):
+        words = [rng.choice(_WORDS) for _ in range(rng.randint(4, 18))]
+        punct = rng.choice(".?!.,;:")
+        number = f" {rng.randint(0, 10_000)}" if rng.random() < 0.2 else ""
+        sentences.append(" ".join(words).capitalize() + number + punct)
+    return sentences
+
+
+@dataclass(frozen=True)
+class TinyModelSize:
+    """Shape of a generated model. `tiny` is for unit tests, `small` (~35M) for benchmarks."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int
+    max_position_embeddings: int
+
+
+SIZES: dict[str, TinyModelSize] = {
+    "tiny": TinyModelSize(64, 176, 2, 4, 2, 1024, 2048),
+    "small": TinyModelSize(512, 1408, 8, 8, 2, 8192, 4096),
+}
+
+
+def train_tokenizer(vocab_size: int, seed: int = 0):
+    """A byte-level BPE tokenizer (PreTrainedTokenizerFast) with chat template and specials."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(sample_text(4000, seed), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        bos_token=None,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def make_tiny_model(
+    out_dir: str | Path,
+    arch: Arch = "llama",
+    size: str = "tiny",
+    tie_word_embeddings: bool = False,
+    seed: int = 0,
+    initializer_range: float = 0.2,
+    torch_dtype: str = "float32",
+) -> Path:
+    """Write a random `arch` model of preset `size` and its tokenizer to `out_dir`."""
+    import torch
+    import transformers
+
+    if arch not in ARCHS:
+        raise ValueError(f"unsupported arch {arch!r}; choose one of {', '.join(ARCHS)}")
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r}; choose one of {', '.join(SIZES)}")
+    shape = SIZES[size]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    tokenizer = train_tokenizer(shape.vocab_size, seed)
+    # The trained vocab can come out a little smaller than asked; the model must cover it.
+    vocab_size = max(shape.vocab_size, len(tokenizer))
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_hidden_layers,
+        num_attention_heads=shape.num_attention_heads,
+        num_key_value_heads=shape.num_key_value_heads,
+        max_position_embeddings=shape.max_position_embeddings,
+        initializer_range=initializer_range,
+        tie_word_embeddings=tie_word_embeddings,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+        rms_norm_eps=1e-6,
+    )
+    if arch == "llama":
+        config = transformers.LlamaConfig(**common, rope_theta=10000.0)
+        model_cls = transformers.LlamaForCausalLM
+    elif arch == "qwen2":
+        config = transformers.Qwen2Config(**common, rope_theta=1000000.0)
+        model_cls = transformers.Qwen2ForCausalLM
+    else:
+        config = transformers.Qwen3Config(
+            **common, rope_theta=1000000.0, head_dim=shape.hidden_size // shape.num_attention_heads
+        )
+        model_cls = transformers.Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    with torch.no_grad():
+        # Random norms and biases (defaults are ones and zeros) so that loaders which forget
+        # a norm weight or a bias give visibly different outputs in the equality tests.
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+            elif name.endswith(".bias"):
+                param.normal_(0.0, initializer_range)
+    model = model.to(getattr(torch, torch_dtype))
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    (out / "tokenmill_tiny.json").write_text(
+        json.dumps({"arch": arch, "size": size, "seed": seed, "tied": tie_word_embeddings})
+    )
+    return out

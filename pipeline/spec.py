@@ -1,0 +1,461 @@
+"""JobSpec: the one YAML file that describes a batch job.
+
+Strict on purpose (`extra="forbid"` everywhere): a misspelled key in a nightly job must fail
+before any actor starts, with the field path, not be silently ignored. Every field carries a
+description; docs/job-spec.md is generated from them (`python -m pipeline.docgen`).
+
+Loading a file goes: read text → `{{ date }}` templating → `${ENV_VAR}` substitution → YAML →
+`--set a.b=c` overrides → validation. See `load_job_spec`.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class SpecError(ValueError):
+    """A job file that cannot run; the message names the file, the field path and the fix."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+# --- input -----------------------------------------------------------------------------------
+
+
+class InputSpec(_Strict):
+    uri: str | list[str] = Field(
+        description="Input file(s): local paths, file://, or s3:// URIs; globs (`*`, `**`) and "
+        "directories are expanded. A list reads several sources as one dataset."
+    )
+    format: Literal["parquet", "jsonl", "openai_batch"] = Field(
+        "parquet",
+        description="parquet | jsonl (one JSON object per line) | openai_batch (OpenAI Batch "
+        "API JSONL: custom_id, method, url, body).",
+    )
+    id_column: str | None = Field(
+        None,
+        description="Column holding a unique, stable row id. Null: derived from (file, row "
+        "index), stable as long as the input files do not change. openai_batch uses custom_id.",
+    )
+    prompt_column: str | None = Field(
+        None, description="Column with the prompt text (plain string). Set this or messages_column."
+    )
+    messages_column: str | None = Field(
+        None,
+        description="Column with a chat as a list of {role, content} (or its JSON string). "
+        "Set this or prompt_column.",
+    )
+    passthrough_columns: list[str] = Field(
+        default_factory=list,
+        description="Input columns copied unchanged into the output rows (e.g. a user id).",
+    )
+    limit: int | None = Field(
+        None, ge=1, description="Read at most this many rows (in input order); null reads all."
+    )
+
+    @model_validator(mode="after")
+    def _one_prompt_source(self) -> InputSpec:
+        if self.format == "openai_batch":
+            if self.prompt_column or self.messages_column:
+                raise ValueError(
+                    "input.format openai_batch takes prompts from body.messages / body.prompt; "
+                    "remove input.prompt_column and input.messages_column"
+                )
+            return self
+        if bool(self.prompt_column) == bool(self.messages_column):
+            raise ValueError(
+                "set exactly one of input.prompt_column or input.messages_column "
+                f"(format {self.format})"
+            )
+        return self
+
+    @property
+    def uris(self) -> list[str]:
+        return [self.uri] if isinstance(self.uri, str) else list(self.uri)
+
+
+# --- prompt ----------------------------------------------------------------------------------
+
+
+class PromptSpec(_Strict):
+    template: str | None = Field(
+        None,
+        description="Jinja2 template applied to each row to build the user prompt, e.g. "
+        "'Summarize: {{ text }}'. Row columns are the variables; `prompt` is the prompt "
+        "column's value. Null uses the prompt column as is.",
+    )
+    system_prompt: str | None = Field(
+        None, description="System message prepended to every chat (when chat_template is on)."
+    )
+    chat_template: bool = Field(
+        True,
+        description="Apply the model tokenizer's chat template (with the generation prompt). "
+        "Off: the prompt text is tokenized as is (messages are rejected).",
+    )
+
+
+# --- model and engine ------------------------------------------------------------------------
+
+
+class ModelSpec(_Strict):
+    path: str = Field(
+        description="Hugging Face model directory: a local path or an s3:// prefix (downloaded "
+        "once per node into cache_dir)."
+    )
+    tokenizer: str | None = Field(
+        None, description="Tokenizer directory if not the model's own (local path or s3://)."
+    )
+    cache_dir: str = Field(
+        "~/.cache/tokenmill/models",
+        description="Node-local directory where s3:// models are downloaded and reused.",
+    )
+    name: str | None = Field(
+        None,
+        description="Name reported in output rows and manifests; default: the path's last part.",
+    )
+
+    @property
+    def display_name(self) -> str:
+        return self.name or self.path.rstrip("/").rsplit("/", 1)[-1]
+
+
+class EngineSpec(_Strict):
+    kind: Literal["reference", "trtllm"] = Field(
+        "reference",
+        description="reference (PyTorch, runs anywhere incl. CPU) | trtllm (TensorRT-LLM, GPU).",
+    )
+    max_batch_size: int = Field(64, ge=1, description="Most requests in one engine step.")
+    max_num_tokens: int = Field(
+        2048, ge=16, description="Token budget of one engine step (prefill chunks + decodes)."
+    )
+    kv_cache_tokens: int | None = Field(
+        None,
+        ge=16,
+        description="KV cache size in tokens. Null: sized from kv_cache_memory_fraction "
+        "(GPU) or kv_cache_memory_gb (CPU).",
+    )
+    kv_cache_memory_gb: float | None = Field(
+        None, gt=0, description="KV cache size as memory (GiB); used when kv_cache_tokens is null."
+    )
+    kv_cache_memory_fraction: float = Field(
+        0.9,
+        gt=0,
+        le=1,
+        description="trtllm: fraction of free GPU memory for the KV cache "
+        "(free_gpu_memory_fraction).",
+    )
+    kv_cache_dtype: Literal["auto", "fp8"] = Field(
+        "auto", description="auto (model dtype) | fp8 (trtllm, with an FP8-KV checkpoint)."
+    )
+    enable_prefix_caching: bool = Field(
+        True, description="Reuse KV of shared prompt prefixes (full blocks only)."
+    )
+    enable_chunked_prefill: bool = Field(
+        True, description="Split long prompts across steps so decodes are not stalled."
+    )
+    block_size: int = Field(16, ge=1, description="Tokens per KV cache block.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Compute dtype. auto: float32 on CPU, bfloat16 on GPU."
+    )
+    device: str = Field("auto", description="auto | cpu | cuda | cuda:N (reference engine).")
+    max_model_len: int | None = Field(
+        None, ge=16, description="Cap on prompt + output tokens; null: the model's context."
+    )
+    scheduler_policy: Literal["guaranteed_no_evict", "max_utilization"] = Field(
+        "guaranteed_no_evict", description="trtllm capacity scheduler policy."
+    )
+    extra: dict[str, Any] = Field(
+        default_factory=dict, description="Engine-specific options passed through verbatim."
+    )
+
+
+# --- sampling --------------------------------------------------------------------------------
+
+
+class SamplingSpec(_Strict):
+    max_tokens: int = Field(256, ge=1, description="Tokens to generate at most per row.")
+    temperature: float = Field(0.0, ge=0, description="0 is greedy.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass; 1 disables.")
+    top_k: int = Field(0, ge=0, description="Keep only the k most likely tokens; 0 disables.")
+    seed: int | None = Field(
+        None,
+        description="Base seed; each row samples with hash(seed, row id), so reruns are "
+        "reproducible whatever the batching.",
+    )
+    stop: list[str] = Field(default_factory=list, description="Stop strings (cut from the text).")
+    stop_token_ids: list[int] = Field(default_factory=list, description="Extra stop token ids.")
+    ignore_eos: bool = Field(False, description="Generate past end-of-sequence (benchmarks).")
+    overrides: dict[str, str] = Field(
+        default_factory=dict,
+        description="Per-row overrides: sampling field -> input column, e.g. "
+        "{max_tokens: max_tokens_col}. A null cell keeps the default.",
+    )
+
+    @field_validator("overrides")
+    @classmethod
+    def _known_override_fields(cls, value: dict[str, str]) -> dict[str, str]:
+        allowed = {"max_tokens", "temperature", "top_p", "top_k", "seed"}
+        unknown = sorted(set(value) - allowed)
+        if unknown:
+            raise ValueError(
+                f"unknown sampling.overrides field(s) {unknown}; allowed: {sorted(allowed)}"
+            )
+        return value
+
+
+# --- resources -------------------------------------------------------------------------------
+
+
+class ResourcesSpec(_Strict):
+    num_actors: int | None = Field(
+        1, ge=1, description="Fixed number of engine actors. Null with min/max_actors: autoscale."
+    )
+    min_actors: int | None = Field(None, ge=1, description="Autoscaling lower bound.")
+    max_actors: int | None = Field(None, ge=1, description="Autoscaling upper bound.")
+    devices_per_actor: float = Field(
+        0, ge=0, description="GPUs per engine actor (0 on CPU-only clusters)."
+    )
+    cpus_per_actor: float = Field(
+        0.5,
+        gt=0,
+        description="CPUs reserved per engine actor; fractional on small machines so read and "
+        "write tasks still get a CPU.",
+    )
+    batch_size: int = Field(
+        32, ge=1, description="Rows per Ray Data batch handed to an engine actor."
+    )
+    max_in_flight: int = Field(
+        128,
+        ge=1,
+        description="Requests one actor keeps in its engine at once, across overlapping "
+        "batches, so the engine never starves.",
+    )
+    max_restarts: int = Field(3, ge=0, description="Restarts of a crashed engine actor.")
+    max_task_retries: int = Field(3, ge=0, description="Retries of a batch whose actor died.")
+
+    @model_validator(mode="after")
+    def _pool_size(self) -> ResourcesSpec:
+        if self.num_actors is None and (self.min_actors is None or self.max_actors is None):
+            raise ValueError("resources: set num_actors, or both min_actors and max_actors")
+        if self.min_actors and self.max_actors and self.min_actors > self.max_actors:
+            raise ValueError("resources.min_actors must be <= resources.max_actors")
+        return self
+
+
+# --- output, storage, limits, cost -----------------------------------------------------------
+
+
+class OutputSpec(_Strict):
+    uri: str = Field(description="Output directory: local path, file:// or s3:// prefix.")
+    rows_per_file: int = Field(10_000, ge=1, description="Rows per Parquet part at most.")
+    include_token_ids: bool = Field(
+        False, description="Also write completion_token_ids (list<int32>) per row."
+    )
+    report: bool = Field(True, description="Write report.md and plots beside the output.")
+
+
+class StorageSpec(_Strict):
+    endpoint_url: str | None = Field(
+        None,
+        description="S3 endpoint, e.g. https://storage.eu-north1.nebius.cloud. Credentials come "
+        "only from the environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, ...).",
+    )
+    region: str | None = Field(None, description="S3 region (e.g. eu-north1).")
+    anonymous: bool = Field(False, description="Access public buckets without credentials.")
+
+
+class LimitsSpec(_Strict):
+    max_error_fraction: float = Field(
+        0.05,
+        ge=0,
+        le=1,
+        description="Error rows above this fraction of all rows make the run exit 3 (partial).",
+    )
+
+
+class PricePerMillion(_Strict):
+    input: float = Field(0.0, ge=0, description="USD per 1M uncached input tokens.")
+    cached_input: float | None = Field(
+        None, ge=0, description="USD per 1M cached input tokens; null: the input price."
+    )
+    output: float = Field(0.0, ge=0, description="USD per 1M output tokens.")
+
+
+class CostSpec(_Strict):
+    device_hour_usd: float = Field(
+        0.0,
+        ge=0,
+        description="Price of one device-hour: a GPU-hour for GPU actors, a CPU-actor-hour "
+        "for CPU actors (e.g. 3.50 for a Nebius H200).",
+    )
+    price_per_million: PricePerMillion | None = Field(
+        None, description="List prices of a token-priced API, for comparison (list_price_usd)."
+    )
+    batch_discount: float = Field(
+        0.0, ge=0, lt=1, description="Discount on list prices for batch APIs (0.5 = half price)."
+    )
+    prefill_weight: float = Field(
+        1.0, ge=0, description="Weight of a prefill token when sharing a step's time."
+    )
+    decode_weight: float = Field(
+        1.0, ge=0, description="Weight of a decode token when sharing a step's time."
+    )
+    budget_usd: float | None = Field(
+        None,
+        gt=0,
+        description="Stop admitting rows once spend plus the projected cost of rows in flight "
+        "would pass this; a rerun with a higher budget resumes.",
+    )
+
+    @model_validator(mode="after")
+    def _weights(self) -> CostSpec:
+        if self.prefill_weight == 0 and self.decode_weight == 0:
+            raise ValueError("cost.prefill_weight and cost.decode_weight cannot both be 0")
+        return self
+
+
+# --- the job ---------------------------------------------------------------------------------
+
+
+class JobSpec(_Strict):
+    name: str = Field(
+        description="Job name: letters, digits, '-', '_' and '.'; used in submission ids.",
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$",
+    )
+    date: str | None = Field(
+        None,
+        description="Run date (YYYY-MM-DD) used by {{ date }}; set by --date, default today UTC.",
+    )
+    input: InputSpec = Field(description="Where the prompts are and how to read them.")
+    prompt: PromptSpec = Field(default_factory=PromptSpec, description="How rows become prompts.")
+    model: ModelSpec = Field(description="The model to generate with.")
+    engine: EngineSpec = Field(default_factory=EngineSpec, description="Engine and its settings.")
+    sampling: SamplingSpec = Field(
+        default_factory=SamplingSpec, description="Sampling defaults and per-row overrides."
+    )
+    resources: ResourcesSpec = Field(
+        default_factory=ResourcesSpec, description="Actor pool and batching."
+    )
+    output: OutputSpec = Field(description="Where the results go.")
+    storage: StorageSpec = Field(
+        default_factory=StorageSpec, description="Object storage endpoint (no credentials)."
+    )
+    limits: LimitsSpec = Field(default_factory=LimitsSpec, description="Failure thresholds.")
+    cost: CostSpec = Field(default_factory=CostSpec, description="Prices, budget, cost split.")
+
+
+# --- loading ---------------------------------------------------------------------------------
+
+_ENV_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+_DATE_TAG = re.compile(r"\{\{\s*date\s*\}\}")
+
+
+def today_utc() -> str:
+    return dt.datetime.now(dt.timezone.utc).date().isoformat()
+
+
+def render_text(
+    text: str,
+    *,
+    date: str | None = None,
+    env: dict[str, str] | None = None,
+    source: str = "job file",
+) -> str:
+    """Apply `{{ date }}` and `${VAR}` / `${VAR:-default}` substitution to raw YAML text."""
+    env = dict(os.environ) if env is None else env
+    run_date = date or today_utc()
+    try:
+        dt.date.fromisoformat(run_date)
+    except ValueError:
+        raise SpecError(f"{source}: date {run_date!r} is not YYYY-MM-DD") from None
+    text = _DATE_TAG.sub(run_date, text)
+
+    def substitute(match: re.Match[str]) -> str:
+        name, default = match.group(1), match.group(2)
+        if name in env:
+            return env[name]
+        if default is not None:
+            return default
+        raise SpecError(
+            f"{source}: environment variable ${{{name}}} is not set "
+            f"(export it, or write ${{{name}:-default}})"
+        )
+
+    return _ENV_VAR.sub(substitute, text)
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `a.b=c` overrides; values are parsed as YAML scalars (`3`, `true`, `[1,2]`)."""
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise SpecError(f"--set {item!r}: expected key.path=value")
+        node = data
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise SpecError(f"--set {item!r}: {part!r} is not a section")
+            node = child
+        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+    return data
+
+
+def format_validation_error(exc: ValidationError, source: str) -> str:
+    lines = [f"{source}: invalid job spec ({exc.error_count()} problem(s))"]
+    for err in exc.errors():
+        path = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            msg = "unknown field (check the spelling; see docs/job-spec.md)"
+        elif err["type"] == "missing":
+            msg = "required field is missing"
+        lines.append(f"  - {path}: {msg}")
+    return "\n".join(lines)
+
+
+def parse_job_spec(data: Any, source: str = "job spec") -> JobSpec:
+    if not isinstance(data, dict):
+        raise SpecError(f"{source}: expected a mapping at the top level, got {type(data).__name__}")
+    try:
+        return JobSpec.model_validate(data)
+    except ValidationError as exc:
+        raise SpecError(format_validation_error(exc, source)) from None
+
+
+def load_job_spec(
+    path: str | Path,
+    overrides: list[str] | None = None,
+    date: str | None = None,
+    env: dict[str, str] | None = None,
+) -> JobSpec:
+    """Read, render and validate a job file. Raises SpecError with the file and field path."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise SpecError(f"cannot read job file {path}: {exc.strerror or exc}") from None
+    # A date given on the command line wins over one written in the file.
+    if date is None:
+        match = re.search(r"^date:\s*['\"]?(\d{4}-\d{2}-\d{2})", text, re.MULTILINE)
+        date = match.group(1) if match else None
+    run_date = date or today_utc()
+    rendered = render_text(text, date=run_date, env=env, source=str(path))
+    try:
+        data = yaml.safe_load(rendered)
+    except yaml.YAMLError as exc:
+        raise SpecError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise SpecError(f"{path}: expected a mapping at the top level")
+    data = apply_overrides(data, overrides or [])
+    data["date"] = run_date
+    return parse_job_spec(data, source=str(path))
