@@ -4,7 +4,9 @@ heavy imports (torch, ray, transformers) happen inside the commands, so `--help`
 from pipeline.cli import (  # noqa: F401  (imported for their command registrations)
     engine_cmds,
     job_cmds,
+    plan_cmds,
     quantize_cmds,
+    report_cmds,
     serve_cmds,
     submit_cmds,
 )

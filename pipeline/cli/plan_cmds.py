@@ -1,0 +1,1 @@
+"""Commands registered on the shared app (filled in by the area that owns them)."""

@@ -1,0 +1,53 @@
+"""Turn a job's model and engine sections into a loaded Engine.
+
+Shared by the batch actors and the Serve replicas so both run the same engine the same way.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engines import Engine, load_engine
+from pipeline.spec import EngineSpec, ModelSpec, StorageSpec
+
+# Settings each engine kind accepts, taken from EngineSpec (other fields belong to other kinds).
+_REFERENCE_FIELDS = (
+    "max_batch_size",
+    "max_num_tokens",
+    "kv_cache_tokens",
+    "kv_cache_memory_gb",
+    "enable_prefix_caching",
+    "enable_chunked_prefill",
+    "block_size",
+    "dtype",
+    "device",
+    "max_model_len",
+)
+_TRTLLM_FIELDS = (
+    "max_batch_size",
+    "max_num_tokens",
+    "kv_cache_tokens",
+    "kv_cache_memory_fraction",
+    "kv_cache_dtype",
+    "enable_prefix_caching",
+    "enable_chunked_prefill",
+    "dtype",
+    "max_model_len",
+    "scheduler_policy",
+)
+
+
+def engine_settings(engine: EngineSpec) -> dict[str, Any]:
+    """The keyword arguments `load_engine(engine.kind, ...)` takes for this spec."""
+    fields = _REFERENCE_FIELDS if engine.kind == "reference" else _TRTLLM_FIELDS
+    settings = {name: getattr(engine, name) for name in fields}
+    settings.update(engine.extra)
+    return settings
+
+
+def open_engine(model: ModelSpec, engine: EngineSpec, storage: StorageSpec) -> Engine:
+    """Fetch the model to local disk if it is remote (once per node), then load the engine."""
+    from pipeline.storage import materialize_model
+
+    local_path = materialize_model(model.path, model.cache_dir, storage)
+    return load_engine(engine.kind, model=str(local_path), **engine_settings(engine))
