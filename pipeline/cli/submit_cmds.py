@@ -1,1 +1,82 @@
-"""Commands registered on the shared app (filled in by the area that owns them)."""
+"""`tokenmill submit`: run a job file on a remote Ray cluster through the Ray Jobs API."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from pipeline.cli.app import app
+
+
+@app.command("submit")
+def submit_cmd(
+    job_file: Path = typer.Argument(..., help="Job YAML on this machine; validated before upload."),
+    address: str = typer.Option(
+        ...,
+        "--address",
+        envvar="RAY_API_SERVER_ADDRESS",
+        help="Ray Jobs API (dashboard) URL, e.g. http://ray-head:8265.",
+    ),
+    date: str | None = typer.Option(
+        None, "--date", help="Run date YYYY-MM-DD for {{ date }}; default: the file's or today UTC."
+    ),
+    wait: bool = typer.Option(
+        False, "--wait", help="Follow the logs and exit with the job's status (0 = succeeded)."
+    ),
+    set_: list[str] = typer.Option(
+        [], "--set", help="Override a field, e.g. --set sampling.max_tokens=64 (repeatable)."
+    ),
+    env_from: list[str] = typer.Option(
+        [],
+        "--env-from",
+        help="Forward this environment variable to the job by name (repeatable). Default: the "
+        "standard AWS_* variables that are set.",
+    ),
+    no_env: bool = typer.Option(
+        False,
+        "--no-env",
+        help="Forward none of the AWS_* defaults (the cluster has its own credentials); "
+        "${VAR}s the job file uses are still forwarded.",
+    ),
+    ship_code: bool = typer.Option(
+        False,
+        "--ship-code",
+        help="Upload this checkout's `pipeline` and `engines` packages with the job, for "
+        "clusters whose image lacks (this version of) tokenmill.",
+    ),
+    token_file: Path | None = typer.Option(
+        None,
+        "--token-file",
+        help="Ray auth token file. Default: $RAY_AUTH_TOKEN, $RAY_AUTH_TOKEN_PATH, "
+        "~/.ray/auth_token.",
+    ),
+) -> None:
+    """Submit JOB_FILE to a Ray cluster: at most one run per job, date and settings.
+
+    Submitting the same night again attaches to (with --wait) or reports the first submission;
+    a failed one is retried under `<id>-rN` and resumes from its committed parts.
+    Exit codes: 0 submitted / succeeded, 1 job failed, 2 invalid job or arguments,
+    3 job finished partial, 4 cluster unreachable or refused.
+    """
+    from pipeline.submit import SubmitError, SubmitRequest, submit
+
+    if no_env and env_from:
+        typer.echo("--no-env and --env-from contradict each other; pass one", err=True)
+        raise typer.Exit(2)
+    request = SubmitRequest(
+        job_file=job_file,
+        address=address,
+        date=date,
+        overrides=tuple(set_),
+        wait=wait,
+        ship_code=ship_code,
+        env_from=() if no_env else (tuple(env_from) if env_from else None),
+        token_file=token_file,
+    )
+    try:
+        outcome = submit(request)
+    except SubmitError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(exc.exit_code) from None
+    raise typer.Exit(outcome.exit_code)
