@@ -1,0 +1,117 @@
+"""The job fingerprint: what must stay the same for rows from two runs to belong together.
+
+A resumed run appends rows to the ones already committed, so both runs must have produced
+their rows the same way. The fingerprint hashes, per component:
+
+- model:    the path, plus a cheap content fingerprint (config.json's bytes and every file's
+            name and size; hashing multi-GB weights on every run would cost minutes),
+- engine:   the engine kind and the settings passed to the engine,
+- sampling: the whole sampling section (defaults, stops, per-row override columns),
+- prompt:   template, system prompt, chat-template flag, and the input columns read,
+- input:    the listing of input files (uri, size, version / etag / mtime when known).
+
+Resources, limits, output layout and prices are left out on purpose: changing the actor count
+or the price of an hour does not change what a row says.
+
+Each component is hashed on its own so a refusal can name what changed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from pipeline.spec import JobSpec, StorageSpec
+
+COMPONENTS = ("model", "engine", "sampling", "prompt", "input")
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """The job's hash and the per-component hashes it is made of."""
+
+    value: str  # sha256 over the component hashes, in COMPONENTS order
+    components: dict[str, str]  # component name -> sha256 of its canonical JSON
+
+    def changed_components(self, other: Fingerprint) -> list[str]:
+        """Components whose hashes differ (all of them if `other` lacks one)."""
+        return [c for c in COMPONENTS if self.components.get(c) != other.components.get(c)]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"value": self.value, "components": dict(self.components)}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Fingerprint:
+        return cls(value=str(data["value"]), components=dict(data.get("components", {})))
+
+
+def canonical_hash(obj: Any) -> str:
+    """sha256 of `obj` as sorted, compact JSON (dict order and whitespace do not matter)."""
+    text = json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def input_listing(files: Iterable[Any]) -> list[dict[str, Any]]:
+    """Plain dicts of the pre-flight's InputFile records, sorted by uri."""
+    rows = []
+    for item in files:
+        if dataclasses.is_dataclass(item) and not isinstance(item, type):
+            row = dataclasses.asdict(item)
+        elif hasattr(item, "model_dump"):
+            row = item.model_dump()
+        elif isinstance(item, dict):
+            row = dict(item)
+        else:
+            row = {"uri": str(item)}
+        rows.append(row)
+    return sorted(rows, key=lambda r: str(r.get("uri", r)))
+
+
+def model_content(path: str, storage: StorageSpec) -> dict[str, Any]:
+    """config.json's hash plus (name, size) of every file under the model directory."""
+    from pipeline.storage import filesystem_for
+
+    fs, root = filesystem_for(path, storage)
+    root = root.rstrip("/")
+    try:
+        entries = fs.find(root, detail=True)
+    except (FileNotFoundError, OSError) as exc:
+        raise FileNotFoundError(f"model.path {path!r}: cannot list the model: {exc}") from None
+    sizes = {}
+    config_hash = None
+    for name, info in sorted(entries.items()):
+        rel = name[len(root) + 1 :]
+        sizes[rel] = int(info.get("size") or 0)
+        if rel == "config.json":
+            config_hash = hashlib.sha256(fs.cat_file(name)).hexdigest()
+    return {"config_sha256": config_hash, "files": sizes}
+
+
+def job_fingerprint(
+    spec: JobSpec, files: Iterable[Any], model_info: dict[str, Any] | None = None
+) -> Fingerprint:
+    """Fingerprint a job from its spec, its pre-flight listing and the model's content."""
+    from pipeline.engine_setup import engine_settings
+
+    if model_info is None:
+        model_info = model_content(spec.model.path, spec.storage)
+    parts: dict[str, Any] = {
+        "model": {"path": spec.model.path, "tokenizer": spec.model.tokenizer, **model_info},
+        "engine": {"kind": spec.engine.kind, "settings": engine_settings(spec.engine)},
+        "sampling": spec.sampling.model_dump(mode="json"),
+        "prompt": {
+            **spec.prompt.model_dump(mode="json"),
+            "format": spec.input.format,
+            "id_column": spec.input.id_column,
+            "prompt_column": spec.input.prompt_column,
+            "messages_column": spec.input.messages_column,
+        },
+        "input": {"files": input_listing(files), "limit": spec.input.limit},
+    }
+    components = {name: canonical_hash(parts[name]) for name in COMPONENTS}
+    value = canonical_hash([components[name] for name in COMPONENTS])
+    return Fingerprint(value=value, components=components)
