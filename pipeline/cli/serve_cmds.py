@@ -1,1 +1,75 @@
-"""Commands registered on the shared app (filled in by the area that owns them)."""
+"""`tokenmill serve`: the OpenAI-compatible endpoint over the batch jobs' models and engines."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from pipeline.cli.app import app
+
+
+@app.command("serve")
+def serve_cmd(
+    config: Path = typer.Argument(..., help="Serve YAML (models, replicas, limits, auth)."),
+    host: str | None = typer.Option(None, help="Listen address (default: http.host, 127.0.0.1)."),
+    port: int | None = typer.Option(None, help="Listen port (default: http.port, 8000)."),
+    insecure_no_auth: bool = typer.Option(
+        False,
+        "--insecure-no-auth",
+        help="Serve without API keys. Only for a local test server: anyone who can reach the "
+        "port can use it.",
+    ),
+    num_cpus: int | None = typer.Option(
+        None, help="CPUs of the local Ray started here (ignored with RAY_ADDRESS)."
+    ),
+    object_store_mb: int | None = typer.Option(
+        None, help="Object store MiB of the local Ray started here (ignored with RAY_ADDRESS)."
+    ),
+    make_demo_model: bool = typer.Option(
+        False,
+        "--make-demo-model",
+        help="Build the random tiny model (make-tiny-model) at each local model.path that has "
+        "no model yet; for trying jobs/serve.yaml on a fresh checkout.",
+    ),
+) -> None:
+    """Serve the models in CONFIG over OpenAI's HTTP API until Ctrl-C or SIGTERM."""
+    from pipeline.serve import ServerOptions, run_server
+    from pipeline.serve_auth import AuthConfigError, load_key_digests
+    from pipeline.serve_spec import load_serve_spec
+    from pipeline.spec import SpecError
+
+    try:
+        spec = load_serve_spec(config)
+        keys = load_key_digests(spec.auth, insecure_no_auth=insecure_no_auth)
+    except (SpecError, AuthConfigError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    if make_demo_model:
+        _make_missing_models([m.model.path for m in spec.models])
+    if keys.insecure:
+        typer.echo("warning: serving without API keys (--insecure-no-auth)", err=True)
+    options = ServerOptions(
+        host=host or spec.http.host,
+        port=port or spec.http.port,
+        num_cpus=num_cpus,
+        object_store_mb=object_store_mb,
+    )
+    models = ", ".join(m.name for m in spec.models)
+    run_server(
+        spec,
+        keys,
+        options,
+        on_ready=lambda url: typer.echo(f"serving {models} at {url}", err=False),
+    )
+
+
+def _make_missing_models(paths: list[str]) -> None:
+    from engines.tiny import make_tiny_model
+
+    for path in paths:
+        local = Path(path).expanduser()
+        if "://" in path or (local / "config.json").is_file():
+            continue
+        make_tiny_model(local, arch="llama")
+        typer.echo(f"built the tiny demo model at {local}")

@@ -1,0 +1,382 @@
+"""OpenAI wire format: request parsing and validation, response and error bodies.
+
+Pure (no Ray, no FastAPI, no engine): a request body in, a typed request or an `ApiError` out;
+a `GenerationResult`-derived `Usage` in, JSON-ready dicts out. The endpoint must look like
+OpenAI's to an OpenAI client byte for byte where it matters, so shapes follow the public API
+reference: ids `chatcmpl-*` / `cmpl-*`, `object` names, chunk order in streams (role first,
+content deltas, a finish chunk, an optional usage chunk with empty choices, `[DONE]`).
+
+Parameters this server cannot honour are rejected by name (400), never silently ignored: a
+client asking for n=2 or tools would otherwise get a confidently wrong answer.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+# --- errors ----------------------------------------------------------------------------------
+
+
+@dataclass
+class ApiError(Exception):
+    """An error response in OpenAI's shape: {"error": {message, type, param, code}}."""
+
+    status: int
+    message: str
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | None = None
+    headers: dict[str, str] | None = None
+
+    def __str__(self) -> str:
+        return self.message
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    @property
+    def kind(self) -> str:
+        """Short label for the errors-by-kind metric."""
+        return self.code or self.type
+
+
+# --- requests --------------------------------------------------------------------------------
+
+# OpenAI parameters this server does not implement, each with the values that mean "off" and
+# are therefore harmless to accept (clients often send defaults explicitly).
+_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "n": (None, 1),
+    "best_of": (None, 1),
+    "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0),
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "parallel_tool_calls": (None,),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "logit_bias": (None, {}),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "response_format": (None, {"type": "text"}),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+    "prediction": (None,),
+    "reasoning_effort": (None,),
+    "web_search_options": (None,),
+    "service_tier": (None, "auto", "default"),
+    "store": (None, False),
+    "metadata": (None, {}),
+}
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # accepted for compatibility; not used
+    # Extensions (vLLM spells them the same way).
+    top_k: int = Field(0, ge=0)
+    ignore_eos: bool = False
+
+    @property
+    def stop_list(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool = False
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    refusal: str | None = None
+
+    @property
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_Request):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[int] | list[str] | list[list[int]]
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+
+_Request.model_rebuild()
+ChatCompletionRequest.model_rebuild()
+CompletionRequest.model_rebuild()
+
+
+def parse_json_body(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object, or a 400 telling the client what is wrong with it."""
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ApiError(
+            400,
+            f"We could not parse the JSON body of your request ({exc}). Send a JSON object "
+            "with Content-Type: application/json.",
+            code="invalid_json",
+        ) from None
+    if not isinstance(data, dict):
+        raise ApiError(
+            400,
+            f"The request body must be a JSON object, got {type(data).__name__}.",
+            code="invalid_json",
+        )
+    return data
+
+
+def _check_unsupported(data: dict[str, Any]) -> None:
+    for name, neutral in _NEUTRAL.items():
+        value = data.get(name)
+        if name in data and not any(type(value) is type(v) and value == v for v in neutral):
+            raise ApiError(
+                400,
+                f"'{name}' is not supported by this server (got {json.dumps(data[name])[:80]}); "
+                "remove it or send its default",
+                param=name,
+                code="unsupported_parameter",
+            )
+    for name in _NEUTRAL:
+        data.pop(name, None)
+
+
+def _validation_error(exc: ValidationError) -> ApiError:
+    err = exc.errors()[0]
+    loc = [str(p) for p in err["loc"]]
+    # Union types add the member's type name to the location; keep the field path only.
+    loc = [p for p in loc if not p.startswith(("list[", "str", "int", "bool", "float"))]
+    param = ".".join(loc) or None
+    if err["type"] == "extra_forbidden":
+        message = f"Unrecognized request argument supplied: {param}"
+        code = "unknown_parameter"
+    elif err["type"] == "missing":
+        message = f"Missing required parameter: '{param}'."
+        code = "missing_required_parameter"
+    else:
+        value = json.dumps(err.get("input"), default=str)[:80]
+        message = f"Invalid value for '{param}': {err['msg']} (got {value})."
+        code = "invalid_value"
+    return ApiError(400, message, param=param, code=code)
+
+
+def parse_chat_request(data: dict[str, Any]) -> ChatCompletionRequest:
+    data = dict(data)
+    _check_unsupported(data)
+    try:
+        request = ChatCompletionRequest.model_validate(data)
+    except ValidationError as exc:
+        raise _validation_error(exc) from None
+    _check_stop(request)
+    return request
+
+
+def parse_completion_request(data: dict[str, Any]) -> CompletionRequest:
+    data = dict(data)
+    _check_unsupported(data)
+    try:
+        request = CompletionRequest.model_validate(data)
+    except ValidationError as exc:
+        raise _validation_error(exc) from None
+    _check_stop(request)
+    prompt = request.prompt
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) and len(prompt) > 1:
+        raise ApiError(
+            400,
+            f"'prompt' holds {len(prompt)} prompts; this server completes one prompt per request",
+            param="prompt",
+            code="unsupported_parameter",
+        )
+    if isinstance(prompt, list) and not prompt:
+        raise ApiError(400, "'prompt' is empty", param="prompt", code="invalid_value")
+    return request
+
+
+def _check_stop(request: _Request) -> None:
+    stops = request.stop_list
+    if len(stops) > 4 or any(not s for s in stops):
+        raise ApiError(
+            400,
+            "'stop' takes up to 4 non-empty strings",
+            param="stop",
+            code="invalid_value",
+        )
+
+
+# --- responses -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Token counts and what they cost; `usage` in every response (plus the cost extensions)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    gpu_seconds: float  # device time attributed to this request
+    cost_usd: float  # gpu_seconds at the model's device-hour price
+    list_price_usd: float | None  # what a token-priced API would charge (if prices given)
+
+    def body(self) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+            "completion_tokens_details": {"reasoning_tokens": 0},
+            "gpu_seconds": round(self.gpu_seconds, 9),
+            "cost_usd": self.cost_usd,
+        }
+        if self.list_price_usd is not None:
+            body["list_price_usd"] = self.list_price_usd
+        return body
+
+
+Endpoint = Literal["chat", "completions"]
+
+
+@dataclass(frozen=True)
+class ResponseIds:
+    """Identity shared by every chunk of one response."""
+
+    endpoint: Endpoint
+    id: str
+    model: str
+    created: int
+
+    @classmethod
+    def new(cls, endpoint: Endpoint, request_id: str, model: str) -> ResponseIds:
+        prefix = "chatcmpl-" if endpoint == "chat" else "cmpl-"
+        return cls(endpoint, prefix + request_id, model, int(time.time()))
+
+    def _head(self, object_name: str) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": object_name,
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": None,
+        }
+
+
+def completion_body(ids: ResponseIds, text: str, finish_reason: str, usage: Usage) -> dict:
+    """A whole (non-streamed) chat.completion or text_completion."""
+    if ids.endpoint == "chat":
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text, "refusal": None},
+            "logprobs": None,
+            "finish_reason": finish_reason,
+        }
+        body = ids._head("chat.completion")
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        body = ids._head("text_completion")
+    body["choices"] = [choice]
+    body["usage"] = usage.body()
+    return body
+
+
+def chunk_body(
+    ids: ResponseIds,
+    *,
+    text: str | None = None,
+    role: bool = False,
+    finish_reason: str | None = None,
+    include_usage: bool = False,
+) -> dict:
+    """One streamed chunk with a single choice: a role opener, a text delta, or the finish."""
+    if ids.endpoint == "chat":
+        delta: dict[str, Any] = {}
+        if role:
+            delta = {"role": "assistant", "content": ""}
+        elif text is not None:
+            delta = {"content": text}
+        choice: dict[str, Any] = {
+            "index": 0,
+            "delta": delta,
+            "logprobs": None,
+            "finish_reason": finish_reason,
+        }
+        body = ids._head("chat.completion.chunk")
+    else:
+        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        body = ids._head("text_completion")
+    body["choices"] = [choice]
+    if include_usage:
+        # OpenAI sends "usage": null on every chunk when usage was asked for.
+        body["usage"] = None
+    return body
+
+
+def usage_chunk_body(ids: ResponseIds, usage: Usage) -> dict:
+    """The extra last chunk of a stream with include_usage: no choices, just usage."""
+    body = ids._head("chat.completion.chunk" if ids.endpoint == "chat" else "text_completion")
+    body["choices"] = []
+    body["usage"] = usage.body()
+    return body
+
+
+def sse(data: dict | str) -> bytes:
+    """One server-sent event line pair, as OpenAI frames stream chunks."""
+    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    return f"data: {payload}\n\n".encode()
+
+
+SSE_DONE = sse("[DONE]")

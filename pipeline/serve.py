@@ -1,0 +1,73 @@
+"""Run the Serve application on Ray until told to stop: what `tokenmill serve` does.
+
+Starts (or joins, with RAY_ADDRESS) a Ray cluster, starts Serve's HTTP proxy on the given
+host and port, deploys the app, and blocks until Ctrl-C or SIGTERM, then deletes the app and
+stops Serve so replicas release their engines before the process exits.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pipeline.serve_auth import KeyDigests
+from pipeline.serve_spec import ServeSpec
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    host: str  # HTTP listen address
+    port: int  # HTTP listen port
+    num_cpus: int | None = None  # CPUs of a local Ray started here; None: all of them
+    object_store_mb: int | None = None  # object store of a local Ray; None: Ray's default
+
+
+def start_ray(options: ServerOptions) -> None:
+    """Join RAY_ADDRESS if set, else start a private local Ray (never someone else's)."""
+    import ray
+
+    address = os.environ.get("RAY_ADDRESS") or "local"
+    kwargs: dict[str, object] = {"address": address, "include_dashboard": False}
+    if address == "local":
+        if options.num_cpus is not None:
+            kwargs["num_cpus"] = options.num_cpus
+        if options.object_store_mb is not None:
+            kwargs["object_store_memory"] = options.object_store_mb * 1024**2
+    ray.init(**kwargs, log_to_driver=True)
+
+
+def run_server(
+    spec: ServeSpec,
+    keys: KeyDigests,
+    options: ServerOptions,
+    on_ready: Callable[[str], None] = print,
+) -> None:
+    """Deploy and block until SIGINT/SIGTERM; `on_ready` gets the base URL once it serves."""
+    import ray
+    from ray import serve
+
+    from pipeline.serve_app import build_app
+
+    stop = threading.Event()
+    previous = {
+        sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)
+    }
+    start_ray(options)
+    try:
+        serve.start(
+            http_options={"host": options.host, "port": options.port}, proxy_location="HeadOnly"
+        )
+        serve.run(build_app(spec, keys), name=spec.name, route_prefix="/")
+        on_ready(f"http://{options.host}:{options.port}/v1")
+        while not stop.wait(timeout=1.0):
+            pass
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)

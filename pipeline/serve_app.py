@@ -1,0 +1,534 @@
+"""The Serve application: an OpenAI-compatible FastAPI ingress in front of engine replicas.
+
+    client ──HTTP──► Serve proxy ──► OpenAIIngress (auth, limits, parse, tokenize, SSE)
+                                         └─ handle ─► EngineReplica[model] × N (one Engine each)
+
+The ingress does everything that can reject a request before it takes an engine slot: key
+check (401), body size (413), JSON and parameter validation (400), model lookup (404), token
+caps (400). Dispatch goes through Serve handles, so replica choice, autoscaling and queue caps
+are Serve's: a full queue raises BackPressureError, answered as 429 with Retry-After. A client
+that disconnects makes Serve cancel the ingress call and, through the handle, the replica call,
+which aborts the request in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+from ray.serve.exceptions import BackPressureError
+from ray.serve.handle import DeploymentHandle
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engines.api import EngineInfo, GenerationRequest, GenerationResult, SamplingParams
+from pipeline.openai_protocol import (
+    SSE_DONE,
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    Endpoint,
+    ResponseIds,
+    Usage,
+    chunk_body,
+    completion_body,
+    parse_chat_request,
+    parse_completion_request,
+    parse_json_body,
+    sse,
+    usage_chunk_body,
+)
+from pipeline.serve_auth import KeyDigests
+from pipeline.serve_cost import cost_usd, list_price_usd
+from pipeline.serve_metrics import CONTENT_TYPE, ServeMetrics
+from pipeline.serve_replica import EngineReplica, ServedDelta, ServedResult
+from pipeline.serve_spec import ServedModelSpec, ServeSpec
+from pipeline.serve_tokens import PromptTokenizer
+
+logger = logging.getLogger(__name__)
+
+fastapi_app = FastAPI(title="tokenmill", docs_url=None, redoc_url=None, openapi_url=None)
+
+
+@fastapi_app.exception_handler(ApiError)
+async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+@fastapi_app.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    # Unknown routes and wrong methods still answer in OpenAI's error shape.
+    error = ApiError(
+        exc.status_code,
+        f"{request.method} {request.url.path}: {exc.detail}",
+        code="not_found" if exc.status_code == 404 else "method_not_allowed",
+    )
+    return JSONResponse(error.body(), status_code=exc.status_code)
+
+
+class _Prepared:
+    """A validated request, ready to dispatch: who, what, and the engine request."""
+
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        served: ServedModelSpec,
+        engine_request: GenerationRequest,
+        stream: bool,
+        include_usage: bool,
+    ) -> None:
+        self.endpoint = endpoint
+        self.served = served
+        self.engine_request = engine_request
+        self.stream = stream
+        self.include_usage = include_usage
+        self.ids = ResponseIds.new(endpoint, engine_request.request_id, served.name)
+
+
+@serve.deployment
+@serve.ingress(fastapi_app)
+class OpenAIIngress:
+    def __init__(
+        self, spec: ServeSpec, engines: dict[str, DeploymentHandle], keys: KeyDigests
+    ) -> None:
+        self._spec = spec
+        self._engines = engines
+        self._keys = keys
+        self._tokenizers = {m.name: PromptTokenizer(m.model, spec.storage) for m in spec.models}
+        self._infos: dict[str, EngineInfo] = {}
+        self._metrics = ServeMetrics()
+        self._created = int(time.time())
+
+    # --- routes --------------------------------------------------------------------------
+
+    @fastapi_app.get("/health")
+    async def health(self) -> JSONResponse:
+        """Liveness plus a stats round trip to every model's replicas (no key needed)."""
+        try:
+            await asyncio.wait_for(
+                asyncio.gather(*(h.stats.remote() for h in self._engines.values())), timeout=10
+            )
+        except Exception as exc:
+            return JSONResponse({"status": "unavailable", "detail": str(exc)}, status_code=503)
+        return JSONResponse({"status": "ok", "models": sorted(self._engines)})
+
+    @fastapi_app.get("/metrics")
+    async def metrics(self) -> Response:
+        for name, handle in self._engines.items():
+            try:
+                stats = await asyncio.wait_for(handle.stats.remote(), timeout=5)
+            except Exception:
+                continue  # a scrape must not fail because one model is busy starting
+            self._metrics.observe_engine(name, stats)
+        return Response(self._metrics.render(), media_type=CONTENT_TYPE)
+
+    @fastapi_app.get("/v1/models")
+    async def list_models(self, request: Request) -> JSONResponse:
+        self._authorize(request, "models")
+        return JSONResponse(
+            {"object": "list", "data": [self._model_card(n) for n in self._engines]}
+        )
+
+    @fastapi_app.get("/v1/models/{model}")
+    async def get_model(self, model: str, request: Request) -> JSONResponse:
+        self._authorize(request, "models")
+        self._served(model, param=None)
+        return JSONResponse(self._model_card(model))
+
+    @fastapi_app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._handle(request, "chat")
+
+    @fastapi_app.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        return await self._handle(request, "completions")
+
+    # --- request handling ----------------------------------------------------------------
+
+    async def _handle(self, request: Request, endpoint: Endpoint) -> Response:
+        started = time.monotonic()
+        model = "-"
+        try:
+            self._authorize(request, endpoint)
+            data = parse_json_body(await self._read_body(request))
+            model = str(data.get("model") or "-")
+            prepared = await self._prepare(data, endpoint)
+            model = prepared.served.name
+            if prepared.stream:
+                return await self._stream(prepared, started)
+            return await self._complete(prepared, started)
+        except ApiError as exc:
+            self._metrics.errors.labels(exc.kind).inc()
+            self._metrics.requests.labels(model, endpoint, str(exc.status)).inc()
+            raise
+
+    def _authorize(self, request: Request, endpoint: str) -> None:
+        if not self._keys.accepts(request.headers.get("authorization")):
+            raise ApiError(
+                401,
+                "Incorrect or missing API key. Send it as 'Authorization: Bearer <key>'.",
+                code="invalid_api_key",
+            )
+
+    async def _read_body(self, request: Request) -> bytes:
+        limit = self._spec.http.max_body_bytes
+        too_large = ApiError(
+            413,
+            f"Request body is larger than this server's limit of {limit} bytes; send a shorter "
+            "prompt",
+            code="request_too_large",
+        )
+        declared = request.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > limit:
+            raise too_large
+        # Chunked bodies carry no length: count while reading and stop at the limit.
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _served(self, name: str, param: str | None = "model") -> ServedModelSpec:
+        served = self._spec.model_named(name)
+        if served is None:
+            raise ApiError(
+                404,
+                f"The model '{name}' does not exist; available: {', '.join(sorted(self._engines))}",
+                param=param,
+                code="model_not_found",
+            )
+        return served
+
+    def _model_card(self, name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": self._created, "owned_by": "tokenmill"}
+
+    async def _info(self, name: str) -> EngineInfo:
+        if name not in self._infos:
+            self._infos[name] = await self._engines[name].info.remote()
+        return self._infos[name]
+
+    async def _prepare(self, data: dict[str, Any], endpoint: Endpoint) -> _Prepared:
+        if endpoint == "chat":
+            request: ChatCompletionRequest | CompletionRequest = parse_chat_request(data)
+        else:
+            request = parse_completion_request(data)
+        served = self._served(request.model)
+        tokenizer = self._tokenizers[served.name]
+        if isinstance(request, ChatCompletionRequest):
+            if not served.prompt.chat_template or not tokenizer.has_chat_template:
+                raise ApiError(
+                    400,
+                    f"model '{served.name}' has no chat template; use /v1/completions",
+                    param="messages",
+                    code="unsupported_endpoint",
+                )
+            messages = [{"role": m.role, "content": m.text} for m in request.messages]
+            prompt_ids = tokenizer.chat_ids(messages, served.prompt.system_prompt)
+            prompt_param = "messages"
+            default_max = served.limits.default_max_tokens
+        else:
+            prompt_ids = _completion_prompt_ids(request, tokenizer)
+            prompt_param = "prompt"
+            default_max = 16  # OpenAI's default for /v1/completions
+        info = await self._info(served.name)
+        max_tokens = _max_tokens(
+            served, info, len(prompt_ids), request.requested_max_tokens, default_max, prompt_param
+        )
+        try:
+            sampling = SamplingParams(
+                max_tokens=max_tokens,
+                temperature=request.temperature,
+                top_p=request.top_p,
+                top_k=request.top_k,
+                seed=request.seed,
+                stop=request.stop_list,
+                ignore_eos=request.ignore_eos,
+            )
+        except ValueError as exc:
+            raise ApiError(400, str(exc), code="invalid_value") from None
+        return _Prepared(
+            endpoint,
+            served,
+            GenerationRequest(prompt_token_ids=prompt_ids, sampling=sampling),
+            stream=request.stream,
+            include_usage=request.include_usage,
+        )
+
+    def _usage(self, served: ServedModelSpec, result: GenerationResult, seconds: float) -> Usage:
+        usage = Usage(
+            prompt_tokens=result.prompt_tokens,
+            completion_tokens=result.completion_tokens,
+            cached_tokens=result.cached_prompt_tokens,
+            gpu_seconds=seconds,
+            cost_usd=cost_usd(seconds, served.cost),
+            list_price_usd=list_price_usd(
+                result.prompt_tokens,
+                result.cached_prompt_tokens,
+                result.completion_tokens,
+                served.cost,
+            ),
+        )
+        name = served.name
+        self._metrics.prompt_tokens.labels(name).inc(usage.prompt_tokens)
+        self._metrics.cached_tokens.labels(name).inc(usage.cached_tokens)
+        self._metrics.completion_tokens.labels(name).inc(usage.completion_tokens)
+        self._metrics.cost_usd.labels(name).inc(usage.cost_usd)
+        if result.metrics is not None and result.metrics.ttft_s is not None:
+            self._metrics.ttft.labels(name).observe(result.metrics.ttft_s)
+        return usage
+
+    def _finish(self, prepared: _Prepared, started: float, status: int) -> None:
+        name = prepared.served.name
+        self._metrics.requests.labels(name, prepared.endpoint, str(status)).inc()
+        self._metrics.latency.labels(name, prepared.endpoint).observe(time.monotonic() - started)
+
+    def _overloaded(self, exc: Exception) -> ApiError:
+        retry = self._spec.http.retry_after_s
+        return ApiError(
+            429,
+            f"Every replica's queue is full ({exc}); retry after {retry} s",
+            type="rate_limit_error",
+            code="queue_full",
+            headers={"Retry-After": str(retry)},
+        )
+
+    async def _complete(self, prepared: _Prepared, started: float) -> Response:
+        name = prepared.served.name
+        call = self._engines[name].generate.remote(prepared.engine_request)
+        self._metrics.in_flight.labels(name).inc()
+        try:
+            served: ServedResult = await call
+        except BackPressureError as exc:
+            raise self._overloaded(exc) from None
+        except asyncio.CancelledError:
+            # The client disconnected; Serve cancelled this call. Cancel the replica's too.
+            call.cancel()
+            self._metrics.errors.labels("client_disconnected").inc()
+            raise
+        except Exception as exc:
+            logger.exception("engine call failed for model %s", name)
+            raise _engine_unavailable(name, exc) from None
+        finally:
+            self._metrics.in_flight.labels(name).dec()
+        result = served.result
+        if not result.ok:
+            raise ApiError(
+                500, f"generation failed: {result.error}", type="server_error", code="engine_error"
+            )
+        usage = self._usage(prepared.served, result, served.gpu_seconds)
+        body = completion_body(prepared.ids, result.text, _finish_reason(result), usage)
+        self._finish(prepared, started, 200)
+        return JSONResponse(body)
+
+    async def _stream(self, prepared: _Prepared, started: float) -> Response:
+        name = prepared.served.name
+        handle = self._engines[name].options(stream=True)
+        deltas = handle.stream.remote(prepared.engine_request)
+        self._metrics.in_flight.labels(name).inc()
+        try:
+            # The admitted marker: once it arrives the request holds a replica slot, so any
+            # backpressure has already shown up here, while a 429 is still possible.
+            await deltas.__anext__()
+        except BackPressureError as exc:
+            self._metrics.in_flight.labels(name).dec()
+            raise self._overloaded(exc) from None
+        except asyncio.CancelledError:
+            self._metrics.in_flight.labels(name).dec()
+            deltas.cancel()
+            raise
+        except Exception as exc:
+            self._metrics.in_flight.labels(name).dec()
+            logger.exception("engine stream failed for model %s", name)
+            raise _engine_unavailable(name, exc) from None
+        return StreamingResponse(
+            self._events(prepared, deltas, started),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+
+    async def _events(
+        self, prepared: _Prepared, deltas: AsyncIterator[ServedDelta], started: float
+    ) -> AsyncIterator[bytes]:
+        ids, usage_on = prepared.ids, prepared.include_usage
+        name = prepared.served.name
+        finished = False
+        try:
+            if ids.endpoint == "chat":
+                yield sse(chunk_body(ids, role=True, include_usage=usage_on))
+            async for item in deltas:
+                delta = item.delta
+                if delta is None:
+                    continue
+                if delta.text:
+                    yield sse(chunk_body(ids, text=delta.text, include_usage=usage_on))
+                if not delta.finished:
+                    continue
+                finished = True
+                result = delta.result
+                if result is None or not result.ok:
+                    error = result.error if result is not None else "stream ended without result"
+                    api_error = ApiError(
+                        500, f"generation failed: {error}", type="server_error", code="engine_error"
+                    )
+                    self._metrics.errors.labels(api_error.kind).inc()
+                    yield sse(api_error.body())
+                    self._finish(prepared, started, 500)
+                    return
+                usage = self._usage(prepared.served, result, item.gpu_seconds or 0.0)
+                yield sse(
+                    chunk_body(ids, finish_reason=_finish_reason(result), include_usage=usage_on)
+                )
+                if usage_on:
+                    yield sse(usage_chunk_body(ids, usage))
+                yield SSE_DONE
+                self._finish(prepared, started, 200)
+        except Exception as exc:
+            # Headers are gone already: report in-band, as OpenAI does, then end the stream.
+            logger.exception("engine stream failed for model %s", name)
+            api_error = _engine_unavailable(name, exc)
+            self._metrics.errors.labels(api_error.kind).inc()
+            yield sse(api_error.body())
+        finally:
+            self._metrics.in_flight.labels(name).dec()
+            if not finished:
+                # Client gone mid-stream (or a failure): cancel the replica's generator, which
+                # closes the engine's stream and frees the request's KV blocks.
+                deltas.cancel()  # type: ignore[attr-defined]
+                self._metrics.errors.labels("client_disconnected").inc()
+
+
+def _engine_unavailable(name: str, exc: Exception) -> ApiError:
+    return ApiError(
+        503,
+        f"model '{name}' is unavailable right now ({type(exc).__name__}); retry shortly",
+        type="server_error",
+        code="engine_unavailable",
+    )
+
+
+def _finish_reason(result: GenerationResult) -> str:
+    return "length" if result.finish_reason == "length" else "stop"
+
+
+def _completion_prompt_ids(request: CompletionRequest, tokenizer: PromptTokenizer) -> list[int]:
+    prompt = request.prompt
+    if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ApiError(400, "'prompt' is empty", param="prompt", code="invalid_value")
+        return tokenizer.text_ids(prompt)
+    ids = list(prompt)
+    vocab = tokenizer.vocab_size
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise ApiError(
+            400,
+            f"'prompt' holds token ids outside the vocabulary [0, {vocab}): {bad[:5]}",
+            param="prompt",
+            code="invalid_value",
+        )
+    return ids
+
+
+def _max_tokens(
+    served: ServedModelSpec,
+    info: EngineInfo,
+    num_prompt: int,
+    requested: int | None,
+    default: int,
+    prompt_param: str,
+) -> int:
+    """The request's max_tokens after the caps; a 400 names what to shorten."""
+    context = info.max_model_len
+    prompt_cap = min(served.limits.max_prompt_tokens or context - 1, context - 1)
+    if num_prompt > prompt_cap:
+        raise ApiError(
+            400,
+            f"The prompt is {num_prompt} tokens; model '{served.name}' accepts at most "
+            f"{prompt_cap} prompt tokens. Shorten the {prompt_param}.",
+            param=prompt_param,
+            code="context_length_exceeded",
+        )
+    room = context - num_prompt
+    if requested is None:
+        return max(1, min(default, served.limits.max_tokens, room))
+    if requested > served.limits.max_tokens:
+        raise ApiError(
+            400,
+            f"max_tokens is {requested}; this server allows at most {served.limits.max_tokens}",
+            param="max_tokens",
+            code="invalid_value",
+        )
+    if requested > room:
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {context} tokens. However, you requested "
+            f"{num_prompt + requested} tokens ({num_prompt} in the {prompt_param}, {requested} in "
+            "the completion). Reduce the length of the prompt or max_tokens.",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    return requested
+
+
+# --- assembly --------------------------------------------------------------------------------
+
+
+def _engine_options(served: ServedModelSpec) -> dict[str, Any]:
+    replicas = served.replicas
+    options: dict[str, Any] = {
+        "name": f"engine-{served.name}",
+        "max_ongoing_requests": replicas.max_ongoing_requests,
+        "max_queued_requests": replicas.max_queued_requests,
+        "ray_actor_options": {
+            "num_cpus": replicas.cpus_per_replica,
+            "num_gpus": replicas.devices_per_replica,
+        },
+        # Loading weights can take minutes on a big model; Serve's default gives up sooner.
+        "health_check_timeout_s": 60,
+    }
+    if replicas.min_replicas == replicas.max_replicas:
+        options["num_replicas"] = replicas.max_replicas
+    else:
+        options["autoscaling_config"] = {
+            "min_replicas": replicas.min_replicas,
+            "max_replicas": replicas.max_replicas,
+            "target_ongoing_requests": replicas.target_ongoing_requests,
+        }
+    return options
+
+
+def build_app(spec: ServeSpec, keys: KeyDigests) -> serve.Application:
+    """The bound application: one ingress, one engine deployment per served model."""
+    engines = {
+        m.name: EngineReplica.options(**_engine_options(m)).bind(m, spec.storage)
+        for m in spec.models
+    }
+    ingress = OpenAIIngress.options(
+        num_replicas=spec.http.ingress_replicas,
+        ray_actor_options={"num_cpus": spec.http.cpus_per_ingress},
+        # The ingress only parses and forwards; the engines' queues are where load is capped.
+        max_ongoing_requests=10_000,
+    )
+    return ingress.bind(spec, engines, keys)
+
+
+def app_builder(args: dict[str, str]) -> serve.Application:
+    """Entry for `serve run pipeline.serve_app:app_builder config=SERVE.yaml` and KubeRay's
+    RayService serveConfigV2 (import_path + args). Keys come from this process's environment
+    or secrets file; `insecure_no_auth=true` in args opts out explicitly."""
+    from pipeline.serve_auth import load_key_digests
+    from pipeline.serve_spec import load_serve_spec
+
+    spec = load_serve_spec(args["config"])
+    insecure = str(args.get("insecure_no_auth", "false")).lower() in ("1", "true", "yes")
+    return build_app(spec, load_key_digests(spec.auth, insecure_no_auth=insecure))

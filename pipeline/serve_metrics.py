@@ -1,0 +1,96 @@
+"""Prometheus metrics of the Serve ingress, scraped over HTTP at /metrics.
+
+One private registry per ingress replica, so building the app twice in one process (tests)
+cannot trip prometheus_client's duplicate-name check. Latency is measured at the ingress (what
+a client sees, minus the network); TTFT comes from the engine's own request metrics so it means
+the same thing for streamed and whole responses.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from engines.api import EngineStats
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class ServeMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "tokenmill_serve_requests",
+            "Requests answered, by model, endpoint and HTTP status.",
+            ["model", "endpoint", "status"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "tokenmill_serve_prompt_tokens", "Prompt tokens processed.", ["model"], registry=r
+        )
+        self.cached_tokens = Counter(
+            "tokenmill_serve_cached_prompt_tokens",
+            "Prompt tokens served from the prefix cache.",
+            ["model"],
+            registry=r,
+        )
+        self.completion_tokens = Counter(
+            "tokenmill_serve_completion_tokens", "Tokens generated.", ["model"], registry=r
+        )
+        self.cost_usd = Counter(
+            "tokenmill_serve_cost_usd", "Device cost of answered requests.", ["model"], registry=r
+        )
+        self.ttft = Histogram(
+            "tokenmill_serve_ttft_seconds",
+            "Engine time to first token (arrival in the engine to first sampled token).",
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.latency = Histogram(
+            "tokenmill_serve_latency_seconds",
+            "Ingress time from request received to last byte sent.",
+            ["model", "endpoint"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "tokenmill_serve_requests_in_flight",
+            "Requests dispatched to an engine replica and not yet finished or cancelled.",
+            ["model"],
+            registry=r,
+        )
+        self.errors = Counter(
+            "tokenmill_serve_errors",
+            "Error responses and aborted requests, by kind (the OpenAI error code).",
+            ["kind"],
+            registry=r,
+        )
+        self.engine_running = Gauge(
+            "tokenmill_engine_requests_running",
+            "Requests holding KV blocks in the engine (sampled from one replica at scrape).",
+            ["model"],
+            registry=r,
+        )
+        self.engine_waiting = Gauge(
+            "tokenmill_engine_requests_waiting",
+            "Requests queued in the engine (sampled from one replica at scrape).",
+            ["model"],
+            registry=r,
+        )
+        self.engine_kv_used = Gauge(
+            "tokenmill_engine_kv_blocks_used",
+            "KV cache blocks in use (sampled from one replica at scrape).",
+            ["model"],
+            registry=r,
+        )
+
+    def observe_engine(self, model: str, stats: EngineStats) -> None:
+        self.engine_running.labels(model).set(stats.num_running)
+        self.engine_waiting.labels(model).set(stats.num_waiting)
+        self.engine_kv_used.labels(model).set(stats.kv_blocks_used)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

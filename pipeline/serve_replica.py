@@ -1,0 +1,127 @@
+"""The engine replica: one Serve deployment replica owning one Engine, shared by many requests.
+
+Built with `open_engine` from the model's ModelSpec / EngineSpec, the same call the batch
+actors make, so a served model runs the engine, settings and code a nightly job does. The
+replica adds what Serve needs around the engine: cancellation when the caller goes away, and a
+per-request device-seconds figure (its share of engine time) for the response's cost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from ray import serve
+
+from engines.api import (
+    EngineDeadError,
+    EngineInfo,
+    EngineStats,
+    GenerationRequest,
+    GenerationResult,
+    StreamDelta,
+)
+from pipeline.serve_cost import IntervalCostMeter, StepCostMeter
+from pipeline.serve_spec import ServedModelSpec
+from pipeline.spec import StorageSpec
+
+
+@dataclass(frozen=True)
+class ServedResult:
+    """A finished request and the device time attributed to it."""
+
+    result: GenerationResult
+    gpu_seconds: float
+
+
+@dataclass(frozen=True)
+class ServedDelta:
+    """One item of a replica stream.
+
+    The first item of every stream is an empty `admitted` marker, sent as soon as the replica
+    accepted the request: the ingress awaits it before answering 200, so a full queue can still
+    become a 429 instead of a broken stream. The last item has `delta.finished` and the cost.
+    """
+
+    delta: StreamDelta | None  # None only for the admitted marker
+    gpu_seconds: float | None = None  # set on the finished item
+
+
+@serve.deployment
+class EngineReplica:
+    def __init__(self, served: ServedModelSpec, storage: StorageSpec) -> None:
+        from pipeline.engine_setup import open_engine
+
+        self._engine = open_engine(served.model, served.engine, storage)
+        info = self._engine.info
+        self._steps = (
+            StepCostMeter(info.num_devices, served.cost.prefill_weight, served.cost.decode_weight)
+            if info.has_step_records
+            else None
+        )
+        self._intervals = IntervalCostMeter(info.num_devices)
+
+    def info(self) -> EngineInfo:
+        return self._engine.info
+
+    def stats(self) -> EngineStats:
+        return self._engine.stats()
+
+    def check_health(self) -> None:
+        """Serve's periodic health check: a dead step loop makes Serve replace the replica."""
+        try:
+            self._engine.stats()
+        except EngineDeadError as exc:
+            raise RuntimeError(f"engine is dead: {exc}") from exc
+
+    def _enter(self, request_id: str) -> None:
+        self._intervals.enter(request_id, time.monotonic())
+
+    def _leave(self, request_id: str) -> float:
+        seconds = self._intervals.leave(request_id, time.monotonic())
+        if self._steps is None:
+            return seconds
+        self._steps.add_steps(self._engine.drain_step_records())
+        return self._steps.pop(request_id)
+
+    async def generate(self, request: GenerationRequest) -> ServedResult:
+        self._enter(request.request_id)
+        try:
+            result = await self._engine.generate(request)
+        except asyncio.CancelledError:
+            # The caller went away (client disconnect or a cancelled handle call): free the
+            # request's KV blocks now rather than finishing work nobody will read.
+            self._engine.abort(request.request_id)
+            self._leave(request.request_id)
+            raise
+        return ServedResult(result, self._leave(request.request_id))
+
+    async def stream(self, request: GenerationRequest) -> AsyncIterator[ServedDelta]:
+        self._enter(request.request_id)
+        deltas = self._engine.stream(request)
+        finished = False
+        try:
+            yield ServedDelta(None)
+            async for delta in deltas:
+                if delta.finished:
+                    finished = True
+                    yield ServedDelta(delta, self._leave(request.request_id))
+                    return
+                yield ServedDelta(delta)
+        finally:
+            if not finished:
+                # Cancelled mid-stream: closing the engine's iterator cancels the request
+                # there; abort as well in case the engine's iterator is not a generator.
+                close = getattr(deltas, "aclose", None)
+                if close is not None:
+                    await close()
+                self._engine.abort(request.request_id)
+                self._leave(request.request_id)
+
+    def __del__(self) -> None:
+        # Serve's documented replica teardown hook: stop the step loop, free memory.
+        engine = getattr(self, "_engine", None)
+        if engine is not None:
+            engine.shutdown()

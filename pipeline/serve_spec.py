@@ -1,0 +1,250 @@
+"""ServeSpec: the YAML file behind `tokenmill serve` (models, replicas, limits, auth, prices).
+
+A served model reuses the batch job's sections (ModelSpec, EngineSpec, PromptSpec, CostSpec,
+StorageSpec) so an endpoint replica runs the very engine, settings and prices a nightly job
+does. Strict like the job spec (`extra="forbid"`), and stricter about one thing: API keys never
+live in this file. A key-looking field anywhere is rejected with a pointer to the environment
+variable or secrets file that should hold it, because serve files end up in git and in Ray's
+stored application config.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from pipeline.spec import (
+    CostSpec,
+    EngineSpec,
+    ModelSpec,
+    PromptSpec,
+    SpecError,
+    StorageSpec,
+    format_validation_error,
+    render_text,
+)
+
+DEFAULT_API_KEYS_ENV = "TOKENMILL_API_KEYS"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+class ReplicaSpec(_Strict):
+    min_replicas: int = Field(1, ge=0, description="Autoscaling lower bound of engine replicas.")
+    max_replicas: int = Field(1, ge=1, description="Autoscaling upper bound of engine replicas.")
+    target_ongoing_requests: float = Field(
+        16,
+        gt=0,
+        description="Requests in flight per replica the autoscaler aims for; an engine batches "
+        "in flight, so this is well above 1 (about its max_batch_size / 2).",
+    )
+    max_ongoing_requests: int = Field(
+        64,
+        ge=1,
+        description="Requests one replica's engine holds at once (running plus its own waiting "
+        "queue). More wait in Serve's queue.",
+    )
+    max_queued_requests: int = Field(
+        128,
+        ge=0,
+        description="Requests waiting in Serve for a free replica slot; beyond this the "
+        "endpoint answers 429 with Retry-After instead of queueing without bound.",
+    )
+    cpus_per_replica: float = Field(
+        0.5, gt=0, description="CPUs reserved per engine replica (fractional on small machines)."
+    )
+    devices_per_replica: float = Field(0, ge=0, description="GPUs per engine replica (0 on CPU).")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> ReplicaSpec:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError("replicas.min_replicas must be <= replicas.max_replicas")
+        return self
+
+
+class RequestLimitsSpec(_Strict):
+    max_prompt_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="Longest prompt (after the chat template) accepted; longer gets 400. "
+        "Null: the engine's max_model_len minus one output token.",
+    )
+    max_tokens: int = Field(
+        1024, ge=1, description="Largest max_tokens a request may ask for; larger gets 400."
+    )
+    default_max_tokens: int = Field(
+        256,
+        ge=1,
+        description="max_tokens of a chat request that names none (completions default to 16, "
+        "as OpenAI's do). Clipped to the room the context leaves.",
+    )
+
+    @model_validator(mode="after")
+    def _default_within_cap(self) -> RequestLimitsSpec:
+        if self.default_max_tokens > self.max_tokens:
+            raise ValueError("limits.default_max_tokens must be <= limits.max_tokens")
+        return self
+
+
+class ServedModelSpec(_Strict):
+    name: str = Field(
+        description="Model name clients send in `model` (and /v1/models lists).",
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:/-]{0,127}$",
+    )
+    model: ModelSpec = Field(description="The model to serve (same section as a batch job's).")
+    engine: EngineSpec = Field(
+        default_factory=EngineSpec, description="Engine and settings (same as a batch job's)."
+    )
+    prompt: PromptSpec = Field(
+        default_factory=PromptSpec,
+        description="system_prompt is prepended to chats that bring no system message; "
+        "chat_template false rejects /v1/chat/completions for this model. template must be "
+        "null (it renders batch rows, not requests).",
+    )
+    cost: CostSpec = Field(
+        default_factory=CostSpec,
+        description="Device-hour and list prices; each response's usage carries cost_usd and "
+        "(with price_per_million) list_price_usd computed from them.",
+    )
+    replicas: ReplicaSpec = Field(
+        default_factory=ReplicaSpec, description="Engine replicas, autoscaling and queueing."
+    )
+    limits: RequestLimitsSpec = Field(
+        default_factory=RequestLimitsSpec, description="Per-request token caps."
+    )
+
+    @model_validator(mode="after")
+    def _no_row_template(self) -> ServedModelSpec:
+        if self.prompt.template is not None:
+            raise ValueError(
+                f"models[{self.name}].prompt.template renders batch rows and has no meaning for "
+                "requests; remove it"
+            )
+        return self
+
+
+class AuthSpec(_Strict):
+    api_keys_env: str = Field(
+        DEFAULT_API_KEYS_ENV,
+        pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        description="Environment variable holding accepted bearer keys, comma-separated.",
+    )
+    api_keys_file: str | None = Field(
+        None,
+        description="File with one accepted key per line (# comments allowed), e.g. a mounted "
+        "Kubernetes secret. Keys from it and from api_keys_env are both accepted.",
+    )
+
+
+class HttpSpec(_Strict):
+    host: str = Field("127.0.0.1", description="Listen address; --host overrides it.")
+    port: int = Field(8000, ge=1, le=65535, description="Listen port; --port overrides it.")
+    max_body_bytes: int = Field(
+        1_048_576, ge=1024, description="Largest request body accepted; larger gets 413."
+    )
+    retry_after_s: int = Field(
+        1, ge=1, description="Retry-After seconds sent with a 429 when every queue is full."
+    )
+    ingress_replicas: int = Field(
+        1, ge=1, description="Replicas of the HTTP ingress (parsing, auth, tokenization)."
+    )
+    cpus_per_ingress: float = Field(0.25, gt=0, description="CPUs reserved per ingress replica.")
+
+
+class ServeSpec(_Strict):
+    name: str = Field(
+        "tokenmill",
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$",
+        description="Serve application name.",
+    )
+    models: list[ServedModelSpec] = Field(
+        min_length=1, description="Models served, each with its own engine replicas."
+    )
+    auth: AuthSpec = Field(
+        default_factory=AuthSpec, description="Where bearer keys come from (never this file)."
+    )
+    http: HttpSpec = Field(default_factory=HttpSpec, description="HTTP listener and limits.")
+    storage: StorageSpec = Field(
+        default_factory=StorageSpec, description="Object storage for s3:// models (no keys)."
+    )
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> ServeSpec:
+        names = [m.name for m in self.models]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"models: duplicate name(s) {duplicates}; each needs its own name")
+        return self
+
+    def model_named(self, name: str) -> ServedModelSpec | None:
+        return next((m for m in self.models if m.name == name), None)
+
+
+# --- loading ---------------------------------------------------------------------------------
+
+# Field names that can only mean a credential. Matched on whole keys, so `max_tokens` or
+# `kv_cache_tokens` never trip it.
+_SECRET_KEY = re.compile(
+    r"^(api[_-]?keys?|keys?|secrets?|passwords?|bearer|auth[_-]?tokens?|tokens?|"
+    r"access[_-]?keys?|secret[_-]?access[_-]?keys?|aws_secret_access_key)$",
+    re.IGNORECASE,
+)
+# OpenAI-style key values ("sk-...") pasted under any name.
+_SECRET_VALUE = re.compile(r"^sk-[A-Za-z0-9_-]{8,}$")
+
+
+def find_secrets(data: Any, path: str = "") -> list[str]:
+    """Paths of key-looking fields (by name or by value) anywhere in a parsed YAML tree."""
+    found: list[str] = []
+    if isinstance(data, dict):
+        for key, value in data.items():
+            child = f"{path}.{key}" if path else str(key)
+            if isinstance(key, str) and _SECRET_KEY.match(key):
+                found.append(child)
+            else:
+                found.extend(find_secrets(value, child))
+    elif isinstance(data, list):
+        for i, value in enumerate(data):
+            found.extend(find_secrets(value, f"{path}[{i}]"))
+    elif isinstance(data, str) and _SECRET_VALUE.match(data.strip()):
+        found.append(path)
+    return found
+
+
+def parse_serve_spec(data: Any, source: str = "serve spec") -> ServeSpec:
+    if not isinstance(data, dict):
+        raise SpecError(f"{source}: expected a mapping at the top level, got {type(data).__name__}")
+    secrets = find_secrets(data)
+    if secrets:
+        raise SpecError(
+            f"{source}: {', '.join(secrets)}: API keys never go in the serve file; put them in "
+            f"${DEFAULT_API_KEYS_ENV} (comma-separated; auth.api_keys_env names another "
+            "variable) or in a file named by auth.api_keys_file"
+        )
+    try:
+        return ServeSpec.model_validate(data)
+    except ValidationError as exc:
+        raise SpecError(
+            format_validation_error(exc, source).replace("job spec", "serve spec")
+        ) from None
+
+
+def load_serve_spec(path: str | Path, env: dict[str, str] | None = None) -> ServeSpec:
+    """Read, render (`${VAR}`) and validate a serve file; SpecError names file and field."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise SpecError(f"cannot read serve file {path}: {exc.strerror or exc}") from None
+    rendered = render_text(text, env=env, source=str(path))
+    try:
+        data = yaml.safe_load(rendered)
+    except yaml.YAMLError as exc:
+        raise SpecError(f"{path}: not valid YAML: {exc}") from None
+    return parse_serve_spec(data, source=str(path))
