@@ -187,7 +187,9 @@ def table_to_parquet(table: pa.Table) -> bytes:
 
 def read_part(out: OutputDir, part: PartName, columns: list[str] | None = None) -> pa.Table:
     try:
-        return pq.read_table(io.BytesIO(out.read(part.name)), columns=columns)
+        # Through a file handle, so only the requested columns' byte ranges are fetched.
+        with out.fs.open(out.path(part.name), "rb") as fh:
+            return pq.read_table(fh, columns=columns)
     except (pa.ArrowInvalid, OSError) as exc:
         raise RuntimeError(
             f"{out.uri}/{part.name}: committed part is unreadable ({exc}); delete it and rerun "

@@ -1,1 +1,142 @@
-"""Commands registered on the shared app (filled in by the area that owns them)."""
+"""`tokenmill run` and `tokenmill demo`: run a batch job on Ray and print its summary.
+
+Exit codes: 0 the output is complete; 1 the job failed or is incomplete (rerun to resume);
+3 the output is complete but error rows exceed `limits.max_error_fraction`.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import typer
+
+from pipeline.cli.app import app
+
+if TYPE_CHECKING:
+    from pipeline.run import RunResult
+
+EXIT_FAILED = 1
+
+
+def _err(line: str) -> None:
+    typer.echo(line, err=True)
+
+
+def _fmt(value: Any, unit: str = "", digits: int = 4) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}g}{unit}"
+    return f"{value}{unit}"
+
+
+def print_summary(result: RunResult) -> None:
+    """A table of the run's totals (all committed rows) on stdout."""
+    from rich.console import Console
+    from rich.table import Table
+
+    t = result.totals
+    table = Table(title=f"tokenmill: {result.status}", show_header=False)
+    table.add_column("what", style="bold")
+    table.add_column("value")
+    rows = [
+        ("output", result.output_uri),
+        ("rows", f"{t.get('rows', 0)} ({result.rows_written} written by this run)"),
+        ("ok / error", f"{t.get('rows_ok', 0)} / {t.get('rows_error', 0)}"),
+        (
+            "error fraction",
+            f"{_fmt(t.get('error_fraction'))} (limit {result.max_error_fraction})",
+        ),
+        (
+            "prompt / output tokens",
+            f"{t.get('prompt_tokens', 0)} / {t.get('completion_tokens', 0)}",
+        ),
+        ("output tokens/s", _fmt(t.get("output_tokens_per_s"))),
+        (
+            "latency p50 / p95",
+            f"{_fmt(t.get('latency_p50_s'), 's')} / {_fmt(t.get('latency_p95_s'), 's')}",
+        ),
+        (
+            "device-seconds rows/idle/load",
+            f"{_fmt(t.get('row_gpu_seconds'))} / {_fmt(t.get('idle_s'))} / {_fmt(t.get('load_s'))}",
+        ),
+        ("cost USD (all-in)", _fmt(t.get("total_usd"))),
+        ("USD per 1M output tokens", _fmt(t.get("usd_per_million_output"))),
+        ("list price USD", _fmt(t.get("list_price_usd"))),
+    ]
+    if result.missing_ids:
+        rows.append(("missing rows", f"{result.missing_ids} (rerun to resume)"))
+    for name, value in rows:
+        table.add_row(name, value)
+    Console(soft_wrap=True).print(table)
+    typer.echo(result.message)
+
+
+def run_and_report(spec: Any, *, fresh: bool, retry_errors: bool) -> int:
+    """Run the job, print progress and the summary; returns the exit code."""
+    from pipeline.run import ResumeRefused, run_job
+    from pipeline.spec import SpecError
+
+    try:
+        result = run_job(spec, fresh=fresh, retry_errors=retry_errors, emit=_err)
+    except (SpecError, ResumeRefused) as exc:
+        _err(f"error: {exc}")
+        return EXIT_FAILED
+    print_summary(result)
+    if result.exit_code == 3:
+        _err(
+            f"error rows are {result.totals.get('error_fraction', 0):.1%} of the output, over "
+            f"limits.max_error_fraction {result.max_error_fraction}; see the `error` column"
+        )
+    return result.exit_code
+
+
+@app.command("run")
+def run_cmd(
+    job: Path = typer.Argument(..., help="Job YAML file."),
+    set_: list[str] = typer.Option(
+        [], "--set", help="Override a field: --set sampling.max_tokens=64 (repeatable)."
+    ),
+    date: str | None = typer.Option(None, "--date", help="Run date for {{ date }} (YYYY-MM-DD)."),
+    fresh: bool = typer.Option(
+        False, "--fresh", help="Delete this job's parts and manifest under output.uri first."
+    ),
+    retry_errors: bool = typer.Option(
+        False, "--retry-errors", help="Regenerate only the rows whose result is an error."
+    ),
+) -> None:
+    """Run (or resume) a batch job on the Ray cluster at RAY_ADDRESS, or on a local one."""
+    from pipeline.spec import SpecError, load_job_spec
+
+    try:
+        spec = load_job_spec(job, overrides=set_, date=date)
+    except SpecError as exc:
+        _err(f"error: {exc}")
+        raise typer.Exit(EXIT_FAILED) from None
+    code = run_and_report(spec, fresh=fresh, retry_errors=retry_errors)
+    sys.stdout.flush()
+    raise typer.Exit(code)
+
+
+@app.command("demo")
+def demo_cmd(
+    workdir: Path = typer.Option(
+        Path("demo-output"), "--dir", help="Where the tiny model, prompts and results go."
+    ),
+    rows: int = typer.Option(300, "--rows", min=1, help="Prompts in the sample dataset."),
+    set_: list[str] = typer.Option([], "--set", help="Extra overrides for jobs/demo.yaml."),
+) -> None:
+    """Build a tiny model and a sample dataset, run jobs/demo.yaml, print the summary."""
+    from pipeline.demo import prepare_demo
+    from pipeline.spec import SpecError
+
+    try:
+        spec = prepare_demo(workdir, num_rows=rows, overrides=set_, emit=_err)
+    except (SpecError, FileNotFoundError) as exc:
+        _err(f"error: {exc}")
+        raise typer.Exit(EXIT_FAILED) from None
+    code = run_and_report(spec, fresh=True, retry_errors=False)
+    typer.echo(f"demo output: {spec.output.uri} (parts, _manifest.json, _SUCCESS)")
+    raise typer.Exit(code)
