@@ -1,0 +1,620 @@
+"""ReferenceEngine: the `engines.api.Engine` contract over the reference PyTorch model.
+
+Threads: callers live on an asyncio loop; the step loop runs on its own thread and owns every
+piece of mutable engine state (scheduler, block manager, runner). The two sides meet in an
+inbox (new requests and aborts, under a condition variable) and in per-request sinks that the
+step loop resolves with `loop.call_soon_threadsafe`.
+
+A step is: schedule → run the model → sample → append the StepRecord → update requests →
+deliver. The record is appended before any result of that step is delivered, so when a caller
+sees a request finish, every step it took part in is already recorded (cost relies on this).
+
+Shutdown: the step loop stops, requests still in flight finish with finish_reason "cancelled"
+(they are results, not exceptions); requests submitted afterwards raise EngineDeadError. If
+the step loop itself crashes, in-flight requests raise EngineDeadError with the cause.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from engines.api import (
+    EngineDeadError,
+    EngineError,
+    EngineInfo,
+    EngineStats,
+    FinishReason,
+    GenerationRequest,
+    GenerationResult,
+    RequestMetrics,
+    StepRecord,
+    StreamDelta,
+)
+from engines.reference.config import ModelConfig, load_model_config
+
+SETTINGS = (
+    "max_num_tokens",
+    "max_batch_size",
+    "kv_cache_tokens",
+    "kv_cache_memory_gb",
+    "block_size",
+    "enable_prefix_caching",
+    "enable_chunked_prefill",
+    "dtype",
+    "device",
+    "max_model_len",
+    "num_threads",
+)
+_DTYPES = {
+    "float32": "float32",
+    "fp32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+}
+_DEFAULT_POOL_CONTEXT = 2048  # default pool: max_batch_size sequences of this many tokens
+_CPU_POOL_CAP_BYTES = 1 << 30  # ...but at most 1 GiB on CPU
+_CUDA_POOL_FREE_FRACTION = 0.5  # ...or half of the free GPU memory
+
+
+@dataclass
+class _Sink:
+    """Where a request's outcome goes: a future (generate) or a queue of deltas (stream)."""
+
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future | None = None
+    queue: asyncio.Queue | None = None
+
+    def deliver(self, item: Any) -> None:
+        # Runs on the step-loop thread; the loop may already be closed (caller gone).
+        with contextlib.suppress(RuntimeError):
+            self.loop.call_soon_threadsafe(self._put, item)
+
+    def _put(self, item: Any) -> None:
+        if self.future is not None:
+            if self.future.done():
+                return
+            if isinstance(item, BaseException):
+                self.future.set_exception(item)
+            elif isinstance(item, GenerationResult):
+                self.future.set_result(item)
+        elif self.queue is not None:
+            self.queue.put_nowait(item)
+
+
+@dataclass
+class _Live:
+    """Step-loop state of one admitted request."""
+
+    request: GenerationRequest
+    sched: Any  # scheduler.Request
+    sink: _Sink
+    metrics: RequestMetrics
+    is_stream: bool
+    detok: Any = None  # IncrementalDetokenizer when text is needed as it grows
+    generator: Any = None  # torch.Generator for seeded sampling
+    sent_tokens: int = 0  # output tokens already streamed
+    sent_chars: int = 0  # text characters already streamed
+    stop_ids: frozenset[int] = field(default_factory=frozenset)
+
+
+class ReferenceEngine:
+    """PyTorch engine with a paged KV cache, prefix caching, chunked prefill and in-flight
+    batching. See docs/engine.md for every setting."""
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        max_num_tokens: int = 2048,
+        max_batch_size: int = 64,
+        kv_cache_tokens: int | None = None,
+        kv_cache_memory_gb: float | None = None,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        enable_chunked_prefill: bool = True,
+        dtype: str = "auto",
+        device: str = "auto",
+        max_model_len: int | None = None,
+        num_threads: int | None = None,
+        **unknown: Any,
+    ) -> None:
+        if unknown:
+            raise TypeError(
+                f"ReferenceEngine got unknown setting(s) {', '.join(sorted(unknown))}; "
+                f"accepted: {', '.join(SETTINGS)}"
+            )
+        started = time.monotonic()
+        import torch
+
+        from engines.reference.kv_cache import BlockManager
+        from engines.reference.runner import ModelRunner, kv_bytes_per_token
+        from engines.reference.scheduler import Scheduler, SchedulerConfig
+        from engines.reference.weights import load_model
+
+        for name, value in (
+            ("max_num_tokens", max_num_tokens),
+            ("max_batch_size", max_batch_size),
+            ("block_size", block_size),
+        ):
+            if not isinstance(value, int) or value < 1:
+                raise EngineError(f"{name} must be an integer >= 1, got {value!r}")
+        self._num_threads = num_threads or os.cpu_count() or 1
+        torch.set_num_threads(self._num_threads)
+        self._torch_device = _resolve_device(device)
+        self._torch_dtype = getattr(torch, _resolve_dtype(dtype, self._torch_device))
+        model_dir = Path(model)
+        self.config: ModelConfig = load_model_config(model_dir)
+        self.max_model_len = _resolve_max_model_len(self.config, max_model_len)
+        self.model = load_model(model_dir, self.config, self._torch_dtype, self._torch_device)
+        self.tokenizer = _load_tokenizer(model_dir)
+
+        bytes_per_token = kv_bytes_per_token(self.config, self._torch_dtype)
+        num_blocks = _pool_blocks(
+            kv_cache_tokens,
+            kv_cache_memory_gb,
+            block_size,
+            bytes_per_token,
+            max_batch_size,
+            self.max_model_len,
+            self._torch_device,
+        )
+        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(max_num_tokens, max_batch_size, enable_chunked_prefill),
+            self.block_manager,
+        )
+        self.runner = ModelRunner(
+            self.model,
+            self.config,
+            num_blocks,
+            block_size,
+            self.max_model_len,
+            self._torch_dtype,
+            self._torch_device,
+        )
+        self._default_generator = torch.Generator(device=self._torch_device)
+        self._default_generator.manual_seed(int.from_bytes(os.urandom(4), "little"))
+
+        self._cv = threading.Condition()
+        self._inbox: deque[_Live] = deque()
+        self._aborts: deque[str] = deque()
+        self._live: dict[str, _Live] = {}  # step-loop owned
+        self._in_flight: set[str] = set()  # ids submitted and not yet finished (under _cv)
+        self._records: list[StepRecord] = []
+        self._records_lock = threading.Lock()
+        self._stopping = False
+        self._dead: str | None = None  # why the engine stopped
+        self._num_finished = 0
+        self._num_steps = 0
+
+        self.info = EngineInfo(
+            kind="reference",
+            model=str(model),
+            max_model_len=self.max_model_len,
+            device=str(self._torch_device),
+            num_devices=1,
+            dtype=str(self._torch_dtype).removeprefix("torch."),
+            has_step_records=True,
+            eos_token_ids=self.config.eos_token_ids,
+            load_seconds=time.monotonic() - started,
+        )
+        self._thread = threading.Thread(target=self._run, name="reference-engine", daemon=True)
+        self._thread.start()
+
+    # ---- caller side (asyncio) ---------------------------------------------------------
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        loop = asyncio.get_running_loop()
+        sink = _Sink(loop, future=loop.create_future())
+        self._submit(request, sink, is_stream=False)
+        try:
+            return await sink.future
+        except asyncio.CancelledError:
+            self.abort(request.request_id)
+            raise
+
+    async def stream(self, request: GenerationRequest) -> AsyncIterator[StreamDelta]:
+        loop = asyncio.get_running_loop()
+        sink = _Sink(loop, queue=asyncio.Queue())
+        self._submit(request, sink, is_stream=True)
+        finished = False
+        try:
+            while not finished:
+                item = await sink.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self.abort(request.request_id)
+
+    def abort(self, request_id: str) -> None:
+        with self._cv:
+            self._aborts.append(request_id)
+            self._cv.notify()
+
+    def drain_step_records(self) -> list[StepRecord]:
+        with self._records_lock:
+            records, self._records = self._records, []
+        return records
+
+    def stats(self) -> EngineStats:
+        scheduler, bm = self.scheduler, self.block_manager
+        return EngineStats(
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting) + len(self._inbox),
+            num_finished=self._num_finished,
+            num_preemptions=scheduler.num_preemptions,
+            kv_blocks_total=bm.num_blocks,
+            kv_blocks_used=bm.num_used_blocks,
+            num_steps=self._num_steps,
+        )
+
+    def shutdown(self) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join()
+        # Drop the big tensors so the memory goes back even if the engine object lingers.
+        self.runner.kv_caches = []
+        self.runner.model = None
+        self.model = None
+
+    def _submit(self, request: GenerationRequest, sink: _Sink, is_stream: bool) -> None:
+        from engines.reference.scheduler import Request
+
+        metrics = RequestMetrics(arrival_time=time.monotonic())
+        error, max_tokens = self._check(request)
+        with self._cv:
+            if self._stopping or self._dead is not None:
+                raise EngineDeadError(
+                    f"the reference engine has stopped ({self._dead or 'shut down'}); "
+                    "load a new engine to serve more requests"
+                )
+            if error is None and request.request_id in self._in_flight:
+                error = f"request_id {request.request_id!r} is already in flight"
+            if error is not None:
+                metrics.finish_time = metrics.arrival_time
+                result = _result(request, [], "", "error", metrics, error=error)
+                sink.deliver(StreamDelta([], "", True, result) if is_stream else result)
+                return
+            live = _Live(
+                request=request,
+                sched=Request(request.request_id, list(request.prompt_token_ids), max_tokens),
+                sink=sink,
+                metrics=metrics,
+                is_stream=is_stream,
+            )
+            self._in_flight.add(request.request_id)
+            self._inbox.append(live)
+            self._cv.notify()
+
+    def _check(self, request: GenerationRequest) -> tuple[str | None, int]:
+        """A per-request problem (as an error text) and the request's allowed output tokens."""
+        prompt = request.prompt_token_ids
+        vocab = self.config.vocab_size
+        if len(prompt) == 0:
+            return "the prompt is empty: give at least one token", 0
+        bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            return (
+                f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab}) "
+                "(tokenized with a different tokenizer?)",
+                0,
+            )
+        if len(prompt) >= self.max_model_len:
+            return (
+                f"prompt has {len(prompt)} tokens but the model's context (max_model_len) is "
+                f"{self.max_model_len} tokens, which must hold the prompt and at least one "
+                "output token; shorten the prompt",
+                0,
+            )
+        if request.sampling.stop and self.tokenizer is None:
+            return "stop strings need a tokenizer, and the model directory has none", 0
+        max_tokens = min(request.sampling.max_tokens, self.max_model_len - len(prompt))
+        return self.scheduler.admission_error(len(prompt), max_tokens), max_tokens
+
+    # ---- step loop (engine thread) -------------------------------------------------------
+    def _run(self) -> None:
+        import torch
+
+        torch.set_num_threads(self._num_threads)
+        try:
+            while True:
+                with self._cv:
+                    while not (self._stopping or self._inbox or self._aborts or self._live):
+                        self._cv.wait()
+                    if self._stopping:
+                        break
+                    inbox, self._inbox = self._inbox, deque()
+                    aborts, self._aborts = self._aborts, deque()
+                for live in inbox:
+                    self._admit(live)
+                for request_id in aborts:
+                    self._finish(request_id, "cancelled")
+                if self._live:
+                    self._step()
+        except BaseException as exc:  # the loop must never die silently
+            self._die(f"step loop crashed: {type(exc).__name__}: {exc}")
+            raise
+        self._cancel_all()
+
+    def _admit(self, live: _Live) -> None:
+        from engines.reference.detokenize import IncrementalDetokenizer
+        from engines.reference.sampler import make_generator
+
+        sampling = live.request.sampling
+        if self.tokenizer is not None and (live.is_stream or sampling.stop):
+            live.detok = IncrementalDetokenizer(
+                self.tokenizer, live.request.prompt_token_ids, sampling.stop
+            )
+        live.generator = make_generator(sampling.seed, self._torch_device)
+        live.stop_ids = frozenset(sampling.stop_token_ids)
+        self._live[live.request.request_id] = live
+        self.scheduler.add_request(live.sched)
+
+    def _step(self) -> None:
+        from engines.reference.runner import ChunkInput
+        from engines.reference.sampler import sample
+
+        start = time.monotonic()
+        output = self.scheduler.schedule()
+        if not output.chunks:
+            # Cannot happen with admission checks in place; fail loudly rather than spin.
+            head = self.scheduler.waiting[0].request_id
+            self._finish(head, "error", error="the request could not be scheduled")
+            return
+        inputs = []
+        for chunk in output.chunks:
+            live = self._live[chunk.request_id]
+            if live.metrics.first_scheduled_time is None:
+                live.metrics.first_scheduled_time = start
+            inputs.append(
+                ChunkInput(
+                    chunk,
+                    live.sched.token_ids,
+                    self.block_manager.block_ids(chunk.request_id),
+                )
+            )
+        logits = self.runner.execute(inputs)  # [S, V]
+        sampling_chunks = [c for c in output.chunks if c.is_sampling]
+        lives = [self._live[c.request_id] for c in sampling_chunks]
+        tokens = sample(
+            logits,
+            [lv.request.sampling for lv in lives],
+            [lv.generator for lv in lives],
+            self._default_generator,
+        )
+        end = time.monotonic()
+        record = StepRecord(
+            start=start,
+            end=end,
+            prefill_tokens={
+                c.request_id: c.num_prefill_tokens for c in output.chunks if c.num_prefill_tokens
+            },
+            decode_tokens={c.request_id: 1 for c in sampling_chunks},
+        )
+        with self._records_lock:
+            self._records.append(record)
+        self._num_steps += 1
+
+        sampled = {c.request_id: t for c, t in zip(sampling_chunks, tokens, strict=True)}
+        self.scheduler.update_from_output(output, sampled)
+        for live, token in zip(lives, tokens, strict=True):
+            if live.metrics.first_token_time is None:
+                live.metrics.first_token_time = end
+            self._after_token(live, token)
+
+    def _after_token(self, live: _Live, token: int) -> None:
+        """Check the stop conditions for a freshly sampled token; stream or finish."""
+        sampling = live.request.sampling
+        request_id = live.request.request_id
+        stop_string = live.detok.add(token) if live.detok is not None else None
+        if token in live.stop_ids:
+            self._finish(request_id, "stop", stop_reason=token)
+        elif not sampling.ignore_eos and token in self.config.eos_token_ids:
+            self._finish(request_id, "stop")
+        elif stop_string is not None:
+            self._finish(request_id, "stop", stop_reason=stop_string)
+        elif len(live.sched.output_token_ids) >= live.sched.max_tokens:
+            self._finish(request_id, "length")
+        elif live.is_stream:
+            new_tokens = live.sched.output_token_ids[live.sent_tokens :]
+            stable = live.detok.stable_text_len() if live.detok else 0
+            text = live.detok.text[live.sent_chars : stable] if live.detok else ""
+            live.sent_tokens += len(new_tokens)
+            live.sent_chars = max(live.sent_chars, stable)
+            live.sink.deliver(StreamDelta(list(new_tokens), text))
+
+    def _finish(
+        self,
+        request_id: str,
+        reason: FinishReason,
+        error: str | None = None,
+        stop_reason: str | int | None = None,
+    ) -> None:
+        live = self._live.pop(request_id, None)
+        if live is None:
+            return  # already finished (an abort racing a normal finish)
+        sched = self.scheduler.finish_request(request_id)
+        output_ids = list(sched.output_token_ids) if sched is not None else []
+        if live.detok is not None:
+            text = live.detok.text if isinstance(stop_reason, str) else live.detok.flush()
+        elif self.tokenizer is not None and output_ids:
+            text = self.tokenizer.decode(output_ids, skip_special_tokens=True)
+        else:
+            text = ""
+        live.metrics.finish_time = time.monotonic()
+        result = _result(
+            live.request,
+            output_ids,
+            text,
+            reason,
+            live.metrics,
+            error=error,
+            stop_reason=stop_reason,
+            cached=(sched.num_cached_tokens or 0) if sched else 0,
+            preemptions=sched.num_preemptions if sched else 0,
+        )
+        self._num_finished += 1
+        with self._cv:
+            self._in_flight.discard(request_id)
+        if live.is_stream:
+            delta = StreamDelta(
+                output_ids[live.sent_tokens :], text[live.sent_chars :], True, result
+            )
+            live.sink.deliver(delta)
+        else:
+            live.sink.deliver(result)
+
+    def _cancel_all(self) -> None:
+        with self._cv:
+            inbox, self._inbox = self._inbox, deque()
+        for live in inbox:
+            self._live[live.request.request_id] = live
+            self.scheduler.add_request(live.sched)
+        for request_id in list(self._live):
+            self._finish(request_id, "cancelled")
+
+    def _die(self, reason: str) -> None:
+        with self._cv:
+            self._dead = reason
+            inbox, self._inbox = self._inbox, deque()
+            self._in_flight.clear()
+        error = EngineDeadError(f"the reference engine stopped: {reason}")
+        for live in list(self._live.values()) + list(inbox):
+            live.sink.deliver(error)
+        self._live.clear()
+
+
+def _result(
+    request: GenerationRequest,
+    output_ids: list[int],
+    text: str,
+    reason: FinishReason,
+    metrics: RequestMetrics,
+    *,
+    error: str | None = None,
+    stop_reason: str | int | None = None,
+    cached: int = 0,
+    preemptions: int = 0,
+) -> GenerationResult:
+    return GenerationResult(
+        request_id=request.request_id,
+        output_token_ids=output_ids,
+        text=text,
+        finish_reason=reason,
+        prompt_tokens=len(request.prompt_token_ids),
+        completion_tokens=len(output_ids),
+        cached_prompt_tokens=cached,
+        error=error,
+        stop_reason=stop_reason,
+        num_preemptions=preemptions,
+        metrics=metrics,
+    )
+
+
+def _resolve_device(device: str):
+    import torch
+
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except RuntimeError as exc:
+        raise EngineError(f"device {device!r} is not a torch device (auto, cpu, cuda:N)") from exc
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise EngineError(f"device {device!r} asked for, but CUDA is not available here")
+    return resolved
+
+
+def _resolve_dtype(dtype: str, device) -> str:
+    import torch
+
+    if dtype == "auto":
+        if device.type == "cuda" and torch.cuda.is_bf16_supported():
+            return "bfloat16"
+        return "float32"
+    if dtype not in _DTYPES:
+        raise EngineError(
+            f"dtype {dtype!r} is not supported; choose auto, float32, bfloat16 or float16"
+        )
+    return _DTYPES[dtype]
+
+
+def _resolve_max_model_len(cfg: ModelConfig, asked: int | None) -> int:
+    limit = cfg.max_position_embeddings
+    if cfg.sliding_window is not None:
+        # Full attention over a window-trained model would not match it: stay inside the window.
+        limit = min(limit, cfg.sliding_window)
+    if asked is None:
+        return limit
+    if not isinstance(asked, int) or asked < 2 or asked > limit:
+        raise EngineError(
+            f"max_model_len={asked!r} is outside what the model supports (2..{limit} tokens, "
+            "from max_position_embeddings / sliding_window in config.json)"
+        )
+    return asked
+
+
+def _pool_blocks(
+    kv_cache_tokens: int | None,
+    kv_cache_memory_gb: float | None,
+    block_size: int,
+    bytes_per_token: int,
+    max_batch_size: int,
+    max_model_len: int,
+    device,
+) -> int:
+    """Blocks in the KV pool: from tokens, else from memory, else a default sized for a full
+    batch of moderately long sequences (capped so a CPU job cannot eat all the RAM)."""
+    if kv_cache_tokens is not None:
+        if not isinstance(kv_cache_tokens, int) or kv_cache_tokens < block_size:
+            raise EngineError(
+                f"kv_cache_tokens must be an integer >= block_size ({block_size}), "
+                f"got {kv_cache_tokens!r}"
+            )
+        return kv_cache_tokens // block_size
+    bytes_per_block = bytes_per_token * block_size
+    if kv_cache_memory_gb is not None:
+        blocks = int(kv_cache_memory_gb * (1 << 30)) // bytes_per_block
+        if blocks < 1:
+            raise EngineError(
+                f"kv_cache_memory_gb={kv_cache_memory_gb!r} holds no {block_size}-token block "
+                f"({bytes_per_block} bytes each); raise it"
+            )
+        return blocks
+    tokens = max_batch_size * min(max_model_len, _DEFAULT_POOL_CONTEXT)
+    blocks = -(-tokens // block_size)
+    if device.type == "cuda":
+        import torch
+
+        free, _ = torch.cuda.mem_get_info(device)
+        cap = int(free * _CUDA_POOL_FREE_FRACTION)
+    else:
+        cap = _CPU_POOL_CAP_BYTES
+    return max(1, min(blocks, cap // bytes_per_block))
+
+
+def _load_tokenizer(model_dir: Path):
+    """The model's tokenizer, or None when the directory has none (text stays empty)."""
+    if not any((model_dir / name).exists() for name in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir))
+    except (OSError, ValueError) as exc:
+        raise EngineError(f"{model_dir}: cannot load the tokenizer ({exc})") from exc

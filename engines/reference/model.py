@@ -1,0 +1,262 @@
+"""The decoder-only transformer (Llama / Mistral / Qwen2 / Qwen3) over a flattened token batch.
+
+Every step runs ONE batch of T tokens drawn from many requests (prefill chunks and decode
+tokens mixed): the linears see a [T, hidden] matrix, which is where batching pays. Attention
+is the only per-request part: decode tokens are batched against their gathered KV context,
+prefill chunks go through scaled_dot_product_attention one request at a time.
+
+Module and parameter names match the Hugging Face checkpoints exactly
+(`model.layers.{i}.self_attn.q_proj`, ...), so weights load by name and a quantized linear can
+replace any projection before `fuse_projections` merges q/k/v and gate/up for speed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engines.reference.config import ModelConfig
+
+FP8_E4M3_MAX = 448.0
+
+
+@dataclass
+class PrefillSeq:
+    """One request's prefill (or recompute) chunk inside the flat batch."""
+
+    token_start: int  # first row of the chunk in the flat [T, ...] batch
+    num_tokens: int  # rows in the chunk (n)
+    context_start: int  # position of the chunk's first token = tokens already in the cache
+    gather: torch.Tensor | None  # [L] flat cache slots of the whole context; None: no history
+    mask: torch.Tensor | None  # [n, L] bool, True where a query may attend; None: plain causal
+
+
+@dataclass
+class AttentionBatch:
+    """Where the step's tokens go in the KV cache and what each one attends to."""
+
+    slot_mapping: torch.Tensor  # [T] int64 flat cache slot (block * block_size + offset)
+    decode_rows: torch.Tensor | None  # [B] int64 rows of the flat batch that are decode tokens
+    decode_gather: torch.Tensor | None  # [B, Lmax] int64 cache slots of each decode context
+    decode_mask: torch.Tensor | None  # [B, 1, 1, Lmax] bool, True for real (unpadded) keys
+    prefills: list[PrefillSeq] = field(default_factory=list)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Same order of operations as transformers (fp32 statistics) so greedy ids match.
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def fake_quant_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """Round x through float8_e4m3fn with a per-tensor scale (what an FP8 KV cache stores)."""
+    q = (x.float() / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    return (q.float() * scale).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_heads
+        self.num_kv_heads = cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.q_size, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.kv_size, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+        self.qkv_proj: nn.Module | None = None  # set by fuse_projections
+        # FP8 KV cache scales (ModelOpt `k_scale` / `v_scale`); None keeps K/V unrounded.
+        self.k_scale: float | None = None
+        self.v_scale: float | None = None
+
+    def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.qkv_proj is not None:
+            qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
+            q_size = self.num_heads * self.head_dim
+            kv_size = self.num_kv_heads * self.head_dim
+            return qkv.split([q_size, kv_size, kv_size], dim=-1)
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        cos: torch.Tensor,  # [T, 1, D]
+        sin: torch.Tensor,  # [T, 1, D]
+        batch: AttentionBatch,
+        k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+        v_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self._qkv(x)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        if self.k_scale is not None:
+            k = fake_quant_fp8(k, self.k_scale)
+        if self.v_scale is not None:
+            v = fake_quant_fp8(v, self.v_scale)
+
+        k_flat = k_cache.view(-1, self.num_kv_heads, self.head_dim)  # [slots, KVH, D]
+        v_flat = v_cache.view(-1, self.num_kv_heads, self.head_dim)
+        k_flat.index_copy_(0, batch.slot_mapping, k)
+        v_flat.index_copy_(0, batch.slot_mapping, v)
+
+        out = torch.empty_like(q)  # [T, H, D]
+        if batch.decode_rows is not None:
+            out[batch.decode_rows] = self._decode(q, k_flat, v_flat, batch)
+        for seq in batch.prefills:
+            rows = slice(seq.token_start, seq.token_start + seq.num_tokens)
+            out[rows] = self._prefill(q[rows], k[rows], v[rows], k_flat, v_flat, seq)
+        return self.o_proj(out.view(num_tokens, self.num_heads * self.head_dim))
+
+    def _decode(self, q, k_flat, v_flat, batch: AttentionBatch) -> torch.Tensor:
+        # One query per request, so the G query heads sharing a KV head can ride in SDPA's
+        # query-length dimension: GQA without repeating K/V.
+        rows = batch.decode_rows
+        num_seqs = rows.shape[0]
+        group = self.num_heads // self.num_kv_heads
+        qd = q[rows].view(num_seqs, self.num_kv_heads, group, self.head_dim)  # [B, KVH, G, D]
+        kd = k_flat[batch.decode_gather].transpose(1, 2)  # [B, KVH, Lmax, D]
+        vd = v_flat[batch.decode_gather].transpose(1, 2)  # [B, KVH, Lmax, D]
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=batch.decode_mask)
+        return od.reshape(num_seqs, self.num_heads, self.head_dim)  # [B, H, D]
+
+    def _prefill(self, q, k, v, k_flat, v_flat, seq: PrefillSeq) -> torch.Tensor:
+        qs = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        if seq.gather is None:  # no cached history: the chunk's own K/V is the whole context
+            ks, vs = k, v  # [n, KVH, D]
+        else:
+            ks, vs = k_flat[seq.gather], v_flat[seq.gather]  # [L, KVH, D]
+        ks = ks.transpose(0, 1).unsqueeze(0)  # [1, KVH, L, D]
+        vs = vs.transpose(0, 1).unsqueeze(0)
+        o = F.scaled_dot_product_attention(
+            qs, ks, vs, attn_mask=seq.mask, is_causal=seq.mask is None, enable_gqa=True
+        )  # [1, H, n, D]
+        return o.squeeze(0).transpose(0, 1)  # [n, H, D]
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj: nn.Module | None = None  # set by fuse_projections
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # 2 x [T, intermediate]
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, batch, k_cache, v_cache) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, k_cache, v_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """`model.*` and `lm_head` as in the Hugging Face checkpoints."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        cos: torch.Tensor,  # [T, 1, D]
+        sin: torch.Tensor,  # [T, 1, D]
+        batch: AttentionBatch,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (K, V) block pools
+        logits_rows: torch.Tensor,  # [S] int64 rows whose next-token logits are needed
+    ) -> torch.Tensor:  # [S, vocab] float32
+        x = self.model.embed_tokens(input_ids)  # [T, hidden]
+        for layer, (k_cache, v_cache) in zip(self.model.layers, kv_caches, strict=True):
+            x = layer(x, cos, sin, batch, k_cache, v_cache)
+        # Only the sampling rows need the final norm and the (vocab-sized) LM head.
+        x = self.model.norm(x[logits_rows])  # [S, hidden]
+        return self.lm_head(x).float()
+
+
+def _fuse_linears(parts: list[nn.Module]) -> nn.Linear | None:
+    """One Linear computing all `parts` side by side, or None when any part is not a plain
+    nn.Linear (a quantized replacement keeps its own forward)."""
+    if not all(type(p) is nn.Linear for p in parts):
+        return None
+    has_bias = [p.bias is not None for p in parts]
+    if any(has_bias) and not all(has_bias):
+        return None
+    first = parts[0]
+    fused = nn.Linear(
+        first.in_features,
+        sum(p.out_features for p in parts),
+        bias=all(has_bias),
+        device=first.weight.device,
+        dtype=first.weight.dtype,
+    )
+    with torch.no_grad():
+        fused.weight.copy_(torch.cat([p.weight for p in parts], dim=0))
+        if fused.bias is not None:
+            fused.bias.copy_(torch.cat([p.bias for p in parts], dim=0))
+    return fused
+
+
+def fuse_projections(model: CausalLM) -> None:
+    """Merge q/k/v and gate/up into single matmuls (fewer, larger GEMMs). Run after any
+    quantized-linear swap; the separate modules are dropped to keep one copy of the weights."""
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv = _fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj])
+        if qkv is not None:
+            attn.qkv_proj = qkv
+            del attn.q_proj, attn.k_proj, attn.v_proj
+        gate_up = _fuse_linears([mlp.gate_proj, mlp.up_proj])
+        if gate_up is not None:
+            mlp.gate_up_proj = gate_up
+            del mlp.gate_proj, mlp.up_proj

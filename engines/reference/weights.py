@@ -1,0 +1,145 @@
+"""Load a Hugging Face checkpoint (safetensors, single file or sharded) into CausalLM.
+
+Order: build the model on the meta device (no memory, no random init) → read every tensor →
+if `hf_quant_config.json` exists, hand the model and tensors to
+`engines.reference.quant.apply_quantized_checkpoint`, which swaps linears for quantized ones
+and consumes their scale tensors → fill every parameter still on meta from the tensor of the
+same dotted name (cast to the compute dtype) → FP8 KV scales left in the checkpoint become
+`Attention.k_scale` / `v_scale` → move to the device → fuse q/k/v and gate/up.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from engines.api import EngineError
+from engines.reference.config import ModelConfig
+from engines.reference.model import CausalLM, fuse_projections
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    """The safetensors files of a checkpoint: the shards named by the index, or the one file."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as exc:
+            raise EngineError(f"{index} is not a valid safetensors index: {exc}") from exc
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+    else:
+        files = [model_dir / "model.safetensors"]
+        if not files[0].exists():
+            files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise EngineError(
+            f"{model_dir}: no model.safetensors or model.safetensors.index.json; "
+            "the reference engine loads safetensors checkpoints only"
+        )
+    for path in files:
+        if not path.exists():
+            raise EngineError(f"{path} is missing (named by the checkpoint index)")
+    return files
+
+
+def read_tensors(files: list[Path]) -> tuple[dict[str, torch.Tensor], dict[str, Path]]:
+    """All tensors by name, and the file each came from (for error messages)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import safe_open
+
+    tensors: dict[str, torch.Tensor] = {}
+    origin: dict[str, Path] = {}
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                for name in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    tensors[name] = handle.get_tensor(name)
+                    origin[name] = path
+        except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+            raise EngineError(f"{path}: cannot read safetensors file ({exc})") from exc
+    return tensors, origin
+
+
+def _apply_quantization(model: CausalLM, tensors: dict[str, torch.Tensor], model_dir: Path):
+    quant_path = model_dir / "hf_quant_config.json"
+    if not quant_path.exists():
+        return
+    try:
+        quant_config = json.loads(quant_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise EngineError(f"{quant_path} is not valid JSON: {exc}") from exc
+    try:
+        from engines.reference.quant import apply_quantized_checkpoint
+    except ImportError as exc:
+        raise EngineError(
+            f"{model_dir} is a quantized checkpoint ({quant_path.name}); "
+            "quantized checkpoints need engines.reference.quant"
+        ) from exc
+    apply_quantized_checkpoint(model, tensors, quant_config)
+
+
+def _apply_kv_scales(model: CausalLM, tensors: dict[str, torch.Tensor]) -> None:
+    # ModelOpt stores the FP8 KV scales on the k/v projections; attention applies them.
+    for i, layer in enumerate(model.model.layers):
+        attn = layer.self_attn
+        for kind in ("k", "v"):
+            name = f"model.layers.{i}.self_attn.{kind}_proj.{kind}_scale"
+            if name in tensors and getattr(attn, f"{kind}_scale") is None:
+                setattr(attn, f"{kind}_scale", float(tensors.pop(name).float().item()))
+
+
+def _fill_meta(
+    model: CausalLM,
+    tensors: dict[str, torch.Tensor],
+    origin: dict[str, Path],
+    dtype: torch.dtype,
+    model_dir: Path,
+) -> None:
+    filled: dict[int, torch.Tensor] = {}  # id(meta tensor) -> loaded; keeps tied weights tied
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        for kind in ("_parameters", "_buffers"):
+            for local, value in list(getattr(module, kind).items()):
+                if value is None or value.device.type != "meta":
+                    continue
+                if id(value) in filled:
+                    getattr(module, kind)[local] = filled[id(value)]
+                    continue
+                name = f"{module_name}.{local}" if module_name else local
+                if name not in tensors:
+                    raise EngineError(
+                        f"{model_dir}: tensor {name!r} is missing from the checkpoint "
+                        f"({', '.join(sorted({p.name for p in origin.values()})) or 'no files'})"
+                    )
+                tensor = tensors[name]
+                if tuple(tensor.shape) != tuple(value.shape):
+                    raise EngineError(
+                        f"{origin[name]}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                        f"config.json implies {tuple(value.shape)}"
+                    )
+                if tensor.is_floating_point():
+                    tensor = tensor.to(dtype)
+                if kind == "_parameters":
+                    tensor = torch.nn.Parameter(tensor, requires_grad=False)
+                filled[id(value)] = tensor
+                getattr(module, kind)[local] = tensor
+
+
+def load_model(
+    model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device
+) -> CausalLM:
+    """Build CausalLM from `model_dir`'s weights in `dtype` on `device`, ready for inference."""
+    model_dir = Path(model_dir)
+    files = checkpoint_files(model_dir)
+    tensors, origin = read_tensors(files)
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    _apply_quantization(model, tensors, model_dir)
+    _apply_kv_scales(model, tensors)
+    _fill_meta(model, tensors, origin, dtype, model_dir)
+    model = model.to(device).eval().requires_grad_(False)
+    fuse_projections(model)
+    return model
