@@ -73,7 +73,6 @@ class Fp8Linear(_DequantizedLinear):
         return F.linear(fp8_qdq_scale(x, self.input_scale), *self._params(x.dtype))
 
 
-
 class Nvfp4Linear(_DequantizedLinear):
     """y = nvfp4_qdq(x; input_scale) @ dequant(weight)^T + bias."""
 
