@@ -47,7 +47,9 @@ class InputSpec(_Strict):
         "index), stable as long as the input files do not change. openai_batch uses custom_id.",
     )
     prompt_column: str | None = Field(
-        None, description="Column with the prompt text (plain string). Set this or messages_column."
+        None,
+        description="Column with the prompt text (plain string). Set this or messages_column "
+        "(or neither, when prompt.template builds the prompt from other columns).",
     )
     messages_column: str | None = Field(
         None,
@@ -56,7 +58,9 @@ class InputSpec(_Strict):
     )
     passthrough_columns: list[str] = Field(
         default_factory=list,
-        description="Input columns copied unchanged into the output rows (e.g. a user id).",
+        description="Input columns copied unchanged into the output rows (e.g. a user id). "
+        "For openai_batch: top-level keys of each line. Names the pipeline writes itself "
+        "(id, text, error, ...) are not allowed.",
     )
     limit: int | None = Field(
         None, ge=1, description="Read at most this many rows (in input order); null reads all."
@@ -71,9 +75,9 @@ class InputSpec(_Strict):
                     "remove input.prompt_column and input.messages_column"
                 )
             return self
-        if bool(self.prompt_column) == bool(self.messages_column):
+        if self.prompt_column and self.messages_column:
             raise ValueError(
-                "set exactly one of input.prompt_column or input.messages_column "
+                "set only one of input.prompt_column or input.messages_column "
                 f"(format {self.format})"
             )
         return self
@@ -94,13 +98,39 @@ class PromptSpec(_Strict):
         "column's value. Null uses the prompt column as is.",
     )
     system_prompt: str | None = Field(
-        None, description="System message prepended to every chat (when chat_template is on)."
+        None,
+        description="System message prepended to every chat (when chat_template is on) unless "
+        "the chat already starts with one.",
     )
     chat_template: bool = Field(
         True,
         description="Apply the model tokenizer's chat template (with the generation prompt). "
         "Off: the prompt text is tokenized as is (messages are rejected).",
     )
+
+    @field_validator("template")
+    @classmethod
+    def _template_parses(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        if not value.strip():
+            raise ValueError("prompt.template is empty; remove it or write a template")
+        import jinja2
+
+        try:
+            jinja2.Environment().parse(value)
+        except jinja2.TemplateSyntaxError as exc:
+            raise ValueError(f"prompt.template line {exc.lineno}: {exc.message}") from None
+        return value
+
+    def template_variables(self) -> list[str]:
+        """Names the template reads (row columns, plus `prompt`), sorted; [] without one."""
+        if self.template is None:
+            return []
+        import jinja2
+        from jinja2 import meta
+
+        return sorted(meta.find_undeclared_variables(jinja2.Environment().parse(self.template)))
 
 
 # --- model and engine ------------------------------------------------------------------------
@@ -175,6 +205,13 @@ class EngineSpec(_Strict):
     )
     extra: dict[str, Any] = Field(
         default_factory=dict, description="Engine-specific options passed through verbatim."
+    )
+    expected_tokens_per_s: float | None = Field(
+        None,
+        gt=0,
+        description="Output tokens per second one actor is expected to generate; `tokenmill "
+        "plan` uses it for the time and cost estimate (or --tokens-per-s / --measure). Not "
+        "passed to the engine.",
     )
 
 
@@ -325,6 +362,42 @@ class CostSpec(_Strict):
 
 # --- the job ---------------------------------------------------------------------------------
 
+# Columns the pipeline itself writes (read → prompts → generate → cost → write). Input columns
+# with these names cannot be passed through or used as template variables: they would be
+# overwritten or would shadow the row's own value.
+RESERVED_COLUMNS: frozenset[str] = frozenset(
+    {
+        # read
+        "id",
+        "prompt",
+        "messages",
+        "error",
+        # prompts
+        "prompt_token_ids",
+        "prompt_tokens",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "seed",
+        # generate, cost, write
+        "text",
+        "finish_reason",
+        "cached_prompt_tokens",
+        "completion_tokens",
+        "completion_token_ids",
+        "queue_s",
+        "ttft_s",
+        "decode_s",
+        "latency_s",
+        "gpu_seconds",
+        "cost_usd",
+        "list_price_usd",
+        "model",
+        "engine",
+    }
+)
+
 
 class JobSpec(_Strict):
     name: str = Field(
@@ -333,7 +406,9 @@ class JobSpec(_Strict):
     )
     date: str | None = Field(
         None,
-        description="Run date (YYYY-MM-DD) used by {{ date }}; set by --date, default today UTC.",
+        description="Run date (YYYY-MM-DD) substituted for {{ date }} anywhere in the file "
+        "(and in --set values). Precedence: --date, --set date=..., this field, today (UTC).",
+        pattern=r"^\d{4}-\d{2}-\d{2}$",
     )
     input: InputSpec = Field(description="Where the prompts are and how to read them.")
     prompt: PromptSpec = Field(default_factory=PromptSpec, description="How rows become prompts.")
@@ -351,6 +426,52 @@ class JobSpec(_Strict):
     )
     limits: LimitsSpec = Field(default_factory=LimitsSpec, description="Failure thresholds.")
     cost: CostSpec = Field(default_factory=CostSpec, description="Prices, budget, cost split.")
+
+    @model_validator(mode="after")
+    def _prompt_source(self) -> JobSpec:
+        inp, prompt = self.input, self.prompt
+        clashes = sorted(set(inp.passthrough_columns) & RESERVED_COLUMNS)
+        if clashes:
+            raise ValueError(
+                f"input.passthrough_columns: {clashes} are written by the pipeline itself; "
+                "rename those input columns"
+            )
+        if inp.format == "openai_batch":
+            if prompt.template is not None:
+                raise ValueError(
+                    "prompt.template does not apply to input.format openai_batch (the request "
+                    "body holds the prompt); remove prompt.template"
+                )
+            return self
+        if inp.messages_column and prompt.template is not None:
+            raise ValueError(
+                "prompt.template builds a text prompt, but input.messages_column gives whole "
+                "chats; remove one of them"
+            )
+        if inp.messages_column and not prompt.chat_template:
+            raise ValueError(
+                "input.messages_column needs prompt.chat_template: true (chats are rendered "
+                "with the tokenizer's chat template)"
+            )
+        if not (inp.prompt_column or inp.messages_column or prompt.template):
+            raise ValueError(
+                "no prompt source: set input.prompt_column, input.messages_column, or "
+                "prompt.template (built from row columns)"
+            )
+        variables = prompt.template_variables()
+        bad = sorted(set(variables) & RESERVED_COLUMNS - {"prompt"})
+        if bad:
+            raise ValueError(
+                f"prompt.template uses {bad}, which are pipeline column names; only input "
+                "columns and `prompt` can be template variables"
+            )
+        if "prompt" in variables and not inp.prompt_column:
+            raise ValueError("prompt.template uses {{ prompt }} but input.prompt_column is not set")
+        return self
+
+    def template_columns(self) -> list[str]:
+        """Input columns the prompt template reads (besides the prompt column), sorted."""
+        return [v for v in self.prompt.template_variables() if v != "prompt"]
 
 
 # --- loading ---------------------------------------------------------------------------------
@@ -390,7 +511,11 @@ def render_text(
             f"(export it, or write ${{{name}:-default}})"
         )
 
-    return _ENV_VAR.sub(substitute, text)
+    # Full-line comments are left alone: a commented-out `${OLD_VAR}` must not fail the job.
+    return "".join(
+        line if line.lstrip().startswith("#") else _ENV_VAR.sub(substitute, line)
+        for line in text.splitlines(keepends=True)
+    )
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -406,19 +531,38 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             if not isinstance(child, dict):
                 raise SpecError(f"--set {item!r}: {part!r} is not a section")
             node = child
-        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+        try:
+            node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError as exc:
+            raise SpecError(f"--set {item!r}: value is not valid YAML: {exc}") from None
     return data
 
 
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def format_validation_error(exc: ValidationError, source: str) -> str:
+    """One line per problem: `field.path: what is wrong (got <value>)`.
+
+    Pydantic's messages already list allowed values for Literal fields ("Input should be
+    'reference' or 'trtllm'"); the value given is appended so the user sees both.
+    """
     lines = [f"{source}: invalid job spec ({exc.error_count()} problem(s))"]
     for err in exc.errors():
         path = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        kind = err["type"]
         msg = err["msg"]
-        if err["type"] == "extra_forbidden":
+        if kind == "extra_forbidden":
             msg = "unknown field (check the spelling; see docs/job-spec.md)"
-        elif err["type"] == "missing":
+        elif kind == "missing":
             msg = "required field is missing"
+        elif kind == "value_error":
+            # Our own validators: the message already names the fields involved.
+            msg = msg.removeprefix("Value error, ")
+        elif not isinstance(err.get("input"), dict):
+            msg = f"{msg} (got {_short(err.get('input'))})"
         lines.append(f"  - {path}: {msg}")
     return "\n".join(lines)
 
@@ -444,7 +588,14 @@ def load_job_spec(
         text = path.read_text()
     except OSError as exc:
         raise SpecError(f"cannot read job file {path}: {exc.strerror or exc}") from None
-    # A date given on the command line wins over one written in the file.
+    # The run date feeds `{{ date }}`, so it is settled before rendering. Precedence:
+    # --date, then --set date=..., then a top-level `date:` in the file, then today (UTC).
+    overrides = list(overrides or [])
+    if date is None:
+        for item in overrides:
+            key, _, value = item.partition("=")
+            if key.strip() == "date" and value.strip():
+                date = value.strip().strip("'\"")
     if date is None:
         match = re.search(r"^date:\s*['\"]?(\d{4}-\d{2}-\d{2})", text, re.MULTILINE)
         date = match.group(1) if match else None
@@ -456,6 +607,14 @@ def load_job_spec(
         raise SpecError(f"{path}: not valid YAML: {exc}") from None
     if not isinstance(data, dict):
         raise SpecError(f"{path}: expected a mapping at the top level")
-    data = apply_overrides(data, overrides or [])
+    file_date = data.get("date")
+    if file_date is not None and not isinstance(file_date, dt.date):
+        try:
+            dt.date.fromisoformat(str(file_date))
+        except ValueError:
+            raise SpecError(f"{path}: date: {file_date!r} is not YYYY-MM-DD") from None
+    # `{{ date }}` in a --set value (e.g. an output prefix) gets the same run date.
+    rest = [_DATE_TAG.sub(run_date, o) for o in overrides if o.partition("=")[0].strip() != "date"]
+    data = apply_overrides(data, rest)
     data["date"] = run_date
     return parse_job_spec(data, source=str(path))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import fnmatch
 import hashlib
 import os
 import shutil
@@ -261,6 +262,7 @@ def materialize_model(
     *,
     required_file: str = "config.json",
     field: str = "model.path",
+    patterns: tuple[str, ...] | None = None,
 ) -> Path:
     """A local directory holding the model (or tokenizer) at `path`.
 
@@ -268,6 +270,9 @@ def materialize_model(
     node into `cache_dir/<hash of uri and listing>`: a file lock makes concurrent actors on one
     node wait for a single download, and a marker written last tells a complete copy from one
     interrupted halfway. A changed remote listing (new ETags) hashes to a new directory.
+
+    `patterns` (fnmatch globs on the relative path) download only some files, e.g. the
+    tokenizer files without the weights; a different selection is a different cache entry.
     """
     if not is_s3(path):
         local = Path(os.path.expanduser(_strip_file_scheme(path)))
@@ -289,12 +294,18 @@ def materialize_model(
         for p, info in listing.items()
         if info.get("type", "file") != "directory" and p.startswith(root + "/")
     }
+    if patterns is not None:
+        files = {
+            rel: info
+            for rel, info in files.items()
+            if rel == required_file or any(fnmatch.fnmatch(rel, pat) for pat in patterns)
+        }
     if required_file not in files:
         raise SpecError(
             f"{field}: {prefix} has no {required_file} at {_endpoint(storage, prefix)}; "
             "upload the whole Hugging Face model directory under that prefix"
         )
-    digest = hashlib.sha256(prefix.encode())
+    digest = hashlib.sha256(f"{prefix}\n{patterns}".encode())
     for rel in sorted(files):
         digest.update(f"\n{rel}\t{files[rel].get('size')}\t{_version(files[rel], prefix)}".encode())
     cache = Path(os.path.expanduser(cache_dir))

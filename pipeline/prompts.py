@@ -1,0 +1,375 @@
+"""Rows → prompt token ids and per-row sampling: the second stage of a job.
+
+`PromptStage` (run through `tokenize_dataset`) takes the columns `pipeline.read` produces and
+adds, per row (names are the constants below):
+
+- `prompt_token_ids` (list<int32>): the rendered prompt's tokens; empty on error rows.
+- `prompt_tokens` (int32): len(prompt_token_ids).
+- `max_tokens` (int32), `temperature` (float64), `top_p` (float64), `top_k` (int32): the
+  `sampling` defaults, replaced per row by a non-null value in the `sampling.overrides` column
+  (openai_batch: the request body's values).
+- `seed` (int64, null): a per-row override as given; else, when `sampling.seed` is set,
+  `derive_seed(sampling.seed, id)` so a row samples the same whatever its batch; else null.
+- `error` (string, null): set when the row cannot be generated: invalid messages, an empty
+  prompt, a template error, an invalid override value, or prompt_tokens + max_tokens above the
+  context length. Rows that arrive with `error` pass through untouched (empty token ids,
+  default sampling values).
+
+Every other column (`id`, `prompt`, `messages`, passthrough, ...) is kept as it is.
+
+The rendering helpers (`chat_messages`, `render_user_text`, `render_prompt`) are pure and are
+reused by the Serve app so a request is tokenized exactly like a batch row.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import math
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from pipeline.read import ERROR, ID, MESSAGES, PROMPT, override_columns
+from pipeline.spec import JobSpec, ModelSpec, PromptSpec, StorageSpec
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+    import ray.data
+
+PROMPT_TOKEN_IDS = "prompt_token_ids"
+PROMPT_TOKENS = "prompt_tokens"
+MAX_TOKENS = "max_tokens"
+TEMPERATURE = "temperature"
+TOP_P = "top_p"
+TOP_K = "top_k"
+SEED = "seed"
+SAMPLING_COLUMNS = (MAX_TOKENS, TEMPERATURE, TOP_P, TOP_K, SEED)
+STAGE_COLUMNS = (PROMPT_TOKEN_IDS, PROMPT_TOKENS, *SAMPLING_COLUMNS)
+
+# Start of the error of a row whose prompt + max_tokens exceed the context (plan counts them).
+TOO_LONG = "too long"
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+# Files a tokenizer needs; the weights are not downloaded to tokenize.
+TOKENIZER_FILES = ("*.json", "*.jinja", "*.model", "*.txt", "*.tiktoken", "*.py")
+# Tokenizing is light: a fraction of a CPU per tokenizer actor leaves room for the engines.
+PROMPT_STAGE_CPUS = 0.25
+
+
+class PromptError(ValueError):
+    """One row cannot be turned into a prompt; the message says why and what to fix."""
+
+
+# --- tokenizer and model facts ---------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=4)
+def load_tokenizer(model: ModelSpec, storage: StorageSpec) -> Any:
+    """The Hugging Face tokenizer for the model (or `model.tokenizer`); one per process."""
+    from transformers import AutoTokenizer
+
+    from pipeline.storage import materialize_model
+
+    source = model.tokenizer or model.path
+    field = "model.tokenizer" if model.tokenizer else "model.path"
+    local = materialize_model(
+        source,
+        model.cache_dir,
+        storage,
+        required_file="tokenizer_config.json",
+        field=field,
+        patterns=TOKENIZER_FILES,
+    )
+    try:
+        return AutoTokenizer.from_pretrained(str(local))
+    except Exception as exc:
+        raise PromptError(f"{field}: cannot load a tokenizer from {source}: {exc}") from exc
+
+
+@functools.lru_cache(maxsize=4)
+def model_context_length(model: ModelSpec, storage: StorageSpec) -> int | None:
+    """max_position_embeddings from the model's config.json (None when it does not say)."""
+    from pipeline.storage import materialize_model
+
+    local = materialize_model(
+        model.path, model.cache_dir, storage, patterns=("config.json",), field="model.path"
+    )
+    config = json.loads((local / "config.json").read_text())
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        if isinstance(config.get(key), int):
+            return config[key]
+    return None
+
+
+def context_length(spec: JobSpec) -> int | None:
+    """Prompt + output tokens a row may use: engine.max_model_len, else the model's own."""
+    if spec.engine.max_model_len is not None:
+        return spec.engine.max_model_len
+    return model_context_length(spec.model, spec.storage)
+
+
+# --- pure rendering ----------------------------------------------------------------------------
+
+
+def _content_text(content: Any, index: int) -> str:
+    if isinstance(content, str):
+        return content
+    # OpenAI content parts: [{"type": "text", "text": "..."}]; only text parts are supported.
+    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
+        kinds = {p.get("type") for p in content}
+        if kinds <= {"text"}:
+            return "".join(str(p.get("text", "")) for p in content)
+        raise PromptError(
+            f"messages[{index}].content has {sorted(k for k in kinds if k != 'text')} parts; "
+            "only text is supported"
+        )
+    raise PromptError(f"messages[{index}].content must be text, got {type(content).__name__}")
+
+
+def chat_messages(messages: str | Sequence[Any], system_prompt: str | None = None) -> list[dict]:
+    """Validate a chat (a list, or its JSON text) and prepend the system prompt if it has none.
+
+    Raises PromptError for anything that is not a non-empty list of {role, content} with a
+    known role and text content.
+    """
+    if isinstance(messages, str):
+        try:
+            messages = json.loads(messages)
+        except json.JSONDecodeError as exc:
+            raise PromptError(f"messages is not valid JSON ({exc})") from None
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise PromptError("messages must be a non-empty list of {role, content}")
+    chat = []
+    for index, message in enumerate(messages):
+        if not isinstance(message, Mapping) or "role" not in message or "content" not in message:
+            raise PromptError(f"messages[{index}] must be an object with role and content")
+        role = message["role"]
+        if role not in CHAT_ROLES:
+            raise PromptError(
+                f"messages[{index}].role {role!r} is not one of {', '.join(CHAT_ROLES)}"
+            )
+        # Chat templates know `system`; OpenAI's `developer` role means the same.
+        chat.append(
+            {
+                "role": "system" if role == "developer" else role,
+                "content": _content_text(message["content"], index),
+            }
+        )
+    if not any(m["content"].strip() for m in chat):
+        raise PromptError("messages are all empty")
+    if system_prompt and chat[0]["role"] != "system":
+        chat.insert(0, {"role": "system", "content": system_prompt})
+    return chat
+
+
+@functools.lru_cache(maxsize=16)
+def _compiled_template(template: str) -> Any:
+    from jinja2 import StrictUndefined
+    from jinja2.sandbox import SandboxedEnvironment
+
+    # StrictUndefined: a misspelled column is an error, not an empty string in the prompt.
+    return SandboxedEnvironment(undefined=StrictUndefined, keep_trailing_newline=True).from_string(
+        template
+    )
+
+
+def render_user_text(row: Mapping[str, Any], prompt_spec: PromptSpec) -> str:
+    """The user prompt text of a row: `prompt.template` over its columns, or its `prompt`."""
+    if prompt_spec.template is not None:
+        try:
+            text = _compiled_template(prompt_spec.template).render(**row)
+        except Exception as exc:  # jinja2 raises many kinds; all mean "fix the template/row"
+            raise PromptError(f"prompt.template: {type(exc).__name__}: {exc}") from None
+    else:
+        text = row.get(PROMPT)
+    if not isinstance(text, str) or not text.strip():
+        raise PromptError("empty prompt" + (" after the template" if prompt_spec.template else ""))
+    return text
+
+
+def render_prompt(
+    tokenizer: Any,
+    prompt_spec: PromptSpec,
+    *,
+    text: str | None = None,
+    messages: str | Sequence[Any] | None = None,
+) -> list[int]:
+    """Token ids for one prompt: a chat (`messages`) or a user text (`text`).
+
+    With `prompt.chat_template` the text becomes a one-turn chat (after the system prompt) and
+    the tokenizer's chat template is applied with the generation prompt; without, the text is
+    tokenized as is (with the tokenizer's special tokens, e.g. BOS).
+    """
+    if (text is None) == (messages is None):
+        raise PromptError("give exactly one of a prompt text or messages")
+    if messages is not None:
+        if not prompt_spec.chat_template:
+            raise PromptError("messages need prompt.chat_template: true")
+        chat = chat_messages(messages, prompt_spec.system_prompt)
+    else:
+        if not isinstance(text, str) or not text.strip():
+            raise PromptError("empty prompt")
+        if not prompt_spec.chat_template:
+            return list(tokenizer.encode(text, add_special_tokens=True))
+        chat = chat_messages([{"role": "user", "content": text}], prompt_spec.system_prompt)
+    if not getattr(tokenizer, "chat_template", None):
+        raise PromptError(
+            "the tokenizer has no chat template; set prompt.chat_template: false to tokenize "
+            "the text as is"
+        )
+    try:
+        rendered = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    except Exception as exc:
+        raise PromptError(f"chat template failed: {type(exc).__name__}: {exc}") from None
+    # The template already wrote any BOS it wants; adding special tokens again would double it.
+    return list(tokenizer.encode(rendered, add_special_tokens=False))
+
+
+def render_row(row: Mapping[str, Any], spec: JobSpec, tokenizer: Any) -> list[int]:
+    """Token ids for one dataset row (columns as produced by pipeline.read)."""
+    if row.get(MESSAGES) is not None:
+        return render_prompt(tokenizer, spec.prompt, messages=row[MESSAGES])
+    return render_prompt(tokenizer, spec.prompt, text=render_user_text(row, spec.prompt))
+
+
+# --- per-row sampling --------------------------------------------------------------------------
+
+
+def derive_seed(base_seed: int, row_id: str) -> int:
+    """A row's seed from the job seed and its id: independent of batching, fits in int64."""
+    digest = hashlib.sha256(f"{base_seed}:{row_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") & (2**63 - 1)
+
+
+def _check_sampling(field: str, value: Any) -> str | None:
+    """None if `value` is valid for the sampling field, else what is wrong with it."""
+    if field in ("max_tokens", "top_k", "seed") and (
+        isinstance(value, bool) or not isinstance(value, int)
+    ):
+        return "must be an integer"
+    if field == "max_tokens" and value < 1:
+        return "must be >= 1"
+    if field == "top_k" and value < 0:
+        return "must be >= 0 (0 disables)"
+    if field == "seed" and not -(2**63) <= value < 2**63:
+        return "must fit in int64"
+    if field in ("temperature", "top_p"):
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not math.isfinite(value)
+        ):
+            return "must be a finite number"
+        if field == "temperature" and value < 0:
+            return "must be >= 0"
+        if field == "top_p" and not 0 < value <= 1:
+            return "must be in (0, 1]"
+    return None
+
+
+def resolve_sampling(
+    row: Mapping[str, Any], spec: JobSpec, overrides: Mapping[str, str]
+) -> tuple[dict[str, Any], str | None]:
+    """The row's sampling values (defaults + overrides) and an error naming a bad override."""
+    base = spec.sampling
+    values: dict[str, Any] = {
+        MAX_TOKENS: base.max_tokens,
+        TEMPERATURE: base.temperature,
+        TOP_P: base.top_p,
+        TOP_K: base.top_k,
+        SEED: None,
+    }
+    seed_overridden = False
+    for field, column in overrides.items():
+        value = row.get(column)
+        if value is None or (isinstance(value, float) and math.isnan(value)):
+            continue
+        problem = _check_sampling(field, value)
+        if problem:
+            return values, f"column {column!r} (sampling.overrides.{field}): {value!r} {problem}"
+        values[field] = value
+        seed_overridden |= field == SEED
+    if not seed_overridden and base.seed is not None:
+        values[SEED] = derive_seed(base.seed, str(row.get(ID)))
+    return values, None
+
+
+# --- the Ray Data stage ------------------------------------------------------------------------
+
+
+class PromptStage:
+    """Callable for `ds.map_batches(PromptStage, fn_constructor_kwargs={"spec": spec}, ...)`.
+
+    Loads the tokenizer once per worker; each call maps a pyarrow batch to the same rows with
+    the stage columns added (see the module docstring).
+    """
+
+    def __init__(self, spec: JobSpec) -> None:
+        self.spec = spec
+        self.tokenizer = load_tokenizer(spec.model, spec.storage)
+        self.max_len = context_length(spec)
+        self.overrides = override_columns(spec)
+
+    def process_row(self, row: Mapping[str, Any]) -> dict[str, Any]:
+        """Stage columns and `error` for one row (a dict of the read columns)."""
+        sampling, problem = resolve_sampling(row, self.spec, self.overrides)
+        out: dict[str, Any] = {PROMPT_TOKEN_IDS: [], PROMPT_TOKENS: 0, **sampling}
+        out[ERROR] = row.get(ERROR)
+        if out[ERROR] is not None:
+            return out
+        if problem:
+            out[ERROR] = problem
+            return out
+        try:
+            token_ids = render_row(row, self.spec, self.tokenizer)
+        except PromptError as exc:
+            out[ERROR] = str(exc)
+            return out
+        total = len(token_ids) + sampling[MAX_TOKENS]
+        if self.max_len is not None and total > self.max_len:
+            out[ERROR] = (
+                f"{TOO_LONG}: prompt has {len(token_ids)} tokens + max_tokens "
+                f"{sampling[MAX_TOKENS]} = {total} > context length {self.max_len}; "
+                "shorten the prompt or lower max_tokens"
+            )
+            return out
+        out[PROMPT_TOKEN_IDS] = token_ids
+        out[PROMPT_TOKENS] = len(token_ids)
+        return out
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        import pyarrow as pa
+
+        results = [self.process_row(row) for row in batch.to_pylist()]
+        columns = {
+            PROMPT_TOKEN_IDS: pa.array(
+                [r[PROMPT_TOKEN_IDS] for r in results], type=pa.list_(pa.int32())
+            ),
+            PROMPT_TOKENS: pa.array([r[PROMPT_TOKENS] for r in results], type=pa.int32()),
+            MAX_TOKENS: pa.array([r[MAX_TOKENS] for r in results], type=pa.int32()),
+            TEMPERATURE: pa.array([r[TEMPERATURE] for r in results], type=pa.float64()),
+            TOP_P: pa.array([r[TOP_P] for r in results], type=pa.float64()),
+            TOP_K: pa.array([r[TOP_K] for r in results], type=pa.int32()),
+            SEED: pa.array([r[SEED] for r in results], type=pa.int64()),
+            ERROR: pa.array([r[ERROR] for r in results], type=pa.string()),
+        }
+        for name, array in columns.items():
+            if name in batch.column_names:
+                batch = batch.set_column(batch.column_names.index(name), name, array)
+            else:
+                batch = batch.append_column(name, array)
+        return batch
+
+
+def tokenize_dataset(ds: ray.data.Dataset, spec: JobSpec) -> ray.data.Dataset:
+    """`ds` (from pipeline.read) with the prompt stage applied by a small tokenizer pool."""
+    import ray.data
+
+    return ds.map_batches(
+        PromptStage,
+        fn_constructor_kwargs={"spec": spec},
+        compute=ray.data.ActorPoolStrategy(min_size=1, max_size=2),
+        num_cpus=PROMPT_STAGE_CPUS,
+        batch_size=spec.resources.batch_size,
+        batch_format="pyarrow",
+    )
