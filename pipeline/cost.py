@@ -34,7 +34,7 @@ from engines.api import GenerationResult, StepRecord
 if TYPE_CHECKING:
     import pyarrow as pa
 
-    from pipeline.spec import CostSpec, JobSpec
+    from pipeline.spec import CostSpec, JobSpec, ResourcesSpec
 
 SECONDS_PER_HOUR = 3600.0
 TOKENS_PER_MILLION = 1_000_000.0
@@ -549,17 +549,30 @@ def estimate_cost(
     wall = output_tokens / (tokens_per_s x actors); cost = devices x actors x wall x price.
     Autoscaling pools are estimated at max_actors (the fastest, same device-hours).
     """
+    return estimate_for_resources(
+        spec.resources, spec.cost, num_rows, prompt_tokens, output_tokens, tokens_per_s
+    )
+
+
+def estimate_for_resources(
+    resources: ResourcesSpec,
+    cost_spec: CostSpec,
+    num_rows: int,
+    prompt_tokens: int,
+    output_tokens: int,
+    tokens_per_s: float,
+) -> CostEstimate:
+    """`estimate_cost` from the two spec sections it reads (the report re-parses only these)."""
     if tokens_per_s <= 0:
         raise ValueError(
             f"tokens_per_s must be > 0 (output tokens per second per actor), got {tokens_per_s}"
         )
-    res = spec.resources
-    num_actors = res.num_actors or res.max_actors or 1
-    devices = billed_devices(res.devices_per_actor)
+    num_actors = resources.num_actors or resources.max_actors or 1
+    devices = billed_devices(resources.devices_per_actor)
     wall_s = output_tokens / (tokens_per_s * num_actors)
     device_hours = devices * num_actors * wall_s / SECONDS_PER_HOUR
-    usd = device_hours * spec.cost.device_hour_usd
-    has_list = spec.cost.price_per_million is not None
+    usd = device_hours * cost_spec.device_hour_usd
+    has_list = cost_spec.price_per_million is not None
     return CostEstimate(
         num_rows=num_rows,
         prompt_tokens=prompt_tokens,
@@ -571,7 +584,7 @@ def estimate_cost(
         device_hours=device_hours,
         usd=usd,
         usd_per_million_output=_per_million(usd, output_tokens),
-        list_price_usd=list_price_usd(prompt_tokens, 0, output_tokens, spec.cost)
+        list_price_usd=list_price_usd(prompt_tokens, 0, output_tokens, cost_spec)
         if has_list
         else None,
     )

@@ -1,0 +1,189 @@
+"""The run report from a synthetic output prefix: parts written in the output schema, actor
+accounts from a real CostMeter, a manifest laid out like pipeline.manifest writes it."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import math
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from typer.testing import CliRunner
+
+from engines.api import GenerationResult, RequestMetrics, StepRecord
+from pipeline.cli import app
+from pipeline.cost import CostMeter, row_cost
+from pipeline.report import build_report, error_kind, write_report
+from pipeline.spec import CostSpec, StorageSpec
+from pipeline.write import OutputDir, output_schema
+
+COST = {
+    "device_hour_usd": 3.5,
+    "price_per_million": {"input": 0.5, "output": 2.0},
+    "batch_discount": 0.5,
+}
+
+
+def _actor_rows(actor: str, n: int, t0: float, errors: int = 0):
+    """Rows served by one simulated actor (2 devices), and its final account."""
+    spec = CostSpec(**COST)
+    meter = CostMeter(2, start=0.0)
+    meter.record_load(0.0, 5.0)
+    rows = []
+    t = 6.0
+    for i in range(n):
+        rid = f"{actor}-{i}"
+        meter.on_submit(rid, t)
+        meter.add_steps(
+            [StepRecord(t, t + 0.5, {rid: 20}, {}), StepRecord(t + 0.6, t + 1.0, {}, {rid: 4})]
+        )
+        result = GenerationResult(
+            rid,
+            [1] * 4,
+            "abcd",
+            "stop",
+            20,
+            4,
+            metrics=RequestMetrics(t, t, t + 0.5, t + 1.0),
+        )
+        meter.on_finish(result)
+        gpu = meter.pop_row_seconds(rid)
+        cost = row_cost(gpu, 20, 0, 4, spec)
+        rows.append(
+            {
+                "id": rid,
+                "text": "abcd",
+                "finish_reason": "stop",
+                "error": None,
+                "prompt_tokens": 20,
+                "cached_prompt_tokens": 0,
+                "completion_tokens": 4,
+                "queue_s": 0.0,
+                "ttft_s": 0.5,
+                "decode_s": 0.5,
+                "latency_s": 1.0,
+                "gpu_seconds": cost.gpu_seconds,
+                "cost_usd": cost.cost_usd,
+                "list_price_usd": cost.list_price_usd,
+                "model": "tiny",
+                "engine": "reference",
+                "actor_id": actor,
+                "finished_at": dt.datetime.fromtimestamp(t0 + t + 1.0, dt.timezone.utc),
+            }
+        )
+        t += 1.5
+    for i in range(errors):
+        rows.append(
+            {
+                **rows[0],
+                "id": f"{actor}-err{i}",
+                "finish_reason": "error",
+                "error": "ValueError: prompt too long (300 > 256)",
+                "text": "",
+                "gpu_seconds": 0.0,
+                "cost_usd": 0.0,
+                "list_price_usd": 0.0,
+                "completion_tokens": 0,
+                "actor_id": None,
+                "latency_s": None,
+                "ttft_s": None,
+            }
+        )
+    account = meter.account(t + 2.0)
+    account.actor_id = actor
+    return rows, {**account.to_dict(), "incarnation": "x1"}
+
+
+@pytest.fixture(scope="module")
+def output_dir(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("out")
+    rows_a, acc_a = _actor_rows("actor-aaaa", 6, 1e9, errors=2)
+    rows_b, acc_b = _actor_rows("actor-bbbb", 4, 1e9 + 3)
+    schema = output_schema()
+    pq.write_table(pa.Table.from_pylist(rows_a, schema=schema), root / "part-00001-000000.parquet")
+    pq.write_table(pa.Table.from_pylist(rows_b, schema=schema), root / "part-00001-000001.parquet")
+    manifest = {
+        "job": "unit-report",
+        "status": "complete",
+        "fingerprint": {},
+        "spec": {
+            "name": "unit-report",
+            "cost": COST,
+            "resources": {"num_actors": 2, "devices_per_actor": 2},
+            "sampling": {"max_tokens": 8},
+        },
+        "input_files": [],
+        "runs": [
+            {
+                "attempt": 1,
+                "started_at": "x",
+                "mode": "run",
+                "wall_s": 20.0,
+                "actors": [acc_a, acc_b],
+            }
+        ],
+        "missing_ids": 0,
+        "updated_at": "2026-01-01T00:00:00+00:00",
+    }
+    (root / "_manifest.json").write_text(json.dumps(manifest))
+    return root
+
+
+def test_summary_books_balance_and_costs(output_dir):
+    summary, markdown, images = build_report(OutputDir(str(output_dir), StorageSpec()))
+    assert summary.rows == 12 and summary.rows_error == 2 and summary.rows_ok == 10
+    assert [a.actor_id for a in summary.actors] == ["actor-aaaa", "actor-bbbb"]
+    for a in summary.actors:
+        assert abs(a.balance_error_s) <= 1e-9 * a.paid_s
+        assert a.load_s == pytest.approx(2 * 5.0)
+    c = summary.cost
+    paid = sum(a.paid_s for a in summary.actors)
+    assert c.total_usd == pytest.approx(paid * 3.5 / 3600)
+    assert c.rows_usd + c.idle_usd + c.load_usd == pytest.approx(c.total_usd)
+    assert c.list_price_usd == pytest.approx(10 * (20 * 0.5 + 4 * 2.0) / 1e6 * 0.5)
+    assert summary.errors_by_kind == {"ValueError": 2}
+    # No estimate stored: recomputed with 12 rows x max_tokens 8 at the measured throughput.
+    assert summary.estimate is not None and summary.estimate.output_tokens == 96
+    assert "recomputed" in summary.estimate_source
+    assert "| rows ok / error | 10 / 2 |" in markdown
+    assert "Estimate vs actual" in markdown
+    assert set(images) == {
+        "throughput.png",
+        "latency.png",
+        "cost_per_row.png",
+        "actors.png",
+        "errors.png",
+    }
+    assert all(png.startswith(b"\x89PNG") for png in images.values())
+
+
+def test_write_report_and_cli(output_dir):
+    result = write_report(str(output_dir))
+    text = (output_dir / "report.md").read_text()
+    for name in result.plot_names:
+        assert (output_dir / name).read_bytes().startswith(b"\x89PNG")
+        assert f"]({name})" in text
+    cli = CliRunner().invoke(app, ["report", str(output_dir), "--json", "--no-write"])
+    assert cli.exit_code == 0, cli.output
+    data = json.loads(cli.output)
+    assert data["rows"] == 12
+    assert all(math.isfinite(a["balance_error_s"]) for a in data["actors"])
+    shown = CliRunner().invoke(app, ["report", str(output_dir)])
+    assert shown.exit_code == 0, shown.output
+    assert "USD per 1M output tokens" in shown.output and "report.md" in shown.output
+
+
+def test_report_on_a_prefix_without_output(tmp_path):
+    cli = CliRunner().invoke(app, ["report", str(tmp_path / "nothing")])
+    assert cli.exit_code == 2
+    assert "_manifest.json" in cli.output
+
+
+def test_error_kinds():
+    assert error_kind("ValueError: bad") == "ValueError"
+    assert error_kind("row 'x1': max_tokens must be >= 1") == "max_tokens must be >= 1"
+    assert error_kind("empty prompt (no tokens)") == "empty prompt"
+    assert error_kind(None) == "unknown"
