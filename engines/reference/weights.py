@@ -77,7 +77,10 @@ def _apply_quantization(model: CausalLM, tensors: dict[str, torch.Tensor], model
             f"{model_dir} is a quantized checkpoint ({quant_path.name}); "
             "quantized checkpoints need engines.reference.quant"
         ) from exc
-    apply_quantized_checkpoint(model, tensors, quant_config)
+    try:
+        apply_quantized_checkpoint(model, tensors, quant_config)
+    except (ValueError, KeyError) as exc:
+        raise EngineError(f"{model_dir}: cannot load the quantized checkpoint: {exc}") from exc
 
 
 def _apply_kv_scales(model: CausalLM, tensors: dict[str, torch.Tensor]) -> None:

@@ -1,0 +1,99 @@
+"""Shared helpers for the reference-engine tests: tiny models built once per test session,
+prompts, and the transformers greedy baseline the engine is compared against."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from engines.api import GenerationRequest, GenerationResult, SamplingParams
+
+# (arch, tied) -> model dir; one build per session however many modules ask.
+_MODELS: dict[tuple[str, bool], Path] = {}
+_BASE: list[Path] = []
+
+
+def tiny_model(arch: str = "llama", tied: bool = False) -> Path:
+    """A tiny random HF model of `arch`, built on first use and reused for the session."""
+    key = (arch, tied)
+    if key not in _MODELS:
+        from engines.tiny import make_tiny_model
+
+        if not _BASE:
+            _BASE.append(Path(tempfile.mkdtemp(prefix="tokenmill-engine-models-")))
+        out = _BASE[0] / f"{arch}-{'tied' if tied else 'untied'}"
+        _MODELS[key] = make_tiny_model(out, arch=arch, tie_word_embeddings=tied)
+    return _MODELS[key]
+
+
+@pytest.fixture(scope="session")
+def llama_dir() -> Path:
+    return tiny_model("llama")
+
+
+def varied_prompts(
+    count: int, seed: int = 0, vocab: int = 1000, shared_prefix: int = 40
+) -> list[list[int]]:
+    """Prompts of 1..80 tokens; every other one starts with a shared prefix (prefix-cache hits)."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(3, vocab) for _ in range(shared_prefix)]
+    prompts = []
+    for i in range(count):
+        tail = [rng.randrange(3, vocab) for _ in range(rng.randint(1, 40))]
+        prompts.append(prefix + tail if i % 2 else tail + [rng.randrange(3, vocab)] * (i % 3))
+    return prompts
+
+
+def greedy_requests(prompts: Sequence[list[int]], seed: int = 1) -> list[GenerationRequest]:
+    rng = random.Random(seed)
+    return [
+        GenerationRequest(
+            list(p),
+            SamplingParams(max_tokens=rng.randint(1, 24), temperature=0.0, ignore_eos=True),
+            request_id=f"r{i}",
+        )
+        for i, p in enumerate(prompts)
+    ]
+
+
+def hf_greedy(model_dir: Path, requests: Sequence[GenerationRequest]) -> list[list[int]]:
+    """transformers `generate(do_sample=False)`, one prompt at a time, EOS ignored."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    model.generation_config.eos_token_id = None  # like ignore_eos: run to max_new_tokens
+    outputs = []
+    with torch.inference_mode():
+        for request in requests:
+            ids = torch.tensor([request.prompt_token_ids])
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=request.sampling.max_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )
+            outputs.append(out[0, ids.shape[1] :].tolist())
+    return outputs
+
+
+def run_all(
+    engine, requests: Sequence[GenerationRequest], stagger_s: float = 0.0
+) -> list[GenerationResult]:
+    """Submit every request (all at once, or `stagger_s` apart) and wait for all results."""
+
+    async def main() -> list[GenerationResult]:
+        tasks = []
+        for request in requests:
+            tasks.append(asyncio.create_task(engine.generate(request)))
+            if stagger_s:
+                await asyncio.sleep(stagger_s)
+        return await asyncio.gather(*tasks)
+
+    return asyncio.run(main())
