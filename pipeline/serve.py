@@ -52,10 +52,12 @@ def run_server(
     from pipeline.serve_app import build_app
 
     stop = threading.Event()
+    start_ray(options)
+    # After ray.init, which installs a SIGTERM handler of its own that would kill the driver
+    # without letting Serve stop its replicas.
     previous = {
         sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)
     }
-    start_ray(options)
     try:
         serve.start(
             http_options={"host": options.host, "port": options.port}, proxy_location="HeadOnly"
@@ -65,9 +67,9 @@ def run_server(
         while not stop.wait(timeout=1.0):
             pass
     finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         try:
             serve.shutdown()
         finally:
             ray.shutdown()
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)

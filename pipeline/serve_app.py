@@ -11,8 +11,8 @@ that disconnects makes Serve cancel the ingress call and, through the handle, th
 which aborts the request in the engine.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations` here: FastAPI reads the route signatures at runtime
+# (Serve re-creates the methods, and string annotations no longer resolve to Request).
 import asyncio
 import logging
 import time
@@ -26,27 +26,29 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engines.api import EngineInfo, GenerationRequest, GenerationResult, SamplingParams
+from engines.api import EngineInfo, GenerationResult
 from pipeline.openai_protocol import (
     SSE_DONE,
     ApiError,
-    ChatCompletionRequest,
-    CompletionRequest,
     Endpoint,
-    ResponseIds,
     Usage,
     chunk_body,
     completion_body,
-    parse_chat_request,
-    parse_completion_request,
     parse_json_body,
     sse,
     usage_chunk_body,
 )
 from pipeline.serve_auth import KeyDigests
-from pipeline.serve_cost import cost_usd, list_price_usd
 from pipeline.serve_metrics import CONTENT_TYPE, ServeMetrics
 from pipeline.serve_replica import EngineReplica, ServedDelta, ServedResult
+from pipeline.serve_requests import (
+    Prepared,
+    engine_unavailable,
+    finish_reason,
+    parse_request,
+    to_engine_request,
+    usage_of,
+)
 from pipeline.serve_spec import ServedModelSpec, ServeSpec
 from pipeline.serve_tokens import PromptTokenizer
 
@@ -69,25 +71,6 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
         code="not_found" if exc.status_code == 404 else "method_not_allowed",
     )
     return JSONResponse(error.body(), status_code=exc.status_code)
-
-
-class _Prepared:
-    """A validated request, ready to dispatch: who, what, and the engine request."""
-
-    def __init__(
-        self,
-        endpoint: Endpoint,
-        served: ServedModelSpec,
-        engine_request: GenerationRequest,
-        stream: bool,
-        include_usage: bool,
-    ) -> None:
-        self.endpoint = endpoint
-        self.served = served
-        self.engine_request = engine_request
-        self.stream = stream
-        self.include_usage = include_usage
-        self.ids = ResponseIds.new(endpoint, engine_request.request_id, served.name)
 
 
 @serve.deployment
@@ -215,67 +198,14 @@ class OpenAIIngress:
             self._infos[name] = await self._engines[name].info.remote()
         return self._infos[name]
 
-    async def _prepare(self, data: dict[str, Any], endpoint: Endpoint) -> _Prepared:
-        if endpoint == "chat":
-            request: ChatCompletionRequest | CompletionRequest = parse_chat_request(data)
-        else:
-            request = parse_completion_request(data)
+    async def _prepare(self, data: dict[str, Any], endpoint: Endpoint) -> Prepared:
+        request = parse_request(data, endpoint)
         served = self._served(request.model)
-        tokenizer = self._tokenizers[served.name]
-        if isinstance(request, ChatCompletionRequest):
-            if not served.prompt.chat_template or not tokenizer.has_chat_template:
-                raise ApiError(
-                    400,
-                    f"model '{served.name}' has no chat template; use /v1/completions",
-                    param="messages",
-                    code="unsupported_endpoint",
-                )
-            messages = [{"role": m.role, "content": m.text} for m in request.messages]
-            prompt_ids = tokenizer.chat_ids(messages, served.prompt.system_prompt)
-            prompt_param = "messages"
-            default_max = served.limits.default_max_tokens
-        else:
-            prompt_ids = _completion_prompt_ids(request, tokenizer)
-            prompt_param = "prompt"
-            default_max = 16  # OpenAI's default for /v1/completions
         info = await self._info(served.name)
-        max_tokens = _max_tokens(
-            served, info, len(prompt_ids), request.requested_max_tokens, default_max, prompt_param
-        )
-        try:
-            sampling = SamplingParams(
-                max_tokens=max_tokens,
-                temperature=request.temperature,
-                top_p=request.top_p,
-                top_k=request.top_k,
-                seed=request.seed,
-                stop=request.stop_list,
-                ignore_eos=request.ignore_eos,
-            )
-        except ValueError as exc:
-            raise ApiError(400, str(exc), code="invalid_value") from None
-        return _Prepared(
-            endpoint,
-            served,
-            GenerationRequest(prompt_token_ids=prompt_ids, sampling=sampling),
-            stream=request.stream,
-            include_usage=request.include_usage,
-        )
+        return to_engine_request(request, endpoint, served, self._tokenizers[served.name], info)
 
     def _usage(self, served: ServedModelSpec, result: GenerationResult, seconds: float) -> Usage:
-        usage = Usage(
-            prompt_tokens=result.prompt_tokens,
-            completion_tokens=result.completion_tokens,
-            cached_tokens=result.cached_prompt_tokens,
-            gpu_seconds=seconds,
-            cost_usd=cost_usd(seconds, served.cost),
-            list_price_usd=list_price_usd(
-                result.prompt_tokens,
-                result.cached_prompt_tokens,
-                result.completion_tokens,
-                served.cost,
-            ),
-        )
+        usage = usage_of(served, result, seconds)
         name = served.name
         self._metrics.prompt_tokens.labels(name).inc(usage.prompt_tokens)
         self._metrics.cached_tokens.labels(name).inc(usage.cached_tokens)
@@ -285,7 +215,7 @@ class OpenAIIngress:
             self._metrics.ttft.labels(name).observe(result.metrics.ttft_s)
         return usage
 
-    def _finish(self, prepared: _Prepared, started: float, status: int) -> None:
+    def _finish(self, prepared: Prepared, started: float, status: int) -> None:
         name = prepared.served.name
         self._metrics.requests.labels(name, prepared.endpoint, str(status)).inc()
         self._metrics.latency.labels(name, prepared.endpoint).observe(time.monotonic() - started)
@@ -300,7 +230,7 @@ class OpenAIIngress:
             headers={"Retry-After": str(retry)},
         )
 
-    async def _complete(self, prepared: _Prepared, started: float) -> Response:
+    async def _complete(self, prepared: Prepared, started: float) -> Response:
         name = prepared.served.name
         call = self._engines[name].generate.remote(prepared.engine_request)
         self._metrics.in_flight.labels(name).inc()
@@ -315,7 +245,7 @@ class OpenAIIngress:
             raise
         except Exception as exc:
             logger.exception("engine call failed for model %s", name)
-            raise _engine_unavailable(name, exc) from None
+            raise engine_unavailable(name, exc) from None
         finally:
             self._metrics.in_flight.labels(name).dec()
         result = served.result
@@ -324,11 +254,11 @@ class OpenAIIngress:
                 500, f"generation failed: {result.error}", type="server_error", code="engine_error"
             )
         usage = self._usage(prepared.served, result, served.gpu_seconds)
-        body = completion_body(prepared.ids, result.text, _finish_reason(result), usage)
+        body = completion_body(prepared.ids, result.text, finish_reason(result), usage)
         self._finish(prepared, started, 200)
         return JSONResponse(body)
 
-    async def _stream(self, prepared: _Prepared, started: float) -> Response:
+    async def _stream(self, prepared: Prepared, started: float) -> Response:
         name = prepared.served.name
         handle = self._engines[name].options(stream=True)
         deltas = handle.stream.remote(prepared.engine_request)
@@ -347,7 +277,7 @@ class OpenAIIngress:
         except Exception as exc:
             self._metrics.in_flight.labels(name).dec()
             logger.exception("engine stream failed for model %s", name)
-            raise _engine_unavailable(name, exc) from None
+            raise engine_unavailable(name, exc) from None
         return StreamingResponse(
             self._events(prepared, deltas, started),
             media_type="text/event-stream",
@@ -355,7 +285,7 @@ class OpenAIIngress:
         )
 
     async def _events(
-        self, prepared: _Prepared, deltas: AsyncIterator[ServedDelta], started: float
+        self, prepared: Prepared, deltas: AsyncIterator[ServedDelta], started: float
     ) -> AsyncIterator[bytes]:
         ids, usage_on = prepared.ids, prepared.include_usage
         name = prepared.served.name
@@ -384,7 +314,7 @@ class OpenAIIngress:
                     return
                 usage = self._usage(prepared.served, result, item.gpu_seconds or 0.0)
                 yield sse(
-                    chunk_body(ids, finish_reason=_finish_reason(result), include_usage=usage_on)
+                    chunk_body(ids, finish_reason=finish_reason(result), include_usage=usage_on)
                 )
                 if usage_on:
                     yield sse(usage_chunk_body(ids, usage))
@@ -393,7 +323,7 @@ class OpenAIIngress:
         except Exception as exc:
             # Headers are gone already: report in-band, as OpenAI does, then end the stream.
             logger.exception("engine stream failed for model %s", name)
-            api_error = _engine_unavailable(name, exc)
+            api_error = engine_unavailable(name, exc)
             self._metrics.errors.labels(api_error.kind).inc()
             yield sse(api_error.body())
         finally:
@@ -403,81 +333,6 @@ class OpenAIIngress:
                 # closes the engine's stream and frees the request's KV blocks.
                 deltas.cancel()  # type: ignore[attr-defined]
                 self._metrics.errors.labels("client_disconnected").inc()
-
-
-def _engine_unavailable(name: str, exc: Exception) -> ApiError:
-    return ApiError(
-        503,
-        f"model '{name}' is unavailable right now ({type(exc).__name__}); retry shortly",
-        type="server_error",
-        code="engine_unavailable",
-    )
-
-
-def _finish_reason(result: GenerationResult) -> str:
-    return "length" if result.finish_reason == "length" else "stop"
-
-
-def _completion_prompt_ids(request: CompletionRequest, tokenizer: PromptTokenizer) -> list[int]:
-    prompt = request.prompt
-    if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        if not prompt:
-            raise ApiError(400, "'prompt' is empty", param="prompt", code="invalid_value")
-        return tokenizer.text_ids(prompt)
-    ids = list(prompt)
-    vocab = tokenizer.vocab_size
-    bad = [t for t in ids if not 0 <= t < vocab]
-    if bad:
-        raise ApiError(
-            400,
-            f"'prompt' holds token ids outside the vocabulary [0, {vocab}): {bad[:5]}",
-            param="prompt",
-            code="invalid_value",
-        )
-    return ids
-
-
-def _max_tokens(
-    served: ServedModelSpec,
-    info: EngineInfo,
-    num_prompt: int,
-    requested: int | None,
-    default: int,
-    prompt_param: str,
-) -> int:
-    """The request's max_tokens after the caps; a 400 names what to shorten."""
-    context = info.max_model_len
-    prompt_cap = min(served.limits.max_prompt_tokens or context - 1, context - 1)
-    if num_prompt > prompt_cap:
-        raise ApiError(
-            400,
-            f"The prompt is {num_prompt} tokens; model '{served.name}' accepts at most "
-            f"{prompt_cap} prompt tokens. Shorten the {prompt_param}.",
-            param=prompt_param,
-            code="context_length_exceeded",
-        )
-    room = context - num_prompt
-    if requested is None:
-        return max(1, min(default, served.limits.max_tokens, room))
-    if requested > served.limits.max_tokens:
-        raise ApiError(
-            400,
-            f"max_tokens is {requested}; this server allows at most {served.limits.max_tokens}",
-            param="max_tokens",
-            code="invalid_value",
-        )
-    if requested > room:
-        raise ApiError(
-            400,
-            f"This model's maximum context length is {context} tokens. However, you requested "
-            f"{num_prompt + requested} tokens ({num_prompt} in the {prompt_param}, {requested} in "
-            "the completion). Reduce the length of the prompt or max_tokens.",
-            param="max_tokens",
-            code="context_length_exceeded",
-        )
-    return requested
 
 
 # --- assembly --------------------------------------------------------------------------------

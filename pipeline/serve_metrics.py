@@ -87,10 +87,18 @@ class ServeMetrics:
             registry=r,
         )
 
+        self.engine_steps = Gauge(
+            "tokenmill_engine_steps",
+            "Engine steps since load (sampled from one replica at scrape); flat when idle.",
+            ["model"],
+            registry=r,
+        )
+
     def observe_engine(self, model: str, stats: EngineStats) -> None:
         self.engine_running.labels(model).set(stats.num_running)
         self.engine_waiting.labels(model).set(stats.num_waiting)
         self.engine_kv_used.labels(model).set(stats.kv_blocks_used)
+        self.engine_steps.labels(model).set(stats.num_steps)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

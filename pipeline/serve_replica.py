@@ -23,7 +23,8 @@ from engines.api import (
     GenerationResult,
     StreamDelta,
 )
-from pipeline.serve_cost import IntervalCostMeter, StepCostMeter
+from pipeline.cost import CostMeter
+from pipeline.serve_cost import EqualShareMeter
 from pipeline.serve_spec import ServedModelSpec
 from pipeline.spec import StorageSpec
 
@@ -54,14 +55,23 @@ class EngineReplica:
     def __init__(self, served: ServedModelSpec, storage: StorageSpec) -> None:
         from pipeline.engine_setup import open_engine
 
+        load_start = time.monotonic()
         self._engine = open_engine(served.model, served.engine, storage)
         info = self._engine.info
-        self._steps = (
-            StepCostMeter(info.num_devices, served.cost.prefill_weight, served.cost.decode_weight)
-            if info.has_step_records
-            else None
-        )
-        self._intervals = IntervalCostMeter(info.num_devices)
+        devices = served.replicas.devices_per_replica
+        self._step_meter: CostMeter | None = None
+        self._equal_meter: EqualShareMeter | None = None
+        if info.has_step_records:
+            self._step_meter = CostMeter(
+                devices,
+                served.cost.prefill_weight,
+                served.cost.decode_weight,
+                start=load_start,
+                has_step_records=True,
+            )
+            self._step_meter.record_load(load_start, time.monotonic())
+        else:
+            self._equal_meter = EqualShareMeter(devices)
 
     def info(self) -> EngineInfo:
         return self._engine.info
@@ -76,30 +86,47 @@ class EngineReplica:
         except EngineDeadError as exc:
             raise RuntimeError(f"engine is dead: {exc}") from exc
 
-    def _enter(self, request_id: str) -> None:
-        self._intervals.enter(request_id, time.monotonic())
+    def _enter(self, request: GenerationRequest) -> None:
+        now = time.monotonic()
+        if self._step_meter is not None:
+            self._step_meter.on_submit(request.request_id, now)
+        else:
+            self._equal_meter.enter(request.request_id, now)  # type: ignore[union-attr]
 
-    def _leave(self, request_id: str) -> float:
-        seconds = self._intervals.leave(request_id, time.monotonic())
-        if self._steps is None:
-            return seconds
-        self._steps.add_steps(self._engine.drain_step_records())
-        return self._steps.pop(request_id)
+    def _leave(self, request: GenerationRequest, result: GenerationResult | None) -> float:
+        """The request's device-seconds, once it has left the engine (result None: cancelled)."""
+        rid = request.request_id
+        if self._step_meter is None:
+            return self._equal_meter.leave(rid, time.monotonic())  # type: ignore[union-attr]
+        if result is None:
+            result = GenerationResult(
+                request_id=rid,
+                output_token_ids=[],
+                text="",
+                finish_reason="cancelled",
+                prompt_tokens=len(request.prompt_token_ids),
+                completion_tokens=0,
+            )
+        # The engine records a request's steps before delivering its result, so after this
+        # drain the request's share is final.
+        self._step_meter.add_steps(self._engine.drain_step_records())
+        self._step_meter.on_finish(result)
+        return self._step_meter.pop_row_seconds(rid)
 
     async def generate(self, request: GenerationRequest) -> ServedResult:
-        self._enter(request.request_id)
+        self._enter(request)
         try:
             result = await self._engine.generate(request)
         except asyncio.CancelledError:
             # The caller went away (client disconnect or a cancelled handle call): free the
             # request's KV blocks now rather than finishing work nobody will read.
             self._engine.abort(request.request_id)
-            self._leave(request.request_id)
+            self._leave(request, None)
             raise
-        return ServedResult(result, self._leave(request.request_id))
+        return ServedResult(result, self._leave(request, result))
 
     async def stream(self, request: GenerationRequest) -> AsyncIterator[ServedDelta]:
-        self._enter(request.request_id)
+        self._enter(request)
         deltas = self._engine.stream(request)
         finished = False
         try:
@@ -107,7 +134,7 @@ class EngineReplica:
             async for delta in deltas:
                 if delta.finished:
                     finished = True
-                    yield ServedDelta(delta, self._leave(request.request_id))
+                    yield ServedDelta(delta, self._leave(request, delta.result))
                     return
                 yield ServedDelta(delta)
         finally:
@@ -118,7 +145,7 @@ class EngineReplica:
                 if close is not None:
                     await close()
                 self._engine.abort(request.request_id)
-                self._leave(request.request_id)
+                self._leave(request, None)
 
     def __del__(self) -> None:
         # Serve's documented replica teardown hook: stop the step loop, free memory.
