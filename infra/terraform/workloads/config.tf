@@ -1,0 +1,46 @@
+resource "kubernetes_namespace_v1" "tokenmill" {
+  metadata {
+    name = var.namespace
+  }
+}
+
+# The job and serve files, mounted read-only into the Ray pods and the nightly pod.
+# No secrets: job files reference credentials only through ${ENV} names.
+resource "kubernetes_config_map_v1" "jobs" {
+  metadata {
+    name      = "tokenmill-jobs"
+    namespace = kubernetes_namespace_v1.tokenmill.metadata[0].name
+  }
+  data = {
+    "nightly.yaml" = file(local.nightly_job_file)
+    "serve.yaml"   = file(local.serve_config_file)
+  }
+}
+
+# Ray pods accept traffic only from their own namespace (workers, head, the nightly submitter)
+# and from the KubeRay operator, which calls the dashboard to deploy Serve apps and poll jobs.
+resource "kubernetes_network_policy_v1" "ray" {
+  metadata {
+    name      = "tokenmill-ray"
+    namespace = kubernetes_namespace_v1.tokenmill.metadata[0].name
+  }
+  spec {
+    pod_selector {
+      match_expressions {
+        key      = "ray.io/cluster"
+        operator = "Exists"
+      }
+    }
+    policy_types = ["Ingress"]
+    ingress {
+      from {
+        pod_selector {}
+      }
+      from {
+        namespace_selector {
+          match_labels = { "kubernetes.io/metadata.name" = var.kuberay_namespace }
+        }
+      }
+    }
+  }
+}

@@ -1,0 +1,61 @@
+# The long-running OpenAI-compatible endpoint: Ray Serve runs tokenmill's Serve application
+# (what `tokenmill serve SERVE.yaml` runs locally) from the serve YAML mounted at
+# local.serve_config_path. Editing jobs/serve.yaml and applying rolls the app in place.
+locals {
+  serve_config_v2 = yamlencode({
+    http_options = { host = "0.0.0.0", port = 8000 }
+    applications = [{
+      name         = "tokenmill"
+      import_path  = "pipeline.serve_app:app_builder"
+      route_prefix = "/"
+      args         = { config = local.serve_config_path }
+    }]
+  })
+
+  # Serve pods additionally get the accepted API keys from their secret.
+  serve_keys_env = {
+    name      = "TOKENMILL_API_KEYS"
+    valueFrom = { secretKeyRef = { name = var.serve_api_keys_secret, key = "api_keys" } }
+  }
+  serve_head_group = merge(local.head_group, {
+    template = { spec = merge(local.head_group.template.spec, {
+      containers = [for c in local.head_group.template.spec.containers :
+      merge(c, { env = concat(c.env, [local.serve_keys_env]) })]
+    }) }
+  })
+  serve_worker_template = { spec = merge(local.gpu_worker_template.spec, {
+    containers = [for c in local.gpu_worker_template.spec.containers :
+    merge(c, { env = concat(c.env, [local.serve_keys_env]) })]
+  }) }
+}
+
+resource "kubernetes_manifest" "serve" {
+  count = var.serve_enabled ? 1 : 0
+
+  manifest = {
+    apiVersion = "ray.io/v1"
+    kind       = "RayService"
+    metadata = {
+      name      = local.serve_name
+      namespace = kubernetes_namespace_v1.tokenmill.metadata[0].name
+    }
+    spec = {
+      serveConfigV2 = local.serve_config_v2
+      rayClusterConfig = {
+        rayVersion              = var.ray_version
+        authOptions             = local.auth_options
+        enableInTreeAutoscaling = true
+        autoscalerOptions       = local.autoscaler_options
+        headGroupSpec           = local.serve_head_group
+        workerGroupSpecs = [{
+          groupName      = "gpu"
+          replicas       = var.serve_min_workers
+          minReplicas    = var.serve_min_workers
+          maxReplicas    = var.serve_max_workers
+          rayStartParams = {}
+          template       = local.serve_worker_template
+        }]
+      }
+    }
+  }
+}

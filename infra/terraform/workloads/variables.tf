@@ -1,0 +1,190 @@
+# --- access ----------------------------------------------------------------------------------
+
+variable "cluster_state_path" {
+  description = "Path of ../cluster's Terraform state (local backend); point it at a copy if you use a remote backend there."
+  type        = string
+  default     = "../cluster/terraform.tfstate"
+}
+
+variable "iam_token" {
+  description = "Short-lived Nebius IAM token for the Kubernetes provider: export TF_VAR_iam_token=$(nebius iam get-access-token). Never commit it."
+  type        = string
+  sensitive   = true
+}
+
+variable "namespace" {
+  description = "Namespace for the Ray clusters, the nightly CronJob and their ConfigMap."
+  type        = string
+  default     = "tokenmill"
+}
+
+variable "kuberay_namespace" {
+  description = "Namespace of the KubeRay operator (allowed through the network policy to reach Ray dashboards)."
+  type        = string
+  default     = "kuberay-system"
+}
+
+# --- images ----------------------------------------------------------------------------------
+
+variable "image" {
+  description = "Container image of every Ray pod: Ray 2.60 with tokenmill installed (and TensorRT-LLM for engine.kind trtllm). Pin a tag or digest."
+  type        = string
+}
+
+variable "submitter_image" {
+  description = "Image of the nightly CronJob pod (needs only tokenmill and ray's job client). Empty: var.image."
+  type        = string
+  default     = ""
+}
+
+variable "ray_version" {
+  description = "Ray version in the image (KubeRay needs >= 2.52 for token auth)."
+  type        = string
+  default     = "2.60.0"
+}
+
+# --- secrets (created out of band with kubectl; referenced by name only) ---------------------
+
+variable "ray_auth_secret" {
+  description = "Secret with key auth_token: the Ray cluster token (KubeRay authOptions.secretName) that `tokenmill submit` also sends."
+  type        = string
+  default     = "tokenmill-ray-auth"
+}
+
+variable "s3_credentials_secret" {
+  description = "Secret with keys AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY: an Object Storage access key of a service account."
+  type        = string
+  default     = "tokenmill-s3"
+}
+
+variable "serve_api_keys_secret" {
+  description = "Secret with key api_keys: comma-separated bearer keys accepted by the Serve endpoint (TOKENMILL_API_KEYS)."
+  type        = string
+  default     = "tokenmill-serve-keys"
+}
+
+variable "s3_endpoint_url" {
+  description = "S3 endpoint of the bucket (../cluster output s3_endpoint_url), exported as AWS_ENDPOINT_URL in Ray pods."
+  type        = string
+  default     = "https://storage.eu-north1.nebius.cloud"
+}
+
+# --- Ray clusters ----------------------------------------------------------------------------
+
+variable "head_cpu" {
+  description = "CPU request/limit of a Ray head pod (runs the job driver and the dashboard, no engines)."
+  type        = string
+  default     = "2"
+}
+
+variable "head_memory" {
+  description = "Memory request/limit of a Ray head pod."
+  type        = string
+  default     = "8Gi"
+}
+
+variable "gpus_per_worker" {
+  description = "GPUs per Ray worker pod (match the GPU node preset, e.g. 1 for 1gpu-16vcpu-200gb)."
+  type        = number
+  default     = 1
+}
+
+variable "worker_cpu" {
+  description = "CPU request/limit of a Ray GPU worker pod (leave room for node daemons)."
+  type        = string
+  default     = "14"
+}
+
+variable "worker_memory" {
+  description = "Memory request/limit of a Ray GPU worker pod."
+  type        = string
+  default     = "180Gi"
+}
+
+variable "batch_min_workers" {
+  description = "Fewest GPU workers of the batch RayCluster; 0 lets the Ray autoscaler release every GPU between nights."
+  type        = number
+  default     = 0
+}
+
+variable "batch_max_workers" {
+  description = "Most GPU workers of the batch RayCluster (also bounded by the GPU node group's max)."
+  type        = number
+  default     = 4
+}
+
+variable "autoscaler_idle_timeout_seconds" {
+  description = "Seconds a Ray worker stays idle before the autoscaler removes it."
+  type        = number
+  default     = 300
+}
+
+# --- Serve -----------------------------------------------------------------------------------
+
+variable "serve_enabled" {
+  description = "Deploy the long-running Serve RayService (OpenAI-compatible endpoint)."
+  type        = bool
+  default     = true
+}
+
+variable "serve_config_file" {
+  description = "Serve YAML turned into the RayService's config. Empty: jobs/serve.yaml of this repository."
+  type        = string
+  default     = ""
+}
+
+variable "serve_min_workers" {
+  description = "Fewest GPU workers of the Serve cluster (1 keeps the endpoint warm)."
+  type        = number
+  default     = 1
+}
+
+variable "serve_max_workers" {
+  description = "Most GPU workers of the Serve cluster."
+  type        = number
+  default     = 2
+}
+
+# --- nightly schedule ------------------------------------------------------------------------
+
+variable "nightly_enabled" {
+  description = "Create the nightly CronJob."
+  type        = bool
+  default     = true
+}
+
+variable "nightly_job_file" {
+  description = "Job YAML run every night. Empty: jobs/nightly.yaml of this repository."
+  type        = string
+  default     = ""
+}
+
+variable "nightly_schedule" {
+  description = "Cron schedule of the nightly submission, in nightly_time_zone."
+  type        = string
+  default     = "0 1 * * *"
+}
+
+variable "nightly_time_zone" {
+  description = "IANA time zone of nightly_schedule. The run date passed to the job is always the UTC date at start."
+  type        = string
+  default     = "Etc/UTC"
+}
+
+variable "nightly_starting_deadline_seconds" {
+  description = "A run that cannot start within this many seconds of its slot is skipped (and must be caught up with --date); bounds how late a night may start."
+  type        = number
+  default     = 3600
+}
+
+variable "nightly_retries" {
+  description = "Kubernetes Job retries of a failed nightly pod; each retry resubmits, which resumes the failed attempt as <id>-rN."
+  type        = number
+  default     = 2
+}
+
+variable "nightly_deadline_seconds" {
+  description = "Wall-clock limit of one night's Kubernetes Job (all retries), after which the submitter is stopped."
+  type        = number
+  default     = 72000
+}
