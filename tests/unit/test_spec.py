@@ -1,0 +1,302 @@
+"""JobSpec: every error names its field; `{{ date }}`, `${VAR}` and `--set` rendering."""
+
+from __future__ import annotations
+
+import datetime as dt
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from pipeline import docgen
+from pipeline.spec import (
+    RESERVED_COLUMNS,
+    JobSpec,
+    SpecError,
+    apply_overrides,
+    load_job_spec,
+    parse_job_spec,
+    render_text,
+)
+
+MINIMAL: dict[str, Any] = {
+    "name": "job-1",
+    "input": {"uri": "s3://bucket/in/*.jsonl", "format": "jsonl", "prompt_column": "text"},
+    "model": {"path": "/models/tiny"},
+    "output": {"uri": "s3://bucket/out/"},
+}
+
+
+def with_changes(**sections: Any) -> dict[str, Any]:
+    """MINIMAL with some sections merged (a None value removes the key)."""
+    data = {k: dict(v) if isinstance(v, dict) else v for k, v in MINIMAL.items()}
+    for key, value in sections.items():
+        if value is None:
+            data.pop(key, None)
+        elif isinstance(value, dict) and isinstance(data.get(key), dict):
+            data[key] = {**data[key], **value}
+        else:
+            data[key] = value
+    return data
+
+
+def spec_error(data: Any) -> str:
+    with pytest.raises(SpecError) as info:
+        parse_job_spec(data, source="job.yaml")
+    return str(info.value)
+
+
+def write_job(tmp_path: Path, data: dict[str, Any] | str) -> Path:
+    path = tmp_path / "job.yaml"
+    path.write_text(data if isinstance(data, str) else yaml.safe_dump(data))
+    return path
+
+
+def test_minimal_job_gets_documented_defaults() -> None:
+    spec = parse_job_spec(MINIMAL)
+    assert spec.engine.kind == "reference"
+    assert spec.sampling.max_tokens == 256 and spec.sampling.temperature == 0.0
+    assert spec.limits.max_error_fraction == 0.05
+    assert spec.cost.price_per_million is None and spec.cost.budget_usd is None
+    assert spec.input.uris == ["s3://bucket/in/*.jsonl"]
+    assert spec.model.display_name == "tiny"
+
+
+@pytest.mark.parametrize(
+    ("changes", "expected"),
+    [
+        ({"engine": {"kind": "vllm"}}, "engine.kind: Input should be 'reference' or 'trtllm'"),
+        (
+            {"input": {"format": "csv"}},
+            "input.format: Input should be 'parquet', 'jsonl' or 'openai_batch'",
+        ),
+        ({"sampling": {"max_tokens": 0}}, "sampling.max_tokens: Input should be greater than"),
+        ({"sampling": {"temperature": "hot"}}, "sampling.temperature: Input should be a valid"),
+        ({"sampling": {"top_p": 1.5}}, "sampling.top_p: Input should be less than or equal to 1"),
+        ({"limits": {"max_error_fraction": 2}}, "limits.max_error_fraction: Input should be"),
+        ({"cost": {"batch_discount": 1}}, "cost.batch_discount: Input should be less than 1"),
+        ({"cost": {"price_per_million": {"input": -1}}}, "cost.price_per_million.input: Input"),
+        ({"cost": {"budget_usd": 0}}, "cost.budget_usd: Input should be greater than 0"),
+        ({"output": {"include_token_ids": "maybe"}}, "output.include_token_ids: Input should be"),
+        ({"engine": {"kv_cache_tokens": 1}}, "engine.kv_cache_tokens: Input should be greater"),
+        ({"name": "bad name!"}, "name: String should match pattern"),
+        ({"model": {"path": "/m", "bogus": 1}}, "model.bogus: unknown field"),
+        ({"speling": 1}, "speling: unknown field"),
+        ({"output": None}, "output: required field is missing"),
+        ({"storage": {"endpoint_url": 5}}, "storage.endpoint_url: Input should be a valid string"),
+        (
+            {"sampling": {"overrides": {"frequency_penalty": "col"}}},
+            "sampling.overrides: unknown sampling.overrides field(s) ['frequency_penalty']",
+        ),
+        (
+            {"resources": {"num_actors": None, "min_actors": 1}},
+            "resources: set num_actors, or both min_actors and max_actors",
+        ),
+        (
+            {"cost": {"prefill_weight": 0, "decode_weight": 0}},
+            "cannot both be 0",
+        ),
+    ],
+)
+def test_errors_name_the_field(changes: dict[str, Any], expected: str) -> None:
+    message = spec_error(with_changes(**changes))
+    assert message.startswith("job.yaml: invalid job spec")
+    assert expected in message
+
+
+def test_error_shows_the_value_given() -> None:
+    message = spec_error(with_changes(engine={"kind": "vllm"}))
+    assert "(got 'vllm')" in message
+
+
+def test_all_problems_reported_at_once() -> None:
+    message = spec_error(with_changes(engine={"kind": "x"}, sampling={"max_tokens": -1}))
+    assert "(2 problem(s))" in message
+    assert "engine.kind" in message and "sampling.max_tokens" in message
+
+
+@pytest.mark.parametrize(
+    ("input_changes", "prompt", "expected"),
+    [
+        ({"messages_column": "chat"}, None, "set only one of input.prompt_column"),
+        ({"prompt_column": None}, None, "no prompt source"),
+        (
+            {"format": "openai_batch"},
+            None,
+            "openai_batch takes prompts from body.messages",
+        ),
+        (
+            {"format": "openai_batch", "prompt_column": None},
+            {"template": "x {{ a }}"},
+            "prompt.template does not apply to input.format openai_batch",
+        ),
+        (
+            {"prompt_column": None, "messages_column": "chat"},
+            {"template": "{{ a }}"},
+            "remove one of them",
+        ),
+        (
+            {"prompt_column": None, "messages_column": "chat"},
+            {"chat_template": False},
+            "input.messages_column needs prompt.chat_template: true",
+        ),
+        ({"passthrough_columns": ["user", "text"]}, None, "['text'] are written by the pipeline"),
+        ({}, {"template": "{{ error }}"}, "prompt.template uses ['error']"),
+        ({"prompt_column": None}, {"template": "{{ prompt }}"}, "input.prompt_column is not set"),
+        ({}, {"template": "{% if %}"}, "prompt.template line 1"),
+    ],
+)
+def test_prompt_source_rules(
+    input_changes: dict[str, Any], prompt: dict[str, Any] | None, expected: str
+) -> None:
+    data = with_changes(input=input_changes)
+    data["input"] = {k: v for k, v in data["input"].items() if v is not None}
+    if prompt is not None:
+        data["prompt"] = prompt
+    assert expected in spec_error(data)
+
+
+def test_template_columns_are_the_template_variables() -> None:
+    spec = parse_job_spec(
+        with_changes(prompt={"template": "{{ title }}: {{ prompt }} ({{ lang | upper }})"})
+    )
+    assert spec.template_columns() == ["lang", "title"]
+    no_prompt_column = with_changes(prompt={"template": "Translate {{ body }}"})
+    del no_prompt_column["input"]["prompt_column"]
+    assert parse_job_spec(no_prompt_column).template_columns() == ["body"]
+
+
+def test_reserved_columns_cover_every_stage_column() -> None:
+    from pipeline.prompts import STAGE_COLUMNS
+    from pipeline.read import CORE_COLUMNS
+
+    assert set(CORE_COLUMNS) | set(STAGE_COLUMNS) <= RESERVED_COLUMNS
+
+
+def test_non_mapping_document_is_rejected() -> None:
+    assert "expected a mapping at the top level, got list" in spec_error([1, 2])
+
+
+# --- rendering ---------------------------------------------------------------------------------
+
+
+def test_env_substitution_and_defaults() -> None:
+    text = "a: ${BUCKET}\nb: ${MISSING:-fallback}\nc: ${EMPTY:-x}\n# ${NOT_SET_IN_COMMENT}\n"
+    out = render_text(text, date="2026-01-02", env={"BUCKET": "nightly", "EMPTY": ""})
+    # Set-but-empty wins over the default, as in the shell.
+    assert out == "a: nightly\nb: fallback\nc: \n# ${NOT_SET_IN_COMMENT}\n"
+
+
+def test_unset_env_var_is_an_error_naming_it() -> None:
+    with pytest.raises(SpecError, match=r"environment variable \$\{NOPE\} is not set"):
+        render_text("a: ${NOPE}", date="2026-01-02", env={}, source="job.yaml")
+
+
+def test_bad_date_is_an_error() -> None:
+    with pytest.raises(SpecError, match="date '2026-13-01' is not YYYY-MM-DD"):
+        render_text("a: 1", date="2026-13-01", env={})
+
+
+def test_date_templating_precedence(tmp_path: Path) -> None:
+    data = with_changes(output={"uri": "s3://bucket/out/{{ date }}/"})
+    path = write_job(tmp_path, data)
+    today = dt.datetime.now(dt.timezone.utc).date().isoformat()
+    assert load_job_spec(path, env={}).output.uri == f"s3://bucket/out/{today}/"
+    assert load_job_spec(path, env={}).date == today
+
+    dated = write_job(tmp_path, {**data, "date": "2026-03-04"})
+    assert load_job_spec(dated, env={}).output.uri == "s3://bucket/out/2026-03-04/"
+    # --set date beats the file, --date beats both.
+    spec = load_job_spec(dated, overrides=["date=2026-05-06"], env={})
+    assert spec.output.uri == "s3://bucket/out/2026-05-06/" and spec.date == "2026-05-06"
+    spec = load_job_spec(dated, overrides=["date=2026-05-06"], date="2027-01-01", env={})
+    assert spec.output.uri == "s3://bucket/out/2027-01-01/"
+
+
+def test_invalid_date_in_file_is_reported(tmp_path: Path) -> None:
+    path = write_job(tmp_path, {**MINIMAL, "date": "tomorrow"})
+    with pytest.raises(SpecError, match="date: 'tomorrow' is not YYYY-MM-DD"):
+        load_job_spec(path, env={})
+
+
+def test_set_overrides_parse_yaml_values(tmp_path: Path) -> None:
+    path = write_job(tmp_path, MINIMAL)
+    spec = load_job_spec(
+        path,
+        overrides=[
+            "sampling.max_tokens=64",
+            "sampling.temperature=0.5",
+            "output.include_token_ids=true",
+            "input.passthrough_columns=[user, lang]",
+            "engine.kind=trtllm",
+            "output.uri=s3://b/runs/{{ date }}",
+        ],
+        date="2026-02-03",
+        env={},
+    )
+    assert spec.sampling.max_tokens == 64 and spec.sampling.temperature == 0.5
+    assert spec.output.include_token_ids is True
+    assert spec.input.passthrough_columns == ["user", "lang"]
+    assert spec.engine.kind == "trtllm"
+    assert spec.output.uri == "s3://b/runs/2026-02-03"
+
+
+def test_set_errors_name_the_override(tmp_path: Path) -> None:
+    path = write_job(tmp_path, MINIMAL)
+    with pytest.raises(SpecError, match=r"expected key\.path=value"):
+        load_job_spec(path, overrides=["sampling.max_tokens"], env={})
+    with pytest.raises(SpecError, match="'name' is not a section"):
+        load_job_spec(path, overrides=["name.x=1"], env={})
+    with pytest.raises(SpecError, match="value is not valid YAML"):
+        load_job_spec(path, overrides=["sampling.stop=[a,"], env={})
+    with pytest.raises(SpecError, match=r"sampling\.max_toknes: unknown field"):
+        load_job_spec(path, overrides=["sampling.max_toknes=3"], env={})
+
+
+def test_apply_overrides_creates_sections() -> None:
+    data = apply_overrides({"name": "x"}, ["limits.max_error_fraction=0.1"])
+    assert data["limits"] == {"max_error_fraction": 0.1}
+
+
+def test_load_errors_name_the_file(tmp_path: Path) -> None:
+    with pytest.raises(SpecError, match="cannot read job file"):
+        load_job_spec(tmp_path / "nope.yaml")
+    bad = write_job(tmp_path, "name: [unclosed\n")
+    with pytest.raises(SpecError, match=f"{bad}: not valid YAML"):
+        load_job_spec(bad, env={})
+    wrong = write_job(tmp_path, with_changes(engine={"kind": "x"}))
+    with pytest.raises(SpecError, match=rf"{wrong}: invalid job spec"):
+        load_job_spec(wrong, env={})
+
+
+def test_spec_round_trips_through_json() -> None:
+    spec = parse_job_spec(with_changes(cost={"price_per_million": {"input": 1, "output": 2}}))
+    assert JobSpec.model_validate_json(spec.model_dump_json()) == spec
+
+
+# --- docs ----------------------------------------------------------------------------------------
+
+
+def test_job_spec_doc_is_fresh() -> None:
+    committed = docgen.DOC_PATH.read_text() if docgen.DOC_PATH.exists() else ""
+    assert committed == docgen.render(), "docs/job-spec.md is stale: python -m pipeline.docgen"
+
+
+def test_doc_lists_every_field() -> None:
+    text = docgen.render()
+    for path in (
+        "input.uri",
+        "input.format",
+        "input.id_column",
+        "sampling.max_tokens",
+        "output.include_token_ids",
+        "storage.endpoint_url",
+        "limits.max_error_fraction",
+        "cost.device_hour_usd",
+        "cost.price_per_million.cached_input",
+        "cost.batch_discount",
+        "cost.budget_usd",
+        "engine.expected_tokens_per_s",
+    ):
+        assert f"`{path}`" in text
