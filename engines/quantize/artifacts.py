@@ -124,13 +124,15 @@ def build_or_reuse(
     spec: QuantizationSpec,
     *,
     fs: Any = None,
+    calibration_fs: Any = None,
     overwrite: bool = False,
 ) -> ArtifactResult:
     """Return the artifact for (model, spec) at `out_uri`, building it first if needed.
 
-    `fs`: fsspec filesystem for `out_uri` and the calibration source (the caller's configured
-    S3 client); None infers one from the URI. `overwrite`: replace a complete artifact built
-    from other inputs (otherwise an error, so one is never silently swapped for another).
+    `fs` / `calibration_fs`: fsspec filesystems for `out_uri` and the calibration source (the
+    caller's configured S3 clients); None infers one from the URI. `overwrite`: replace a
+    complete artifact built from other inputs (otherwise an error, so one is never silently
+    swapped for another).
     Raises QualityGateFailed (after publishing only the report) when the gate fails and
     `spec.allow_quality_failure` is off.
     """
@@ -138,7 +140,7 @@ def build_or_reuse(
 
     model_dir = Path(model_dir)
     read_architecture(model_dir)  # unsupported models fail before any hashing
-    texts = load_texts(spec.calibration, spec.quality, fs=fs)
+    texts = load_texts(spec.calibration, spec.quality, fs=calibration_fs)
     inputs = cache_inputs(model_fingerprint(model_dir), spec, texts.sha256)
     key = cache_key(inputs)
     fs, path = _fs_and_path(out_uri, fs)
@@ -165,6 +167,7 @@ def build_in_cache(
     spec: QuantizationSpec,
     *,
     fs: Any = None,
+    calibration_fs: Any = None,
 ) -> ArtifactResult:
     """`build_or_reuse` under `cache_uri/<model>-<format>-<key>`, one folder per distinct input.
 
@@ -174,10 +177,10 @@ def build_in_cache(
 
     model_dir = Path(model_dir)
     read_architecture(model_dir)
-    texts = load_texts(spec.calibration, spec.quality, fs=fs)
+    texts = load_texts(spec.calibration, spec.quality, fs=calibration_fs)
     key = cache_key(cache_inputs(model_fingerprint(model_dir), spec, texts.sha256))
     uri = f"{cache_uri.rstrip('/')}/{model_name}-{spec.label}-{key[:16]}"
-    return build_or_reuse(model_dir, uri, spec, fs=fs)
+    return build_or_reuse(model_dir, uri, spec, fs=fs, calibration_fs=calibration_fs)
 
 
 def _build_and_publish(
