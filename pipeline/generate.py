@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
-import hashlib
 import json
 import logging
 import math
 import os
 import time
 import uuid
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,12 +74,6 @@ class GenerateConfig:
 # --- per-row sampling ------------------------------------------------------------------------
 
 
-def derive_seed(base: int, row_id: str) -> int:
-    """A row's seed from the job seed and its id: the same whatever batch the row lands in."""
-    digest = hashlib.sha256(f"{base}\x00{row_id}".encode()).digest()
-    return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
-
-
 def row_sampling(row: dict[str, Any], sampling: SamplingSpec) -> SamplingParams:
     """SamplingParams for one row: its own columns (prompt stage) over the job's defaults.
 
@@ -90,18 +84,18 @@ def row_sampling(row: dict[str, Any], sampling: SamplingSpec) -> SamplingParams:
         value = row.get(name)
         return default if value is None else value
 
-    if "seed" in sampling.overrides and row.get("seed") is not None:
-        seed: int | None = int(row["seed"])  # the row chose its seed
-    elif sampling.seed is not None:
+    # The prompt stage fills `seed`: the row's override, or one derived from (sampling.seed, id).
+    seed = row.get("seed")
+    if seed is None and sampling.seed is not None and "seed" not in row:
+        from pipeline.prompts import derive_seed
+
         seed = derive_seed(sampling.seed, str(row["id"]))
-    else:
-        seed = None
     return SamplingParams(
         max_tokens=int(pick("max_tokens", sampling.max_tokens)),
         temperature=float(pick("temperature", sampling.temperature)),
         top_p=float(pick("top_p", sampling.top_p)),
         top_k=int(pick("top_k", sampling.top_k)),
-        seed=seed,
+        seed=None if seed is None else int(seed),
         stop=tuple(sampling.stop),
         stop_token_ids=tuple(sampling.stop_token_ids),
         ignore_eos=sampling.ignore_eos,
@@ -375,14 +369,17 @@ def add_generate_stage(ds: Any, spec: JobSpec) -> Any:
         "max_restarts": res.max_restarts,
         "max_task_retries": res.max_task_retries,
     }
-    return ds.map_batches(
-        GenerateStage,
-        fn_constructor_kwargs={"config": GenerateConfig.from_spec(spec)},
-        batch_size=res.batch_size,
-        batch_format="pyarrow",
-        zero_copy_batch=True,
-        compute=compute,
-        num_cpus=res.cpus_per_actor,
-        num_gpus=res.devices_per_actor or None,
-        **remote_args,
-    )
+    with warnings.catch_warnings():
+        # Ray 2.60 deprecates **ray_remote_args but offers no named max_restarts yet.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return ds.map_batches(
+            GenerateStage,
+            fn_constructor_kwargs={"config": GenerateConfig.from_spec(spec)},
+            batch_size=res.batch_size,
+            batch_format="pyarrow",
+            zero_copy_batch=True,
+            compute=compute,
+            num_cpus=res.cpus_per_actor,
+            num_gpus=res.devices_per_actor or None,
+            **remote_args,
+        )

@@ -59,6 +59,9 @@ NO_PROGRESS_TIMEOUT_S = 900.0
 # Object store cap for a local Ray: rows are small, and the rest of the memory is the engine's.
 LOCAL_OBJECT_STORE_BYTES = 1 * 1024**3
 
+# The id filter is a cheap set lookup; a whole CPU per task would starve the engine actors.
+FILTER_TASK_CPUS = 0.25
+
 RunStatus = Literal["complete", "already_complete", "incomplete"]
 
 
@@ -140,7 +143,11 @@ def configure_data_context() -> None:
 
 
 def _preflight(spec: JobSpec) -> list[Any]:
-    from pipeline.read import preflight
+    try:
+        from pipeline.preflight import preflight  # type: ignore[import-not-found]
+    except ImportError:
+        # Until the full pre-flight lands: the input listing alone (fails on missing input).
+        from pipeline.storage import list_input_files as preflight
 
     return list(preflight(spec))
 
@@ -152,9 +159,9 @@ def _read(spec: JobSpec, files: list[Any]) -> Any:
 
 
 def _add_prompt_stage(ds: Any, spec: JobSpec) -> Any:
-    from pipeline.prompts import add_prompt_stage
+    from pipeline.prompts import tokenize_dataset
 
-    return add_prompt_stage(ds, spec)
+    return tokenize_dataset(ds, spec)
 
 
 # --- steps -----------------------------------------------------------------------------------
@@ -347,7 +354,12 @@ def _generate_and_write(
 
     ds = _read(spec, files)
     # read_dataset already cuts blocks to resources.batch_size rows, so every actor gets work.
-    ds = ds.map_batches(_select_ids, fn_kwargs={"ids": todo, "keep": True}, batch_format="pyarrow")
+    ds = ds.map_batches(
+        _select_ids,
+        fn_kwargs={"ids": todo, "keep": True},
+        batch_format="pyarrow",
+        num_cpus=FILTER_TASK_CPUS,
+    )
     ds = _add_prompt_stage(ds, spec)
     ds = add_generate_stage(ds, spec)
 
