@@ -1,0 +1,295 @@
+"""Prompt rendering, per-row sampling and the prompt stage on a locally trained tokenizer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pipeline.prompts import (
+    MAX_TOKENS,
+    PROMPT_TOKEN_IDS,
+    PROMPT_TOKENS,
+    SEED,
+    STAGE_COLUMNS,
+    TEMPERATURE,
+    TOO_LONG,
+    TOP_K,
+    TOP_P,
+    PromptError,
+    PromptStage,
+    chat_messages,
+    derive_seed,
+    render_prompt,
+    render_user_text,
+    resolve_sampling,
+)
+from pipeline.spec import JobSpec, PromptSpec, parse_job_spec
+
+CONTEXT = 96  # max_position_embeddings of the test "model": small, so rows can exceed it
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tokenizer with a chat template and a config.json; no weights (prompts needs none)."""
+    from engines.tiny import train_tokenizer
+
+    path = tmp_path_factory.mktemp("prompt-model")
+    train_tokenizer(512).save_pretrained(path)
+    (path / "config.json").write_text(json.dumps({"max_position_embeddings": CONTEXT}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def make_spec(model_dir: Path, **sections: Any) -> JobSpec:
+    data: dict[str, Any] = {
+        "name": "prompts",
+        "input": {"uri": "/in.jsonl", "format": "jsonl", "prompt_column": "q"},
+        "model": {"path": str(model_dir)},
+        "output": {"uri": "/out"},
+        "sampling": {"max_tokens": 8},
+    }
+    for key, value in sections.items():
+        data[key] = {**data.get(key, {}), **value}
+    return parse_job_spec(data)
+
+
+# --- rendering ---------------------------------------------------------------------------------
+
+
+def test_chat_template_with_system_prompt_and_generation_prompt(tokenizer: Any) -> None:
+    spec = PromptSpec(system_prompt="Be brief.")
+    ids = render_prompt(tokenizer, spec, text="What is a bridge?")
+    text = tokenizer.decode(ids)
+    assert text == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n"
+        "<|im_start|>user\nWhat is a bridge?<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+
+
+def test_plain_text_is_tokenized_as_is(tokenizer: Any) -> None:
+    ids = render_prompt(tokenizer, PromptSpec(chat_template=False), text="the river runs")
+    assert ids == tokenizer.encode("the river runs")
+    assert tokenizer.decode(ids) == "the river runs"
+
+
+def test_messages_keep_their_own_system_message(tokenizer: Any) -> None:
+    chat = [
+        {"role": "system", "content": "Own system."},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "again"},
+    ]
+    text = tokenizer.decode(render_prompt(tokenizer, PromptSpec(system_prompt="X"), messages=chat))
+    assert text.count("<|im_start|>system") == 1 and "Own system." in text and "X" not in text
+    assert text.endswith("again<|im_end|>\n<|im_start|>assistant\n")
+    # JSON text of the same chat renders the same tokens.
+    assert render_prompt(tokenizer, PromptSpec(), messages=json.dumps(chat)) == render_prompt(
+        tokenizer, PromptSpec(), messages=chat
+    )
+
+
+def test_developer_role_and_text_parts_are_normalized() -> None:
+    chat = chat_messages(
+        [
+            {"role": "developer", "content": "rules"},
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+            },
+        ]
+    )
+    assert chat == [{"role": "system", "content": "rules"}, {"role": "user", "content": "ab"}]
+
+
+@pytest.mark.parametrize(
+    ("messages", "expected"),
+    [
+        ("not json", "messages is not valid JSON"),
+        ("{}", "non-empty list"),
+        ([], "non-empty list"),
+        ([{"content": "x"}], r"messages\[0\] must be an object with role and content"),
+        ([{"role": "wizard", "content": "x"}], r"messages\[0\].role 'wizard' is not one of"),
+        ([{"role": "user", "content": 5}], r"messages\[0\].content must be text"),
+        (
+            [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
+            r"\['image_url'\] parts; only text",
+        ),
+        ([{"role": "user", "content": "  "}], "messages are all empty"),
+    ],
+)
+def test_invalid_messages(messages: Any, expected: str) -> None:
+    with pytest.raises(PromptError, match=expected):
+        chat_messages(messages)
+
+
+def test_messages_need_the_chat_template(tokenizer: Any) -> None:
+    with pytest.raises(PromptError, match="chat_template: true"):
+        render_prompt(
+            tokenizer, PromptSpec(chat_template=False), messages=[{"role": "user", "content": "x"}]
+        )
+
+
+@pytest.mark.parametrize("text", ["", "   \n"])
+def test_empty_prompt(tokenizer: Any, text: str) -> None:
+    with pytest.raises(PromptError, match="empty prompt"):
+        render_prompt(tokenizer, PromptSpec(), text=text)
+    with pytest.raises(PromptError, match="empty prompt"):
+        render_user_text({"prompt": text}, PromptSpec())
+
+
+def test_template_over_row_columns() -> None:
+    spec = PromptSpec(template="[{{ lang | upper }}] {{ title }}: {{ prompt }}")
+    row = {"prompt": "body text", "title": "Title", "lang": "en", "unused": 1}
+    assert render_user_text(row, spec) == "[EN] Title: body text"
+
+
+def test_template_errors_are_prompt_errors() -> None:
+    with pytest.raises(PromptError, match=r"prompt\.template: UndefinedError: 'title' is"):
+        render_user_text({"prompt": "x"}, PromptSpec(template="{{ title }}"))
+    with pytest.raises(PromptError, match="empty prompt after the template"):
+        render_user_text({"title": ""}, PromptSpec(template="{{ title }}"))
+
+
+# --- sampling ----------------------------------------------------------------------------------
+
+
+def test_derive_seed_is_stable_and_row_specific() -> None:
+    assert derive_seed(7, "row-1") == derive_seed(7, "row-1")
+    assert derive_seed(7, "row-1") != derive_seed(7, "row-2")
+    assert derive_seed(7, "row-1") != derive_seed(8, "row-1")
+
+
+@given(st.integers(min_value=-(2**70), max_value=2**70), st.text(max_size=40))
+def test_derived_seeds_fit_int64(seed: int, row_id: str) -> None:
+    assert 0 <= derive_seed(seed, row_id) < 2**63
+
+
+def test_resolve_sampling_defaults_and_overrides(model_dir: Path) -> None:
+    spec = make_spec(model_dir, sampling={"temperature": 0.3, "top_k": 5, "seed": 11})
+    overrides = {"max_tokens": "mt", "temperature": "t"}
+    values, problem = resolve_sampling({"id": "a", "mt": 3, "t": None}, spec, overrides)
+    assert problem is None
+    assert values == {
+        MAX_TOKENS: 3,
+        TEMPERATURE: 0.3,
+        TOP_P: 1.0,
+        TOP_K: 5,
+        SEED: derive_seed(11, "a"),
+    }
+    values, _ = resolve_sampling({"id": "a", "s": 99}, spec, {"seed": "s"})
+    assert values[SEED] == 99  # an explicit per-row seed is used as given
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "expected"),
+    [
+        ("max_tokens", 0, "0 must be >= 1"),
+        ("max_tokens", 2.5, "must be an integer"),
+        ("temperature", -1.0, "-1.0 must be >= 0"),
+        ("top_p", 0.0, "0.0 must be in (0, 1]"),
+        ("top_p", float("inf"), "must be a finite number"),
+        ("top_k", -2, "must be >= 0"),
+        ("seed", 2**64, "must fit in int64"),
+    ],
+)
+def test_invalid_override_names_column_and_value(
+    model_dir: Path, field: str, value: Any, expected: str
+) -> None:
+    spec = make_spec(model_dir)
+    _, problem = resolve_sampling({"id": "r", "col": value}, spec, {field: "col"})
+    assert problem is not None
+    assert problem.startswith(f"column 'col' (sampling.overrides.{field}): ")
+    assert expected in problem
+
+
+# --- the stage -------------------------------------------------------------------------------
+
+
+def test_prompt_stage_batch(model_dir: Path, tokenizer: Any) -> None:
+    spec = make_spec(
+        model_dir,
+        input={"passthrough_columns": ["user"]},
+        sampling={"max_tokens": 8, "overrides": {"max_tokens": "mt"}},
+    )
+    long_prompt = " ".join(["river"] * 200)
+    batch = pa.table(
+        {
+            "id": ["ok", "override", "bad-override", "read-error", "too-long", "empty", "chat"],
+            "prompt": ["hello there", "hello there", "x", None, long_prompt, "", None],
+            "messages": [None] * 6 + [json.dumps([{"role": "user", "content": "hi"}])],
+            "error": [None, None, None, "file.jsonl line 3: not valid JSON", None, None, None],
+            "user": [1, 2, 3, 4, 5, 6, 7],
+            "mt": [None, 20, 0, None, None, None, None],
+        }
+    )
+    out = PromptStage(spec)(batch)
+    assert out.num_rows == batch.num_rows
+    assert out.column("user").to_pylist() == [1, 2, 3, 4, 5, 6, 7]
+    assert out.schema.field(PROMPT_TOKEN_IDS).type == pa.list_(pa.int32())
+    assert out.schema.field(PROMPT_TOKENS).type == pa.int32()
+    assert out.schema.field(MAX_TOKENS).type == pa.int32()
+    assert out.schema.field(SEED).type == pa.int64()
+    rows = {r["id"]: r for r in out.to_pylist()}
+
+    expected_ids = render_prompt(tokenizer, spec.prompt, text="hello there")
+    assert rows["ok"]["error"] is None
+    assert rows["ok"][PROMPT_TOKEN_IDS] == expected_ids
+    assert rows["ok"][PROMPT_TOKENS] == len(expected_ids)
+    assert rows["ok"][MAX_TOKENS] == 8 and rows["override"][MAX_TOKENS] == 20
+    assert rows["ok"][SEED] is None  # no sampling.seed, no override
+
+    assert (
+        "column 'mt' (sampling.overrides.max_tokens): 0 must be >= 1"
+        in rows["bad-override"]["error"]
+    )
+    assert rows["read-error"]["error"] == "file.jsonl line 3: not valid JSON"
+    assert rows["read-error"][PROMPT_TOKEN_IDS] == [] and rows["read-error"][PROMPT_TOKENS] == 0
+
+    too_long = rows["too-long"]["error"]
+    assert too_long.startswith(TOO_LONG)
+    n = len(render_prompt(tokenizer, spec.prompt, text=long_prompt))
+    assert f"prompt has {n} tokens + max_tokens 8 = {n + 8} > context length {CONTEXT}" in too_long
+
+    assert rows["empty"]["error"] == "empty prompt"
+    assert rows["chat"]["error"] is None
+    assert tokenizer.decode(rows["chat"][PROMPT_TOKEN_IDS]).endswith("<|im_start|>assistant\n")
+
+
+def test_context_violation_is_exactly_at_the_limit(model_dir: Path, tokenizer: Any) -> None:
+    spec = make_spec(model_dir)
+    n = len(render_prompt(tokenizer, spec.prompt, text="hello there"))
+    fits = make_spec(model_dir, engine={"max_model_len": n + 8})
+    over = make_spec(model_dir, engine={"max_model_len": n + 7})
+    row = {"id": "r", "prompt": "hello there", "messages": None, "error": None}
+    assert PromptStage(fits).process_row(row)["error"] is None
+    assert f"context length {n + 7}" in PromptStage(over).process_row(row)["error"]
+
+
+def test_stage_replaces_existing_sampling_columns(model_dir: Path) -> None:
+    spec = make_spec(model_dir, sampling={"overrides": {"max_tokens": "max_tokens"}})
+    batch = pa.table(
+        {
+            "id": ["a"],
+            "prompt": ["hi"],
+            "messages": pa.array([None], pa.string()),
+            "error": pa.array([None], pa.string()),
+            "max_tokens": pa.array([5], pa.int64()),
+        }
+    )
+    out = PromptStage(spec)(batch)
+    assert out.column_names.count("max_tokens") == 1
+    assert out.column("max_tokens").to_pylist() == [5]
+    assert set(STAGE_COLUMNS) <= set(out.column_names)
