@@ -1,0 +1,121 @@
+"""`tokenmill validate` and `tokenmill plan` on local files (no Ray, no network)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from pipeline.cli import app
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from engines.tiny import train_tokenizer
+
+    path = tmp_path_factory.mktemp("cli-model")
+    train_tokenizer(512).save_pretrained(path)
+    (path / "config.json").write_text(json.dumps({"max_position_embeddings": 64}))
+    return path
+
+
+def write_job(tmp_path: Path, model_dir: Path, **changes: Any) -> Path:
+    inputs = tmp_path / "in"
+    inputs.mkdir(exist_ok=True)
+    lines = [json.dumps({"q": f"question {i}"}) for i in range(30)]
+    lines += ["{broken", json.dumps({"q": "river " * 200})]
+    (inputs / "a.jsonl").write_text("\n".join(lines[:20]) + "\n")
+    (inputs / "b.jsonl").write_text("\n".join(lines[20:]) + "\n")
+    job: dict[str, Any] = {
+        "name": "cli-job",
+        "input": {"uri": str(inputs / "*.jsonl"), "format": "jsonl", "prompt_column": "q"},
+        "model": {"path": str(model_dir)},
+        "sampling": {"max_tokens": 10},
+        "output": {"uri": str(tmp_path / "out" / "{{ date }}")},
+        "cost": {"device_hour_usd": 3.6},
+    }
+    for key, value in changes.items():
+        job[key] = {**job.get(key, {}), **value}
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    return path
+
+
+def run(*args: str) -> Any:
+    return CliRunner().invoke(app, list(args))
+
+
+def test_validate_ok(tmp_path: Path, model_dir: Path) -> None:
+    job = write_job(tmp_path, model_dir)
+    result = run("validate", str(job), "--date", "2026-04-05")
+    assert result.exit_code == 0, result.output
+    assert "ok: job cli-job (date 2026-04-05)" in result.output
+
+
+def test_validate_reports_field_and_allowed_values(tmp_path: Path, model_dir: Path) -> None:
+    job = write_job(tmp_path, model_dir)
+    result = run("validate", str(job), "--set", "engine.kind=vllm")
+    assert result.exit_code == 1
+    assert "engine.kind: Input should be 'reference' or 'trtllm' (got 'vllm')" in result.output
+
+
+def test_validate_check_storage_lists_inputs(tmp_path: Path, model_dir: Path) -> None:
+    job = write_job(tmp_path, model_dir)
+    result = run("validate", str(job), "--check-storage")
+    assert result.exit_code == 0, result.output
+    assert "a.jsonl" in result.output and "b.jsonl" in result.output
+    assert "ok: job cli-job (2 input file(s))" in result.output
+
+
+def test_validate_check_storage_missing_input(tmp_path: Path, model_dir: Path) -> None:
+    job = write_job(tmp_path, model_dir)
+    result = run("validate", str(job), "--check-storage", "--set", "input.uri=/nowhere/*.jsonl")
+    assert result.exit_code == 1
+    assert "input.uri: no input file matches '/nowhere/*.jsonl'" in result.output
+
+
+def test_validate_check_storage_bad_model_dir(tmp_path: Path, model_dir: Path) -> None:
+    job = write_job(tmp_path, model_dir, model={"path": str(tmp_path)})
+    result = run("validate", str(job), "--check-storage")
+    assert result.exit_code == 1
+    assert f"model.path: {tmp_path} has no config.json" in result.output
+
+
+def test_plan_counts_errors_and_estimates(tmp_path: Path, model_dir: Path) -> None:
+    job = write_job(tmp_path, model_dir)
+    result = run("plan", str(job), "--tokens-per-s", "20", "--json")
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.output)
+    assert plan["num_files"] == 2 and plan["num_rows"] == 32
+    assert plan["sample_rows"] == 32
+    assert plan["sample_errors"] == 2 and plan["sample_too_long"] == 1
+    assert plan["context_length"] == 64
+    assert plan["est_ok_rows"] == 30 and plan["est_output_tokens_max"] == 300
+    assert plan["est_wall_s"] == pytest.approx(300 / 20)
+    assert plan["tokens_per_s_source"] == "--tokens-per-s"
+    if plan["cost"] is not None:  # pipeline.cost.estimate_cost present
+        assert plan["cost"]["usd"] == pytest.approx(3.6 * 15 / 3600)
+
+
+def test_plan_extrapolates_from_a_sample(tmp_path: Path, model_dir: Path) -> None:
+    job = write_job(tmp_path, model_dir, engine={"expected_tokens_per_s": 100.0})
+    result = run("plan", str(job), "--sample-rows", "10", "--json")
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.output)
+    assert plan["sample_rows"] == 10 and plan["num_rows"] == 32
+    # the first 10 rows are all fine: 10 x 10 max_tokens, scaled by 32/10
+    assert plan["est_output_tokens_max"] == 320
+    assert plan["tokens_per_s_source"] == "engine.expected_tokens_per_s"
+
+
+def test_plan_text_output(tmp_path: Path, model_dir: Path) -> None:
+    job = write_job(tmp_path, model_dir)
+    result = run("plan", str(job))
+    assert result.exit_code == 0, result.output
+    assert "32 rows" in result.output
+    assert "2 error row(s)" in result.output and "not valid JSON" in result.output
+    assert "time        unknown" in result.output
