@@ -1,0 +1,105 @@
+"""Stand-in for `tensorrt_llm.llmapi` (TensorRT-LLM 1.2): the config objects the adapter builds.
+
+Field names and defaults follow the 1.2 LLM API reference; unknown fields raise (the real ones
+are pydantic models with extra="forbid").
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class CapacitySchedulerPolicy(enum.Enum):
+    MAX_UTILIZATION = "MAX_UTILIZATION"
+    GUARANTEED_NO_EVICT = "GUARANTEED_NO_EVICT"
+    STATIC_BATCH = "STATIC_BATCH"
+
+
+class QuantAlgo(str, enum.Enum):
+    FP8 = "FP8"
+    NVFP4 = "NVFP4"
+    W4A16_AWQ = "W4A16_AWQ"
+    NO_QUANT = "NO_QUANT"
+
+
+@dataclass
+class KvCacheConfig:
+    enable_block_reuse: bool = True
+    max_tokens: int | None = None
+    max_attention_window: list[int] | None = None
+    sink_token_length: int | None = None
+    free_gpu_memory_fraction: float | None = 0.9
+    host_cache_size: int | None = None
+    onboard_blocks: bool = True
+    cross_kv_cache_fraction: float | None = None
+    secondary_offload_min_priority: int | None = None
+    event_buffer_max_size: int = 0
+    enable_partial_reuse: bool = True
+    copy_on_partial_reuse: bool = True
+    use_uvm: bool = False
+    dtype: str = "auto"
+    tokens_per_block: int = 32
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "fp8", "nvfp4"):
+            raise ValueError(f"KvCacheConfig.dtype {self.dtype!r} invalid")
+        if self.free_gpu_memory_fraction is not None and not 0 < self.free_gpu_memory_fraction <= 1:
+            raise ValueError("free_gpu_memory_fraction must be in (0, 1]")
+
+
+@dataclass
+class SchedulerConfig:
+    capacity_scheduler_policy: CapacitySchedulerPolicy = CapacitySchedulerPolicy.GUARANTEED_NO_EVICT
+    context_chunking_policy: Any = None
+    dynamic_batch_config: Any = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.capacity_scheduler_policy, CapacitySchedulerPolicy):
+            raise ValueError("capacity_scheduler_policy must be a CapacitySchedulerPolicy")
+
+
+@dataclass
+class CudaGraphConfig:
+    batch_sizes: list[int] | None = None
+    max_batch_size: int = 0
+    enable_padding: bool = False
+
+
+@dataclass
+class QuantConfig:
+    quant_algo: QuantAlgo | None = None
+    kv_cache_quant_algo: QuantAlgo | None = None
+    group_size: int = 128
+    exclude_modules: list[str] | None = None
+
+
+@dataclass
+class CalibConfig:
+    device: str = "cuda"
+    calib_dataset: str = "cnn_dailymail"
+    calib_batches: int = 512
+    calib_batch_size: int = 1
+    calib_max_seq_length: int = 512
+    random_seed: int = 1234
+    tokenizer_max_seq_length: int = 2048
+
+
+@dataclass
+class BuildConfig:
+    max_input_len: int = 1024
+    max_seq_len: int | None = None
+    max_batch_size: int = 2048
+    max_num_tokens: int = 8192
+    max_beam_width: int = 1
+    opt_num_tokens: int | None = None
+    plugin_config: Any = field(default=None)
+
+
+@dataclass
+class BuildCacheConfig:
+    cache_root: Path | None = None
+    max_records: int = 10
+    max_cache_storage_gb: float = 256
