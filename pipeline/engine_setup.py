@@ -5,6 +5,7 @@ Shared by the batch actors and the Serve replicas so both run the same engine th
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from engines import Engine, load_engine
@@ -50,4 +51,32 @@ def open_engine(model: ModelSpec, engine: EngineSpec, storage: StorageSpec) -> E
     from pipeline.storage import materialize_model
 
     local_path = materialize_model(model.path, model.cache_dir, storage)
+    if model.quantization is not None:
+        local_path = quantized_model(local_path, model, storage)
     return load_engine(engine.kind, model=str(local_path), **engine_settings(engine))
+
+
+def quantized_model(local_path: Path, model: ModelSpec, storage: StorageSpec) -> Path:
+    """The local directory of `model.quantization`'s artifact: reused from its cache when one
+    was built from the same inputs, built (calibrated, gated, published) there first if not."""
+    from engines.quantize.artifacts import MARKER, build_in_cache
+    from pipeline.storage import filesystem_for, join_uri, materialize_model
+
+    spec = model.quantization
+    cache_uri = spec.cache_uri or join_uri(model.cache_dir, "quantized")
+    source = spec.calibration.source
+    result = build_in_cache(
+        local_path,
+        cache_uri,
+        model.display_name,
+        spec,
+        fs=filesystem_for(cache_uri, storage)[0],
+        calibration_fs=filesystem_for(source, storage)[0] if source else None,
+    )
+    return materialize_model(
+        result.uri,
+        model.cache_dir,
+        storage,
+        required_file=MARKER,
+        field="model.quantization.cache_uri",
+    )

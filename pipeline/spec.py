@@ -19,6 +19,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from engines.quantize.config import QuantizationSpec
+
 
 class SpecError(ValueError):
     """A job file that cannot run; the message names the file, the field path and the fix."""
@@ -151,6 +153,13 @@ class ModelSpec(_Strict):
     name: str | None = Field(
         None,
         description="Name reported in output rows and manifests; default: the path's last part.",
+    )
+    quantization: QuantizationSpec | None = Field(
+        None,
+        description="Run a low-precision copy of the model: {format: fp8 | nvfp4, kv_cache, "
+        "calibration, quality, cache_uri}. The artifact is reused from cache_uri when one was "
+        "built from the same inputs, else built there first (see docs/quantization.md). Null: "
+        "load the model as it is.",
     )
 
     @property
