@@ -90,6 +90,7 @@ class PlanReport:
     sample_rows: int  # rows read and tokenized here
     sample_errors: int  # of which error rows (any cause)
     sample_too_long: int  # of which over the context length
+    sample_duplicate_ids: int  # rows whose id repeats an earlier one (resume needs unique ids)
     error_examples: list[tuple[str, str]]  # (row id, error) from the sample
     context_length: int | None
     sample_prompt_tokens: int  # prompt tokens of the sample's ok rows
@@ -214,6 +215,7 @@ def build_plan(
         sample_rows=len(rows),
         sample_errors=len(errors),
         sample_too_long=too_long,
+        sample_duplicate_ids=len(rows) - len({r[ID] for r in rows}),
         error_examples=[(r[ID], r[ERROR]) for r in errors[:MAX_ERROR_EXAMPLES]],
         context_length=context_length(spec),
         sample_prompt_tokens=sample_prompt_tokens,
@@ -248,6 +250,11 @@ def format_plan(plan: PlanReport) -> str:
     ]
     for row_id, error in plan.error_examples:
         lines.append(f"                {row_id}: {error}")
+    if plan.sample_duplicate_ids:
+        lines.append(
+            f"  WARNING     {plan.sample_duplicate_ids} duplicate id(s) in the sample: ids must be "
+            "unique for resume to be exact (check input.id_column)"
+        )
     lines += [
         f"  rows        ~{plan.est_ok_rows:,} ok, ~{plan.est_error_rows:,} error (extrapolated)",
         f"  tokens      ~{plan.est_prompt_tokens:,} prompt, <= {plan.est_output_tokens_max:,} "

@@ -312,7 +312,8 @@ def _batch_row(spec: JobSpec, obj: dict[str, Any], row: dict[str, Any], where: s
 def _iter_lines(spec: JobSpec, file: InputFile) -> Iterator[tuple[int, bytes]]:
     """(0-based line number, line) for the non-blank lines of a JSONL file."""
     fs, path = filesystem_for(file.uri, spec.storage)
-    with fs.open(path, "rb") as handle:
+    # compression="infer": .jsonl.gz / .jsonl.zst inputs are read transparently.
+    with fs.open(path, "rb", compression="infer") as handle:
         for index, line in enumerate(handle):
             if line.strip():
                 yield index, line

@@ -84,6 +84,14 @@ class InputSpec(_Strict):
             )
         return self
 
+    @field_validator("uri")
+    @classmethod
+    def _non_empty_uris(cls, value: str | list[str]) -> str | list[str]:
+        uris = [value] if isinstance(value, str) else value
+        if not uris or any(not u.strip() for u in uris):
+            raise ValueError("give at least one non-empty path or URI")
+        return value
+
     @property
     def uris(self) -> list[str]:
         return [self.uri] if isinstance(self.uri, str) else list(self.uri)
@@ -301,7 +309,9 @@ class ResourcesSpec(_Strict):
 
 
 class OutputSpec(_Strict):
-    uri: str = Field(description="Output directory: local path, file:// or s3:// prefix.")
+    uri: str = Field(
+        min_length=1, description="Output directory: local path, file:// or s3:// prefix."
+    )
     rows_per_file: int = Field(10_000, ge=1, description="Rows per Parquet part at most.")
     include_token_ids: bool = Field(
         False, description="Also write completion_token_ids (list<int32>) per row."

@@ -214,3 +214,56 @@ def test_materialize_model_downloads_once(
 
     with pytest.raises(SpecError, match=r"model.path: .* has no config.json"):
         materialize_model(f"s3://{bucket}/models/nothing", str(cache), storage)
+
+
+def test_parquet_messages_and_gzip_jsonl_without_ray(s3_server: S3Server, bucket: str) -> None:
+    from pipeline.read import read_file
+
+    chats = [[{"role": "user", "content": f"hi {i}"}] for i in range(3)]
+    s3_server.put(f"s3://{bucket}/chat.parquet", parquet_bytes(pa.table({"chat": chats})))
+    spec = make_spec(
+        s3_server.storage_spec(),
+        {"uri": f"s3://{bucket}/chat.parquet", "format": "parquet", "messages_column": "chat"},
+    )
+    (file,) = list_input_files(spec)
+    table = read_file(spec, file)
+    assert [json.loads(m) for m in table.column("messages").to_pylist()] == chats
+    assert table.column("error").to_pylist() == [None] * 3
+
+    import gzip
+
+    body = "\n".join(json.dumps({"q": f"question {i}"}) for i in range(4)).encode()
+    s3_server.put(f"s3://{bucket}/in.jsonl.gz", gzip.compress(body))
+    spec = make_spec(
+        s3_server.storage_spec(),
+        {"uri": f"s3://{bucket}/in.jsonl.gz", "format": "jsonl", "prompt_column": "q"},
+    )
+    (file,) = list_input_files(spec)
+    assert read_file(spec, file).column("prompt").to_pylist() == [f"question {i}" for i in range(4)]
+
+
+def test_concurrent_materialize_downloads_once(
+    s3_server: S3Server, bucket: str, tiny_model_dir: Path, tmp_path: Path, monkeypatch
+) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pipeline.storage import filesystem_for
+
+    prefix = f"s3://{bucket}/models/shared"
+    uploaded = s3_server.upload_dir(tiny_model_dir, prefix)
+    storage = s3_server.storage_spec()
+    fs, _ = filesystem_for(prefix, storage)  # s3fs caches instances: the one the code uses
+    downloads: list[str] = []
+    real_get_file = fs.get_file
+
+    def counting_get_file(rpath: str, lpath: str, **kwargs: Any) -> Any:
+        downloads.append(rpath)
+        time.sleep(0.05)  # widen the window in which a second downloader could start
+        return real_get_file(rpath, lpath, **kwargs)
+
+    monkeypatch.setattr(fs, "get_file", counting_get_file)
+    cache = str(tmp_path / "cache")
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        paths = list(pool.map(lambda _: materialize_model(prefix, cache, storage), range(4)))
+    assert len(set(paths)) == 1
+    assert sorted(downloads) == sorted(u[len("s3://") :] for u in uploaded)

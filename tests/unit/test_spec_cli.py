@@ -119,3 +119,12 @@ def test_plan_text_output(tmp_path: Path, model_dir: Path) -> None:
     assert "32 rows" in result.output
     assert "2 error row(s)" in result.output and "not valid JSON" in result.output
     assert "time        unknown" in result.output
+
+
+def test_plan_warns_about_duplicate_ids(tmp_path: Path, model_dir: Path) -> None:
+    data = tmp_path / "dup.jsonl"
+    data.write_text("\n".join(json.dumps({"k": k, "q": "hello"}) for k in ["a", "b", "a"]))
+    job = write_job(tmp_path, model_dir, input={"uri": str(data), "id_column": "k"})
+    result = run("plan", str(job))
+    assert result.exit_code == 0, result.output
+    assert "1 duplicate id(s) in the sample" in result.output
