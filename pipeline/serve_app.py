@@ -83,7 +83,9 @@ class OpenAIIngress:
         self._engines = engines
         self._keys = keys
         self._tokenizers = {m.name: PromptTokenizer(m.model, spec.storage) for m in spec.models}
-        self._infos: dict[str, EngineInfo] = {}
+        # One shared fetch per model: concurrent first requests must not each send an info
+        # call, since those calls take engine slots like requests do.
+        self._infos: dict[str, asyncio.Future[EngineInfo]] = {}
         self._metrics = ServeMetrics()
         self._created = int(time.time())
 
@@ -145,6 +147,12 @@ class OpenAIIngress:
             if prepared.stream:
                 return await self._stream(prepared, started)
             return await self._complete(prepared, started)
+        except BackPressureError as exc:
+            # Only the engine info fetch gets here; dispatch handles its own backpressure.
+            error = self._overloaded(exc)
+            self._metrics.errors.labels(error.kind).inc()
+            self._metrics.requests.labels(model, endpoint, str(error.status)).inc()
+            raise error from None
         except ApiError as exc:
             self._metrics.errors.labels(exc.kind).inc()
             self._metrics.requests.labels(model, endpoint, str(exc.status)).inc()
@@ -194,9 +202,15 @@ class OpenAIIngress:
         return {"id": name, "object": "model", "created": self._created, "owned_by": "tokenmill"}
 
     async def _info(self, name: str) -> EngineInfo:
-        if name not in self._infos:
-            self._infos[name] = await self._engines[name].info.remote()
-        return self._infos[name]
+        future = self._infos.get(name)
+        if future is None or (future.done() and future.exception() is not None):
+            future = asyncio.ensure_future(self._fetch_info(name))
+            self._infos[name] = future
+        # shield: one cancelled (disconnected) request must not cancel the others' fetch.
+        return await asyncio.shield(future)
+
+    async def _fetch_info(self, name: str) -> EngineInfo:
+        return await self._engines[name].info.remote()
 
     async def _prepare(self, data: dict[str, Any], endpoint: Endpoint) -> Prepared:
         request = parse_request(data, endpoint)

@@ -1,0 +1,176 @@
+"""Fixtures for the Serve endpoint tests: a tiny model and a running `tokenmill serve`.
+
+The server is the real CLI in a subprocess on a free loopback port, started once per test
+module (startup is ~10-20 s), with two models over the same weights: `tiny` with roomy queues
+and `narrow` with one slot and one queue place, so the 429 path is easy to reach.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+API_KEY = "test-key-1"
+OTHER_KEY = "test-key-2"
+MAX_BODY_BYTES = 64 * 1024
+MAX_MODEL_LEN = 1024
+MAX_TOKENS_CAP = 1000
+PRICES = {"input": 0.10, "cached_input": 0.05, "output": 0.40}
+DEVICE_HOUR_USD = 0.05
+STARTUP_TIMEOUT_S = 180
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def serve_config(model_dir: Path) -> dict:
+    engine = {
+        "kind": "reference",
+        "device": "cpu",
+        "max_batch_size": 16,
+        "max_num_tokens": 256,
+        "max_model_len": MAX_MODEL_LEN,
+        # One thread per engine: two engines and the tests share two cores.
+        "extra": {"num_threads": 1},
+    }
+    cost = {"device_hour_usd": DEVICE_HOUR_USD, "price_per_million": PRICES}
+    limits = {"max_tokens": MAX_TOKENS_CAP, "default_max_tokens": 32}
+    return {
+        "name": "tokenmill-test",
+        "models": [
+            {
+                "name": "tiny",
+                "model": {"path": str(model_dir)},
+                "engine": engine,
+                "cost": cost,
+                "limits": limits,
+                "replicas": {"cpus_per_replica": 0.25, "max_ongoing_requests": 32},
+            },
+            {
+                "name": "narrow",
+                "model": {"path": str(model_dir)},
+                "engine": engine,
+                "cost": cost,
+                "limits": limits,
+                "replicas": {
+                    "cpus_per_replica": 0.25,
+                    "max_ongoing_requests": 1,
+                    "max_queued_requests": 1,
+                },
+            },
+        ],
+        "http": {"max_body_bytes": MAX_BODY_BYTES, "retry_after_s": 2, "cpus_per_ingress": 0.25},
+    }
+
+
+@dataclass
+class ServerProcess:
+    process: subprocess.Popen
+    base_url: str  # http://127.0.0.1:PORT
+    lines: list[str] = field(default_factory=list)  # everything it printed so far
+
+    @property
+    def api_url(self) -> str:
+        return self.base_url + "/v1"
+
+    def stop(self, timeout: float = 90) -> int:
+        """SIGTERM, as a supervisor would; returns the exit code."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=30)
+        return self.process.returncode
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120):
+    """Run `tokenmill ARGS` to completion; CompletedProcess with text output."""
+    return subprocess.run(
+        [str(Path(sys.executable).parent / "tokenmill"), *args],
+        cwd=REPO,
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def start_server(config_path: Path, env: dict[str, str], extra_args: list[str]) -> ServerProcess:
+    port = free_port()
+    cmd = [
+        str(Path(sys.executable).parent / "tokenmill"),
+        "serve",
+        str(config_path),
+        "--port",
+        str(port),
+        "--num-cpus",
+        "2",
+        "--object-store-mb",
+        "300",
+        *extra_args,
+    ]
+    process = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        # Its own process group, so a stuck server can be cleaned up without touching ours.
+        start_new_session=True,
+    )
+    server = ServerProcess(process, f"http://127.0.0.1:{port}")
+    ready = threading.Event()
+
+    def pump() -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            server.lines.append(line)
+            if line.startswith("serving "):
+                ready.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while not ready.wait(timeout=1):
+        if process.poll() is not None or time.monotonic() > deadline:
+            server.stop(timeout=30)
+            tail = "".join(server.lines[-40:])
+            pytest.fail(f"tokenmill serve did not start (rc={process.returncode}):\n{tail}")
+    return server
+
+
+@pytest.fixture(scope="session")
+def serve_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from engines.tiny import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("serve-model") / "tiny", arch="llama")
+
+
+@pytest.fixture(scope="module")
+def server(
+    serve_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    config = tmp_path_factory.mktemp("serve-config") / "serve.yaml"
+    config.write_text(yaml.safe_dump(serve_config(serve_model_dir)))
+    proc = start_server(config, {"TOKENMILL_API_KEYS": f"{API_KEY},{OTHER_KEY}"}, [])
+    yield proc
+    proc.stop()
+    # Kept for a failing test's post-mortem (pytest keeps the last few base temp dirs).
+    (config.parent / "server.log").write_text("".join(proc.lines))

@@ -1,0 +1,404 @@
+"""`tokenmill serve` end to end: the official OpenAI client and raw HTTP against a real server.
+
+One server per module (see serve_fixtures.py). Greedy outputs are checked against the
+reference engine run directly in this process on the same model and the same chat-templated
+token ids; usage against the tokenizer's own counts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.e2e import serve_fixtures
+from tests.e2e.serve_fixtures import (
+    API_KEY,
+    DEVICE_HOUR_USD,
+    MAX_BODY_BYTES,
+    MAX_TOKENS_CAP,
+    OTHER_KEY,
+    PRICES,
+    ServerProcess,
+    serve_config,
+)
+
+# Fixtures shared with the other serve test modules.
+serve_model_dir = serve_fixtures.serve_model_dir
+server = serve_fixtures.server
+
+pytestmark = pytest.mark.timeout(600)
+
+CHAT = [
+    {"role": "system", "content": "You answer briefly."},
+    {"role": "user", "content": "Tell me about the river and the bridge."},
+]
+PROMPT = "Please explain why the cluster reads every file"
+
+
+# --- helpers ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.api_url, api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(serve_model_dir: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(serve_model_dir))
+
+
+@pytest.fixture(scope="module")
+def engine(serve_model_dir: Path):
+    """The reference engine with the served model's settings, run in this process."""
+    from engines import load_engine
+    from pipeline.engine_setup import engine_settings
+    from pipeline.serve_spec import ServedModelSpec
+
+    served = ServedModelSpec.model_validate(serve_config(serve_model_dir)["models"][0])
+    eng = load_engine(
+        served.engine.kind, model=str(serve_model_dir), **engine_settings(served.engine)
+    )
+    yield eng
+    eng.shutdown()
+
+
+def run_engine(engine, prompt_ids: list[int], max_tokens: int):
+    from engines import GenerationRequest, SamplingParams
+
+    request = GenerationRequest(
+        prompt_token_ids=list(prompt_ids),
+        sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0),
+    )
+    return asyncio.run(engine.generate(request))
+
+
+def chat_ids(tokenizer, messages) -> list[int]:
+    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+
+
+def scrape(server: ServerProcess) -> dict[tuple[str, tuple], float]:
+    """/metrics as {(sample name, sorted labels): value}."""
+    text = httpx.get(server.base_url + "/metrics", timeout=30).text
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return samples
+
+
+def metric(samples: dict, name: str, **labels: str) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def auth(key: str = API_KEY) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def check_usage_cost(usage, expect_prompt: int, expect_completion: int) -> None:
+    assert usage.prompt_tokens == expect_prompt
+    assert usage.completion_tokens == expect_completion
+    assert usage.total_tokens == expect_prompt + expect_completion
+    cached = usage.prompt_tokens_details.cached_tokens
+    assert 0 <= cached <= expect_prompt
+    extra = usage.model_extra
+    assert extra["gpu_seconds"] > 0
+    assert extra["cost_usd"] == pytest.approx(extra["gpu_seconds"] * DEVICE_HOUR_USD / 3600)
+    expected_list = (
+        (expect_prompt - cached) * PRICES["input"]
+        + cached * PRICES["cached_input"]
+        + expect_completion * PRICES["output"]
+    ) / 1e6
+    assert extra["list_price_usd"] == pytest.approx(expected_list)
+
+
+# --- happy paths -----------------------------------------------------------------------------
+
+
+def test_models_and_health(server: ServerProcess, client: openai.OpenAI) -> None:
+    assert sorted(m.id for m in client.models.list()) == ["narrow", "tiny"]
+    assert client.models.retrieve("tiny").id == "tiny"
+    health = httpx.get(server.base_url + "/health", timeout=30)
+    assert health.status_code == 200 and health.json()["status"] == "ok"
+    # Either configured key works.
+    other = openai.OpenAI(base_url=server.api_url, api_key=OTHER_KEY, max_retries=0)
+    assert len(other.models.list().data) == 2
+
+
+def test_chat_greedy_equals_engine(client: openai.OpenAI, engine, tokenizer) -> None:
+    ids = chat_ids(tokenizer, CHAT)
+    expected = run_engine(engine, ids, max_tokens=24)
+    response = client.chat.completions.create(
+        model="tiny", messages=CHAT, temperature=0, max_tokens=24
+    )
+    assert response.object == "chat.completion" and response.id.startswith("chatcmpl-")
+    choice = response.choices[0]
+    assert choice.message.role == "assistant"
+    assert choice.message.content == expected.text
+    assert choice.finish_reason == ("length" if expected.finish_reason == "length" else "stop")
+    check_usage_cost(response.usage, len(ids), expected.completion_tokens)
+
+
+def test_chat_stream_equals_engine(client: openai.OpenAI, engine, tokenizer) -> None:
+    ids = chat_ids(tokenizer, CHAT)
+    expected = run_engine(engine, ids, max_tokens=20)
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny",
+            messages=CHAT,
+            temperature=0,
+            max_completion_tokens=20,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert len({c.id for c in chunks}) == 1
+    assert chunks[0].choices[0].delta.role == "assistant"
+    *content, finish, usage_chunk = chunks
+    assert "".join(c.choices[0].delta.content or "" for c in content) == expected.text
+    assert finish.choices[0].finish_reason in ("stop", "length")
+    assert usage_chunk.choices == [] and all(c.usage is None for c in chunks[:-1])
+    check_usage_cost(usage_chunk.usage, len(ids), expected.completion_tokens)
+
+
+def test_completions_greedy_and_stream_equal_engine(
+    client: openai.OpenAI, engine, tokenizer
+) -> None:
+    ids = list(tokenizer(PROMPT)["input_ids"])
+    expected = run_engine(engine, ids, max_tokens=16)
+    # No max_tokens: OpenAI's completions default of 16 applies.
+    response = client.completions.create(model="tiny", prompt=PROMPT, temperature=0)
+    assert response.object == "text_completion" and response.id.startswith("cmpl-")
+    assert response.choices[0].text == expected.text
+    check_usage_cost(response.usage, len(ids), expected.completion_tokens)
+
+    stream = client.completions.create(
+        model="tiny", prompt=PROMPT, temperature=0, max_tokens=16, stream=True
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks) == expected.text
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+    # Token-id prompts reach the engine unchanged.
+    by_ids = client.completions.create(model="tiny", prompt=ids, temperature=0, max_tokens=16)
+    assert by_ids.choices[0].text == expected.text
+
+
+def test_raw_stream_is_openai_sse(server: ServerProcess) -> None:
+    body = {"model": "tiny", "messages": CHAT, "temperature": 0, "max_tokens": 4, "stream": True}
+    with httpx.stream(
+        "POST", server.api_url + "/chat/completions", json=body, headers=auth(), timeout=60
+    ) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        raw = response.read().decode()
+    events = [e for e in raw.split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+    last = json.loads(events[-2][len("data: ") :])
+    assert last["choices"][0]["delta"] == {} and last["choices"][0]["finish_reason"] == "length"
+    assert "usage" not in last  # only with stream_options.include_usage
+
+
+# --- errors ----------------------------------------------------------------------------------
+
+GOOD = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+def with_(**changes) -> dict:
+    return {**GOOD, **changes}
+
+
+ERROR_CASES = [
+    # (id, headers, body (dict → JSON, bytes → raw), status, param, code)
+    ("no-key", {}, GOOD, 401, None, "invalid_api_key"),
+    ("wrong-key", auth("nope"), GOOD, 401, None, "invalid_api_key"),
+    ("bad-json", auth(), b'{"model": "tiny", "messages": [', 400, None, "invalid_json"),
+    ("json-array", auth(), b"[1, 2]", 400, None, "invalid_json"),
+    ("wrong-type", auth(), with_(temperature="hot"), 400, "temperature", "invalid_value"),
+    ("bad-role", auth(), with_(messages=[{"role": "robot", "content": "x"}]), 400, None, None),
+    ("missing", auth(), {"model": "tiny"}, 400, "messages", "missing_required_parameter"),
+    ("unknown-model", auth(), with_(model="gpt-9"), 404, "model", "model_not_found"),
+    ("n=2", auth(), with_(n=2), 400, "n", "unsupported_parameter"),
+    ("tools", auth(), with_(tools=[{"type": "function"}]), 400, "tools", "unsupported_parameter"),
+    ("logprobs", auth(), with_(logprobs=True), 400, "logprobs", "unsupported_parameter"),
+    ("unknown", auth(), with_(foo=1), 400, "foo", "unknown_parameter"),
+    ("max-tokens", auth(), with_(max_tokens=MAX_TOKENS_CAP + 1), 400, "max_tokens", None),
+    (
+        "long-prompt",
+        auth(),
+        with_(messages=[{"role": "user", "content": "river bridge " * 1200}]),
+        400,
+        "messages",
+        "context_length_exceeded",
+    ),
+    ("oversize", auth(), b"x" * (MAX_BODY_BYTES + 1), 413, None, "request_too_large"),
+]
+
+
+@pytest.mark.parametrize(
+    ("headers", "body", "status", "param", "code"),
+    [case[1:] for case in ERROR_CASES],
+    ids=[case[0] for case in ERROR_CASES],
+)
+def test_bad_requests_get_openai_errors(
+    server: ServerProcess, headers, body, status, param, code
+) -> None:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    response = httpx.post(
+        server.api_url + "/chat/completions",
+        content=content,
+        headers={"Content-Type": "application/json", **headers},
+        timeout=60,
+    )
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"]
+    if param is not None:
+        assert error["param"] == param
+    if code is not None:
+        assert error["code"] == code
+
+
+def test_errors_through_openai_client_then_server_still_serves(
+    server: ServerProcess, client: openai.OpenAI
+) -> None:
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.api_url, api_key="wrong", max_retries=0).models.list()
+    with pytest.raises(openai.BadRequestError, match="'n'"):
+        client.chat.completions.create(model="tiny", messages=GOOD["messages"], n=2)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="x")
+    missing = httpx.get(server.api_url + "/nothing-here", headers=auth(), timeout=30)
+    assert missing.status_code == 404 and "error" in missing.json()
+    ok = client.chat.completions.create(model="tiny", messages=GOOD["messages"], max_tokens=3)
+    assert ok.usage.completion_tokens >= 1
+    errors = scrape(server)
+    assert metric(errors, "tokenmill_serve_errors_total", kind="invalid_api_key") >= 1
+    assert metric(errors, "tokenmill_serve_errors_total", kind="unsupported_parameter") >= 1
+
+
+# --- load limits and cancellation -------------------------------------------------------------
+
+
+def test_full_queue_answers_429_with_retry_after(server: ServerProcess) -> None:
+    # `narrow` has one engine slot and one queue place: of 6 concurrent long requests at least
+    # four find both taken.
+    body = {"model": "narrow", "prompt": PROMPT, "max_tokens": 300, "ignore_eos": True}
+
+    async def fire() -> list[httpx.Response]:
+        async with httpx.AsyncClient(headers=auth(), timeout=120) as http:
+            return await asyncio.gather(
+                *(http.post(server.api_url + "/completions", json=body) for _ in range(6))
+            )
+
+    responses = asyncio.run(fire())
+    statuses = sorted(r.status_code for r in responses)
+    assert statuses.count(200) >= 1 and statuses.count(429) >= 3, statuses
+    assert set(statuses) <= {200, 429}
+    for r in responses:
+        if r.status_code == 429:
+            assert r.headers["retry-after"] == "2"
+            assert r.json()["error"]["code"] == "queue_full"
+        else:
+            assert r.json()["usage"]["completion_tokens"] == 300
+    # Once the burst is over the same model serves again.
+    again = httpx.post(
+        server.api_url + "/completions", json={**body, "max_tokens": 2}, headers=auth(), timeout=60
+    )
+    assert again.status_code == 200
+
+
+def wait_engine_idle(server: ServerProcess, model: str, timeout: float = 30) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        samples = scrape(server)
+        idle = (
+            metric(samples, "tokenmill_serve_requests_in_flight", model=model) == 0
+            and metric(samples, "tokenmill_engine_requests_running", model=model) == 0
+            and metric(samples, "tokenmill_engine_requests_waiting", model=model) == 0
+        )
+        if idle:
+            return samples
+        assert time.monotonic() < deadline, f"engine of {model} still busy after {timeout}s"
+        time.sleep(0.2)
+
+
+def test_client_disconnect_mid_stream_frees_the_engine(server: ServerProcess) -> None:
+    before = wait_engine_idle(server, "tiny")
+    steps_before = metric(before, "tokenmill_engine_steps", model="tiny")
+    body = {
+        "model": "tiny",
+        "prompt": PROMPT,
+        "max_tokens": MAX_TOKENS_CAP,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with httpx.stream(
+        "POST", server.api_url + "/completions", json=body, headers=auth(), timeout=60
+    ) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        received = [ln for ln, _ in zip(lines, range(6), strict=False) if ln.startswith("data: ")]
+        assert received
+        busy = scrape(server)
+        assert metric(busy, "tokenmill_serve_requests_in_flight", model="tiny") == 1
+    # Leaving the block closed the connection mid-stream.
+    after = wait_engine_idle(server, "tiny")
+    steps = metric(after, "tokenmill_engine_steps", model="tiny")
+    time.sleep(1.0)
+    assert metric(scrape(server), "tokenmill_engine_steps", model="tiny") == steps  # idle
+    # The request was cut short: far fewer steps than its 1000 tokens would take.
+    assert steps - steps_before < MAX_TOKENS_CAP / 2
+    assert metric(after, "tokenmill_serve_errors_total", kind="client_disconnected") >= 1
+
+
+def test_client_disconnect_while_waiting_for_whole_response(server: ServerProcess) -> None:
+    before = wait_engine_idle(server, "tiny")
+    steps_before = metric(before, "tokenmill_engine_steps", model="tiny")
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": MAX_TOKENS_CAP, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.api_url + "/completions", json=body, headers=auth(), timeout=1.0)
+    after = wait_engine_idle(server, "tiny")
+    assert metric(after, "tokenmill_engine_steps", model="tiny") - steps_before < (
+        MAX_TOKENS_CAP / 2
+    )
+
+
+def test_metrics_count_tokens_and_latency(server: ServerProcess, client: openai.OpenAI) -> None:
+    before = scrape(server)
+    response = client.chat.completions.create(
+        model="tiny", messages=CHAT, temperature=0, max_tokens=5
+    )
+    after = scrape(server)
+
+    def grew(name: str, **labels: str) -> float:
+        return metric(after, name, **labels) - metric(before, name, **labels)
+
+    usage = response.usage
+    assert grew("tokenmill_serve_prompt_tokens_total", model="tiny") == usage.prompt_tokens
+    assert grew("tokenmill_serve_completion_tokens_total", model="tiny") == usage.completion_tokens
+    assert grew("tokenmill_serve_requests_total", model="tiny", endpoint="chat", status="200") == 1
+    assert grew("tokenmill_serve_latency_seconds_count", model="tiny", endpoint="chat") == 1
+    assert grew("tokenmill_serve_ttft_seconds_count", model="tiny") == 1
+    assert grew("tokenmill_serve_cost_usd_total", model="tiny") == pytest.approx(
+        response.usage.model_extra["cost_usd"]
+    )
+
+
+def test_sigterm_stops_the_server_cleanly(server: ServerProcess) -> None:
+    # Last in the module: stops the shared server.
+    assert server.stop(timeout=90) == 0, "".join(server.lines[-30:])
+    with pytest.raises(httpx.TransportError):
+        httpx.get(server.base_url + "/health", timeout=5)
