@@ -319,8 +319,11 @@ def _iter_lines(spec: JobSpec, file: InputFile) -> Iterator[tuple[int, bytes]]:
                 yield index, line
 
 
-def _read_jsonl(spec: JobSpec, file: InputFile, max_rows: int | None) -> pa.Table:
-    rows = _Rows.empty(_output_names(spec))
+def _iter_jsonl(
+    spec: JobSpec, file: InputFile, max_rows: int | None, chunk_rows: int
+) -> Iterator[pa.Table]:
+    names = _output_names(spec)
+    rows = _Rows.empty(names)
     count = 0
     for index, line in _iter_lines(spec, file):
         if max_rows is not None and count >= max_rows:
@@ -332,22 +335,25 @@ def _read_jsonl(spec: JobSpec, file: InputFile, max_rows: int | None) -> pa.Tabl
             obj = json.loads(line)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             row[ERROR] = f"{where}: not valid JSON ({exc})"
-            rows.append(row)
-            continue
-        if not isinstance(obj, dict):
+            obj = None
+        if obj is None:
+            pass
+        elif not isinstance(obj, dict):
             row[ERROR] = f"{where}: expected a JSON object, got {type(obj).__name__}"
         elif spec.input.format == "openai_batch":
             _batch_row(spec, obj, row, where)
         else:
             _jsonl_row(spec, obj, row, where)
         rows.append(row)
-    return _to_table(spec, rows)
+        if len(rows.columns[ID]) >= chunk_rows:
+            yield _to_table(spec, rows)
+            rows = _Rows.empty(names)
+    if rows.columns[ID] or count == 0:
+        yield _to_table(spec, rows)
 
 
-def _read_parquet(spec: JobSpec, file: InputFile, max_rows: int | None) -> pa.Table:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
+def _parquet_needs(spec: JobSpec) -> dict[str, str]:
+    """Input column -> the spec field that asks for it (for "column not found" errors)."""
     inp = spec.input
     needed = {c: "input.id_column" for c in [inp.id_column] if c}
     needed.update({c: "input.prompt_column" for c in [inp.prompt_column] if c})
@@ -358,35 +364,39 @@ def _read_parquet(spec: JobSpec, file: InputFile, max_rows: int | None) -> pa.Ta
         needed.setdefault(c, "prompt.template")
     for field, c in spec.sampling.overrides.items():
         needed.setdefault(c, f"sampling.overrides.{field}")
+    return needed
 
-    fs, path = filesystem_for(file.uri, spec.storage)
-    with fs.open(path, "rb") as handle:
-        parquet = pq.ParquetFile(handle)
-        available = parquet.schema_arrow.names
-        present = [c for c in needed if c in available]
-        table = parquet.read(columns=present)
-    if max_rows is not None:
-        table = table.slice(0, max_rows)
-    missing = [c for c in needed if c not in available]
-    file_error = None
-    if missing:
-        fields = ", ".join(f"{c!r} ({needed[c]})" for c in missing)
-        file_error = f"{file.uri}: column(s) {fields} not found; the file has {available[:20]}"
 
-    num_rows = table.num_rows
-    ids = table.column(inp.id_column).to_pylist() if inp.id_column in present else None
-    prompts = table.column(inp.prompt_column).to_pylist() if inp.prompt_column in present else None
-    chats = (
-        table.column(inp.messages_column).to_pylist() if inp.messages_column in present else None
+def _parquet_chunk(
+    spec: JobSpec,
+    file: InputFile,
+    table: pa.Table,
+    first_row: int,
+    present: list[str],
+    file_error: str | None,
+) -> pa.Table:
+    """Read columns for rows [first_row, first_row + table.num_rows) of one Parquet file."""
+    import pyarrow as pa
+
+    inp = spec.input
+
+    def values(name: str | None) -> list[Any] | None:
+        return table.column(name).to_pylist() if name and name in present else None
+
+    ids, prompts, chats = (
+        values(inp.id_column),
+        values(inp.prompt_column),
+        values(inp.messages_column),
     )
     override_values = {
         c: table.column(c).to_pylist() for c in spec.sampling.overrides.values() if c in present
     }
     core: dict[str, list[Any]] = {ID: [], PROMPT: [], MESSAGES: [], ERROR: []}
     coerced: dict[str, list[Any]] = {c: [] for c in override_values}
-    for i in range(num_rows):
-        where = f"{file.uri} row {i}"
-        row: dict[str, Any] = {ID: derived_id(file.uri, i), ERROR: file_error}
+    for i in range(table.num_rows):
+        index = first_row + i
+        where = f"{file.uri} row {index}"
+        row: dict[str, Any] = {ID: derived_id(file.uri, index), ERROR: file_error}
         if ids is not None:
             if ids[i] is None:
                 row[ERROR] = row[ERROR] or f"{where}: id column {inp.id_column!r} is null"
@@ -396,7 +406,7 @@ def _read_parquet(spec: JobSpec, file: InputFile, max_rows: int | None) -> pa.Ta
             _text_prompt(row, inp.prompt_column or "", prompts[i], where)
         if chats is not None:
             _messages_value(row, inp.messages_column or "", chats[i], where)
-        _apply_overrides(spec, row, {c: values[i] for c, values in override_values.items()}, where)
+        _apply_overrides(spec, row, {c: v[i] for c, v in override_values.items()}, where)
         for name in core:
             core[name].append(row.get(name))
         for name in coerced:
@@ -412,15 +422,72 @@ def _read_parquet(spec: JobSpec, file: InputFile, max_rows: int | None) -> pa.Ta
         elif name in present:
             arrays[name] = table.column(name).combine_chunks()
         else:
-            arrays[name] = pa.nulls(num_rows, type=types.get(name, pa.null()))
+            arrays[name] = pa.nulls(table.num_rows, type=types.get(name, pa.null()))
     return pa.Table.from_arrays(list(arrays.values()), names=list(arrays))
+
+
+def _iter_parquet(
+    spec: JobSpec, file: InputFile, max_rows: int | None, chunk_rows: int
+) -> Iterator[pa.Table]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    needed = _parquet_needs(spec)
+    fs, path = filesystem_for(file.uri, spec.storage)
+    with fs.open(path, "rb") as handle:
+        parquet = pq.ParquetFile(handle)
+        available = parquet.schema_arrow.names
+        present = [c for c in needed if c in available]
+        missing = [c for c in needed if c not in available]
+        file_error = None
+        if missing:
+            fields = ", ".join(f"{c!r} ({needed[c]})" for c in missing)
+            file_error = f"{file.uri}: column(s) {fields} not found; the file has {available[:20]}"
+        total = parquet.metadata.num_rows
+        if max_rows is not None:
+            total = min(total, max_rows)
+        if not present:
+            # Nothing to read (every needed column is missing): error rows by count alone.
+            for start in range(0, max(total, 1), chunk_rows):
+                empty = pa.table({"_": pa.nulls(min(chunk_rows, total - start))})
+                yield _parquet_chunk(spec, file, empty, start, present, file_error)
+            return
+        first_row = 0
+        for batch in parquet.iter_batches(batch_size=chunk_rows, columns=present):
+            if first_row >= total:
+                break
+            table = pa.Table.from_batches([batch]).slice(0, total - first_row)
+            yield _parquet_chunk(spec, file, table, first_row, present, file_error)
+            first_row += table.num_rows
+        if first_row == 0:
+            yield _parquet_chunk(
+                spec, file, parquet.schema_arrow.empty_table().select(present), 0, present, None
+            )
+
+
+# Rows per table a reader yields: bounds a read task's memory on big files.
+READ_CHUNK_ROWS = 8192
+
+
+def iter_file(
+    spec: JobSpec, file: InputFile, max_rows: int | None = None, chunk_rows: int = READ_CHUNK_ROWS
+) -> Iterator[pa.Table]:
+    """The rows of one input file (at most `max_rows`) as Arrow tables of <= chunk_rows rows.
+
+    Yields at least one table (possibly empty), so the schema is always known.
+    """
+    if spec.input.format == "parquet":
+        yield from _iter_parquet(spec, file, max_rows, chunk_rows)
+    else:
+        yield from _iter_jsonl(spec, file, max_rows, chunk_rows)
 
 
 def read_file(spec: JobSpec, file: InputFile, max_rows: int | None = None) -> pa.Table:
     """All rows of one input file (at most `max_rows`), as one Arrow table. No Ray needed."""
-    if spec.input.format == "parquet":
-        return _read_parquet(spec, file, max_rows)
-    return _read_jsonl(spec, file, max_rows)
+    import pyarrow as pa
+
+    tables = list(iter_file(spec, file, max_rows))
+    return tables[0] if len(tables) == 1 else pa.concat_tables(tables, promote_options="default")
 
 
 def count_rows(spec: JobSpec, file: InputFile) -> int:
@@ -460,14 +527,12 @@ def row_budget(spec: JobSpec, files: list[InputFile]) -> list[tuple[InputFile, i
 READ_TASK_CPUS = 0.25
 
 
-def _read_units(batch: pa.Table, spec: JobSpec) -> pa.Table:
-    import pyarrow as pa
-
-    tables = []
+def _read_units(batch: pa.Table, spec: JobSpec) -> Iterator[pa.Table]:
+    # A generator: Ray Data cuts what it yields into blocks, so a large file never has to fit
+    # in one task's memory at once.
     for unit in batch.to_pylist():
         file = InputFile(uri=unit["uri"], size=unit["size"], version=unit["version"])
-        tables.append(read_file(spec, file, unit["max_rows"]))
-    return pa.concat_tables(tables, promote_options="default") if len(tables) > 1 else tables[0]
+        yield from iter_file(spec, file, unit["max_rows"])
 
 
 def read_dataset(spec: JobSpec, files: list[InputFile]) -> ray.data.Dataset:

@@ -267,3 +267,24 @@ def test_concurrent_materialize_downloads_once(
         paths = list(pool.map(lambda _: materialize_model(prefix, cache, storage), range(4)))
     assert len(set(paths)) == 1
     assert sorted(downloads) == sorted(u[len("s3://") :] for u in uploaded)
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
+def test_chunked_reading_keeps_row_indexes(tmp_path: Path, fmt: str) -> None:
+    from pipeline.read import iter_file
+
+    path = tmp_path / f"in.{fmt}"
+    questions = [f"q{i}" for i in range(5)]
+    if fmt == "parquet":
+        pq.write_table(pa.table({"q": questions}), path, row_group_size=3)
+    else:
+        path.write_text("\n".join(json.dumps({"q": q}) for q in questions))
+    spec = make_spec(StorageSpec(), {"uri": str(path), "format": fmt, "prompt_column": "q"})
+    (file,) = list_input_files(spec)
+    chunks = list(iter_file(spec, file, chunk_rows=2))
+    assert len(chunks) >= 3 and all(0 < t.num_rows <= 2 for t in chunks)
+    ids = [i for t in chunks for i in t.column("id").to_pylist()]
+    assert ids == [derived_id(file.uri, i) for i in range(5)]
+    assert [p for t in chunks for p in t.column("prompt").to_pylist()] == questions
+    capped = list(iter_file(spec, file, max_rows=3, chunk_rows=2))
+    assert [p for t in capped for p in t.column("prompt").to_pylist()] == questions[:3]
