@@ -77,9 +77,11 @@ cost:
   urls: `/v1/chat/completions` (`body.messages`) and `/v1/completions` (`body.prompt`).
   `body.max_tokens` / `max_completion_tokens`, `temperature`, `top_p` and `seed` override the
   job's sampling for that row (columns `max_tokens`, `temperature`, `top_p`, `seed`);
-  `body.model` is ignored (the job's model answers). Parameters that would change results
-  and are not implemented (`n` > 1, `logprobs`, `tools`, `stop`, penalties, `logit_bias`,
-  `response_format` other than text, ...) make the row an error row naming the parameter.
+  `body.model` is ignored (the job's model answers). A `/v1/completions` prompt is a raw
+  continuation (tokenized without the chat template or system prompt), as in the OpenAI API.
+  Parameters that would change results and are not implemented (`n` > 1, `logprobs`, `tools`,
+  `stop`, penalties, `logit_bias`, `response_format` other than text, ...) make the row an
+  error row naming the parameter.
 
 Without an id column, a row's id is `<first 8 hex of sha256(file URI)>-<row index>` (JSONL: the
 0-based line number; Parquet: the 0-based row number).

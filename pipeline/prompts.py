@@ -17,6 +17,10 @@ adds, per row (names are the constants below):
 
 Every other column (`id`, `prompt`, `messages`, passthrough, ...) is kept as it is.
 
+Chats (`messages`) always go through the tokenizer's chat template. Text prompts do when
+`prompt.chat_template` is on, except openai_batch `/v1/completions` prompts, which are raw
+continuations as in the OpenAI API (no chat template, no system prompt).
+
 The rendering helpers (`chat_messages`, `render_user_text`, `render_prompt`) are pure and are
 reused by the Serve app so a request is tokenized exactly like a batch row.
 """
@@ -225,10 +229,16 @@ def render_prompt(
     return list(tokenizer.encode(rendered, add_special_tokens=False))
 
 
+# An OpenAI /v1/completions request is a raw text continuation: no chat template, no system.
+RAW_COMPLETION = PromptSpec(chat_template=False)
+
+
 def render_row(row: Mapping[str, Any], spec: JobSpec, tokenizer: Any) -> list[int]:
     """Token ids for one dataset row (columns as produced by pipeline.read)."""
     if row.get(MESSAGES) is not None:
         return render_prompt(tokenizer, spec.prompt, messages=row[MESSAGES])
+    if spec.input.format == "openai_batch":
+        return render_prompt(tokenizer, RAW_COMPLETION, text=render_user_text(row, RAW_COMPLETION))
     return render_prompt(tokenizer, spec.prompt, text=render_user_text(row, spec.prompt))
 
 

@@ -293,3 +293,22 @@ def test_stage_replaces_existing_sampling_columns(model_dir: Path) -> None:
     assert out.column_names.count("max_tokens") == 1
     assert out.column("max_tokens").to_pylist() == [5]
     assert set(STAGE_COLUMNS) <= set(out.column_names)
+
+
+def test_openai_batch_completions_are_raw_text(model_dir: Path, tokenizer: Any) -> None:
+    spec = parse_job_spec(
+        {
+            "name": "batch",
+            "input": {"uri": "/in.jsonl", "format": "openai_batch"},
+            "prompt": {"system_prompt": "Be brief."},
+            "model": {"path": str(model_dir)},
+            "output": {"uri": "/out"},
+            "sampling": {"max_tokens": 8},
+        }
+    )
+    stage = PromptStage(spec)
+    completion = {"id": "c", "prompt": "Once upon", "messages": None, "error": None}
+    assert stage.process_row(completion)[PROMPT_TOKEN_IDS] == tokenizer.encode("Once upon")
+    chat = {"id": "m", "prompt": None, "messages": '[{"role": "user", "content": "hi"}]'}
+    text = tokenizer.decode(stage.process_row({**chat, "error": None})[PROMPT_TOKEN_IDS])
+    assert text.startswith("<|im_start|>system\nBe brief.") and "hi" in text
