@@ -128,3 +128,16 @@ def test_plan_warns_about_duplicate_ids(tmp_path: Path, model_dir: Path) -> None
     result = run("plan", str(job))
     assert result.exit_code == 0, result.output
     assert "1 duplicate id(s) in the sample" in result.output
+
+
+@pytest.mark.slow
+def test_plan_measure_runs_the_engine(tmp_path: Path) -> None:
+    from engines.tiny import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "model", arch="llama")
+    job = write_job(tmp_path, model, engine={"device": "cpu", "kv_cache_tokens": 4096})
+    result = run("plan", str(job), "--measure", "--json")
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.output)
+    assert plan["tokens_per_s_source"] == "measured"
+    assert plan["tokens_per_s"] > 0 and plan["est_wall_s"] > 0
