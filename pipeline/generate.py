@@ -21,6 +21,7 @@ others), which the driver collects for idle/load totals and strips before writin
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime as dt
 import json
 import logging
@@ -55,6 +56,7 @@ class GenerateConfig:
     include_token_ids: bool  # also emit completion_token_ids
     max_in_flight: int  # requests in the engine at once, across batches
     devices: float  # devices per actor (0: a CPU actor)
+    budget: Any = None  # pipeline.budget actor shared by the run's actors; None: no budget
 
     @classmethod
     def from_spec(cls, spec: JobSpec) -> GenerateConfig:
@@ -263,14 +265,58 @@ class GenerateStage:
             self._slots = asyncio.Semaphore(self.config.max_in_flight)
             self._finished = asyncio.Condition()
         rows = batch.to_pylist()
+        if self.config.budget is not None:
+            # Rows refused by the budget are left out of the output, so a rerun generates them.
+            admitted = await self._admit(rows)
+            if not all(admitted):
+                batch = batch.filter(pa.array(admitted, pa.bool_()))
+                rows = [row for row, ok in zip(rows, admitted, strict=True) if ok]
         outcomes = list(await asyncio.gather(*(self._serve(row) for row in rows)))
-        return outcomes_to_table(
+        account = self._account()
+        table = outcomes_to_table(
             batch,
             outcomes,
             self.config,
             self.actor_id,
             self.engine.info.kind,
-            json.dumps(self._account()),
+            json.dumps(account),
+        )
+        if self.config.budget is not None:
+            self._report_spend(table, account)
+        return table
+
+    async def _admit(self, rows: list[dict[str, Any]]) -> list[bool]:
+        from pipeline.budget import RowAdmission
+
+        asks = [
+            RowAdmission(
+                row_id=str(row["id"]),
+                prompt_tokens=_prompt_tokens_of(row),
+                max_tokens=int(row.get("max_tokens") or self.config.sampling.max_tokens),
+            )
+            for row in rows
+        ]
+        return await self.config.budget.admit.remote(asks)
+
+    def _report_spend(self, table: pa.Table, account: dict[str, Any]) -> None:
+        """Tell the budget what this batch's rows cost and what this actor has cost so far
+        (fire and forget: the budget actor applies calls in order)."""
+        from pipeline.budget import RowSpend
+
+        spends = [
+            RowSpend(row_id=str(rid), cost_usd=cost or 0.0, tokens=(p or 0) + (c or 0))
+            for rid, cost, p, c in zip(
+                table.column("id").to_pylist(),
+                table.column("cost_usd").to_pylist(),
+                table.column("prompt_tokens").to_pylist(),
+                table.column("completion_tokens").to_pylist(),
+                strict=True,
+            )
+        ]
+        paid_usd = account["devices"] * account["lifetime_s"] * self.config.cost.device_hour_usd
+        self.config.budget.finish.remote(spends)
+        self.config.budget.report_spend.remote(
+            f"{self.actor_id}/{self.incarnation}", paid_usd / 3600.0
         )
 
     def pid(self) -> int:
@@ -351,7 +397,7 @@ def concurrent_tasks_per_actor(batch_size: int, max_in_flight: int) -> int:
     return max(2, math.ceil(max_in_flight / batch_size) + 1)
 
 
-def add_generate_stage(ds: Any, spec: JobSpec) -> Any:
+def add_generate_stage(ds: Any, spec: JobSpec, budget: Any = None) -> Any:
     """`ds.map_batches(GenerateStage, ...)` with the pool, resources and retry limits."""
     import ray.data
 
@@ -374,7 +420,9 @@ def add_generate_stage(ds: Any, spec: JobSpec) -> Any:
         warnings.simplefilter("ignore", DeprecationWarning)
         return ds.map_batches(
             GenerateStage,
-            fn_constructor_kwargs={"config": GenerateConfig.from_spec(spec)},
+            fn_constructor_kwargs={
+                "config": dataclasses.replace(GenerateConfig.from_spec(spec), budget=budget)
+            },
             batch_size=res.batch_size,
             batch_format="pyarrow",
             zero_copy_batch=True,

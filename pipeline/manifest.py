@@ -3,8 +3,8 @@
 The manifest is bookkeeping beside the committed parts (pipeline.write), never their source of
 truth: totals are recomputed from the parts each time it is written, so they always equal the
 rows. It is written at the start of every run (status "running", with the fingerprint a resumed
-run is compared against) and at the end ("complete" — then `_SUCCESS` follows — or
-"incomplete").
+run is compared against) and at the end ("complete" — then `_SUCCESS` follows —,
+"incomplete", or "stopped_at_budget" when cost.budget_usd stopped the admission of rows).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import pyarrow.compute as pc
 from pipeline.spec import JobSpec
 from pipeline.write import MANIFEST_NAME, OutputDir, iter_committed, list_parts
 
-Status = Literal["running", "complete", "incomplete"]
+Status = Literal["running", "complete", "incomplete", "stopped_at_budget"]
 _SECRET_KEY = re.compile(r"(secret|password|passwd|token|credential|api_?key|access_?key)", re.I)
 _URI_USERINFO = re.compile(r"(?<=://)[^/@\s]+@")
 REDACTED = "***"
@@ -97,6 +97,7 @@ class Manifest:
     parts: list[dict[str, Any]] = field(default_factory=list)  # {name, rows}
     totals: dict[str, Any] = field(default_factory=dict)
     missing_ids: int = 0  # input ids not in committed parts (incomplete runs)
+    budget: dict[str, Any] | None = None  # pipeline.budget.BudgetState of the last run
     versions: dict[str, str] = field(default_factory=versions)
     updated_at: str = field(default_factory=utc_now)
 

@@ -402,7 +402,11 @@ def summary_rows(s: ReportSummary) -> list[tuple[str, str]]:
     if c.list_price_ratio is not None:
         rows.append(("cost / list price", f"{c.list_price_ratio:.3g}x"))
     if s.budget:
-        rows.append(("budget", f"{usd(s.budget.get('budget_usd'))} ({s.budget.get('status', '')})"))
+        b = s.budget
+        stopped = " — stopped admitting rows" if b.get("is_closed") else ""
+        rows.append(
+            ("budget", f"{usd(b.get('budget_usd'))}, spent {usd(b.get('spent_usd'))}{stopped}")
+        )
     return rows
 
 

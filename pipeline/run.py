@@ -62,7 +62,7 @@ LOCAL_OBJECT_STORE_BYTES = 1 * 1024**3
 # The id filter is a cheap set lookup; a whole CPU per task would starve the engine actors.
 FILTER_TASK_CPUS = 0.25
 
-RunStatus = Literal["complete", "already_complete", "incomplete"]
+RunStatus = Literal["complete", "already_complete", "incomplete", "stopped_at_budget"]
 
 
 class ResumeRefused(RuntimeError):
@@ -90,9 +90,12 @@ class RunResult:
 
     @property
     def exit_code(self) -> int:
-        """0 success, 1 incomplete, 3 complete with too many error rows."""
+        """0 success, 1 incomplete, 3 complete with too many error rows, 4 stopped at
+        cost.budget_usd (committed rows are kept; rerun with a higher budget to resume)."""
         if self.status == "incomplete":
             return 1
+        if self.status == "stopped_at_budget":
+            return 4
         return 3 if self.over_error_limit else 0
 
 
@@ -293,10 +296,15 @@ def run_job(
             f"{len(todo)} to generate (attempt {attempt})"
         )
         stats = CommitStats()
+        budget = _start_budget(spec, previous) if len(todo) else None
         if len(todo):
             stats, run.actors = _generate_and_write(
-                spec, files, out, attempt, todo, say, progress_interval_s
+                spec, files, out, attempt, todo, say, progress_interval_s, budget
             )
+        if budget is not None:
+            import ray
+
+            manifest.budget = ray.get(budget.state.remote()).to_dict()
         run.parts = list(stats.parts)
         run.rows = stats.rows
         run.error_rows = stats.error_rows
@@ -310,6 +318,9 @@ def run_job(
         state = load_committed(out)
     missing = int(pc.sum(pc.invert(pc.is_in(input_ids, value_set=state.ids))).as_py() or 0)
     manifest.status = "complete" if missing == 0 else "incomplete"
+    stopped_at_budget = bool(missing and manifest.budget and manifest.budget["is_closed"])
+    if stopped_at_budget:
+        manifest.status = "stopped_at_budget"
     manifest.missing_ids = missing
     manifest.parts = part_listing(out)
     manifest.totals = compute_totals(out, spec, runs)
@@ -318,7 +329,13 @@ def run_job(
         out.put_atomic(SUCCESS_NAME, b"")  # last: marks the output complete
     _write_report(spec, out, manifest, say)
     rows_written = stats.rows
-    if missing:
+    if stopped_at_budget:
+        message = (
+            f"{out.uri}: stopped at budget (cost.budget_usd {spec.cost.budget_usd}, spent "
+            f"${manifest.totals.get('total_usd', 0):.4f}); {missing} input row(s) not generated; "
+            "rerun with a higher budget (e.g. --set cost.budget_usd=...) to resume"
+        )
+    elif missing:
         message = (
             f"{out.uri}: {missing} input row(s) have no committed result; rerun the same "
             "command to generate them"
@@ -347,6 +364,7 @@ def _generate_and_write(
     todo: pa.Array,
     say: Callable[[str], None],
     progress_interval_s: float,
+    budget: Any = None,
 ) -> tuple[CommitStats, list[dict[str, Any]]]:
     """Generate the `todo` ids and commit them as parts; returns the commit stats and the
     latest cost account of every actor incarnation."""
@@ -361,7 +379,7 @@ def _generate_and_write(
         num_cpus=FILTER_TASK_CPUS,
     )
     ds = _add_prompt_stage(ds, spec)
-    ds = add_generate_stage(ds, spec)
+    ds = add_generate_stage(ds, spec, budget=budget)
 
     parts = list_parts(out)
     # Resumed runs keep the schema of the parts already there (passthrough types included).
@@ -387,11 +405,24 @@ def _generate_and_write(
         progress.update(writer.stats)
         printer.maybe_emit(progress)
     if writer is None:
+        if budget is not None:  # the budget refused every row: nothing to commit
+            return CommitStats(), list(accounts.values())
         raise RuntimeError("the generate stage returned no rows although rows were pending")
     writer.close()
     progress.update(writer.stats)
     printer.maybe_emit(progress, final=True)
     return writer.stats, list(accounts.values())
+
+
+def _start_budget(spec: JobSpec, previous: Manifest | None) -> Any:
+    """The run's shared budget actor (pipeline.budget), or None without cost.budget_usd.
+    Spend of earlier runs on this output counts against the budget."""
+    if spec.cost.budget_usd is None:
+        return None
+    from pipeline.budget import BudgetGate, prior_from_totals, start_budget_actor
+
+    spent, rate = prior_from_totals(previous.totals) if previous else (0.0, None)
+    return start_budget_actor(BudgetGate(spec.cost.budget_usd, spent, rate))
 
 
 def _passthrough_fields(batch: pa.Table, names: list[str]) -> list[pa.Field]:
