@@ -106,18 +106,23 @@ def derived_id(uri: str, row_index: int) -> str:
     return f"{hashlib.sha256(uri.encode()).hexdigest()[:8]}-{row_index}"
 
 
-def coerce_override(field: str, column: str, value: Any) -> tuple[Any, str | None]:
-    """(value as the field's type, None) or (None, error text naming the column and value)."""
+def coerce_override(
+    field: str, column: str, value: Any, label: str | None = None
+) -> tuple[Any, str | None]:
+    """(value as the field's type, None) or (None, error text naming the column and value).
+
+    `label` replaces the default "column 'x' (sampling.overrides.field)" in the message.
+    """
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return None, None
-    want = OVERRIDE_TYPES[field]
+    where = label or f"column {column!r} (sampling.overrides.{field})"
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None, (f"column {column!r} (sampling.overrides.{field}): {value!r} is not a number")
-    if want is int:
+        return None, f"{where}: {value!r} is not a number"
+    if OVERRIDE_TYPES[field] is int:
         if isinstance(value, float) and not value.is_integer():
-            return None, (
-                f"column {column!r} (sampling.overrides.{field}): {value!r} is not an integer"
-            )
+            return None, f"{where}: {value!r} is not an integer"
+        if not -(2**63) <= value < 2**63:
+            return None, f"{where}: {value!r} does not fit in a 64-bit integer"
         return int(value), None
     return float(value), None
 
@@ -285,7 +290,7 @@ def parse_batch_request(obj: dict[str, Any]) -> dict[str, Any]:
     }
     for field, value in values.items():
         column = BATCH_OVERRIDE_COLUMNS[field]
-        coerced, problem = coerce_override(field, f"body.{field}", value)
+        coerced, problem = coerce_override(field, column, value, label=f"body.{field}")
         out[column] = coerced
         if problem:
             out[ERROR] = problem

@@ -288,3 +288,24 @@ def test_chunked_reading_keeps_row_indexes(tmp_path: Path, fmt: str) -> None:
     assert [p for t in chunks for p in t.column("prompt").to_pylist()] == questions
     capped = list(iter_file(spec, file, max_rows=3, chunk_rows=2))
     assert [p for t in capped for p in t.column("prompt").to_pylist()] == questions[:3]
+
+
+def test_override_values_that_do_not_fit_are_error_rows(tmp_path: Path) -> None:
+    from pipeline.read import read_file
+
+    path = tmp_path / "in.jsonl"
+    lines = [{"q": "a", "s": 2**70}, {"q": "b", "s": 1.5}, {"q": "c", "s": 7}, {"q": "d"}]
+    path.write_text("\n".join(json.dumps(x) for x in lines))
+    spec = make_spec(
+        StorageSpec(),
+        {"uri": str(path), "format": "jsonl", "prompt_column": "q"},
+        sampling={"overrides": {"seed": "s"}},
+    )
+    (file,) = list_input_files(spec)
+    table = read_file(spec, file)
+    errors = table.column("error").to_pylist()
+    assert "line 1: column 's' (sampling.overrides.seed)" in errors[0]
+    assert "does not fit in a 64-bit integer" in errors[0]
+    assert "line 2: column 's' (sampling.overrides.seed): 1.5 is not an integer" in errors[1]
+    assert errors[2:] == [None, None]
+    assert table.column("s").to_pylist() == [None, None, 7, None]
