@@ -99,9 +99,11 @@ def model_context_length(model: ModelSpec, storage: StorageSpec) -> int | None:
         model.path, model.cache_dir, storage, patterns=("config.json",), field="model.path"
     )
     config = json.loads((local / "config.json").read_text())
-    for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
-        if isinstance(config.get(key), int):
-            return config[key]
+    # Multimodal checkpoints keep the language model's limits in text_config.
+    for section in (config, config.get("text_config") or {}):
+        for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+            if isinstance(section.get(key), int):
+                return section[key]
     return None
 
 
@@ -124,7 +126,7 @@ def _content_text(content: Any, index: int) -> str:
         if kinds <= {"text"}:
             return "".join(str(p.get("text", "")) for p in content)
         raise PromptError(
-            f"messages[{index}].content has {sorted(k for k in kinds if k != 'text')} parts; "
+            f"messages[{index}].content has {sorted(str(k) for k in kinds - {'text'})} parts; "
             "only text is supported"
         )
     raise PromptError(f"messages[{index}].content must be text, got {type(content).__name__}")
