@@ -142,8 +142,11 @@ class Attention(nn.Module):
         num_seqs = rows.shape[0]
         group = self.num_heads // self.num_kv_heads
         qd = q[rows].view(num_seqs, self.num_kv_heads, group, self.head_dim)  # [B, KVH, G, D]
-        kd = k_flat[batch.decode_gather].transpose(1, 2)  # [B, KVH, Lmax, D]
-        vd = v_flat[batch.decode_gather].transpose(1, 2)  # [B, KVH, Lmax, D]
+        # index_select over flat slots is far cheaper on CPU than advanced indexing.
+        slots = batch.decode_gather.view(-1)  # [B * Lmax]
+        shape = (num_seqs, -1, self.num_kv_heads, self.head_dim)
+        kd = k_flat.index_select(0, slots).view(shape).transpose(1, 2)  # [B, KVH, Lmax, D]
+        vd = v_flat.index_select(0, slots).view(shape).transpose(1, 2)  # [B, KVH, Lmax, D]
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=batch.decode_mask)
         return od.reshape(num_seqs, self.num_heads, self.head_dim)  # [B, H, D]
 
@@ -152,7 +155,8 @@ class Attention(nn.Module):
         if seq.gather is None:  # no cached history: the chunk's own K/V is the whole context
             ks, vs = k, v  # [n, KVH, D]
         else:
-            ks, vs = k_flat[seq.gather], v_flat[seq.gather]  # [L, KVH, D]
+            ks = k_flat.index_select(0, seq.gather)  # [L, KVH, D]
+            vs = v_flat.index_select(0, seq.gather)
         ks = ks.transpose(0, 1).unsqueeze(0)  # [1, KVH, L, D]
         vs = vs.transpose(0, 1).unsqueeze(0)
         o = F.scaled_dot_product_attention(

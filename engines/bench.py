@@ -1,0 +1,458 @@
+"""`tokenmill bench`: the reference engine against transformers on one seeded workload.
+
+Modes, each run in its own subprocess so its peak RSS is its own:
+- `reference`: every request submitted to ReferenceEngine at once (in-flight batching).
+- `hf-static`: transformers `generate` over fixed batches, prompts left-padded; a batch runs
+  until its longest max_tokens, but only each request's own max_tokens count as useful.
+- `hf-continuous`: transformers' ContinuousBatchingManager (paged attention, per-request
+  max_new_tokens).
+EOS is ignored everywhere, so every request produces exactly its max_tokens.
+
+Reported per mode: useful generated tokens/s, TTFT p50/p95 (all requests arrive at t=0), peak
+RSS. Also the CPU's fp32 matmul FLOP/s measured in the same run, and the reference engine's
+achieved matmul FLOP/s over its pure-decode steps with batch >= 32 (from its step records:
+2 x linear params x tokens / step time; attention left out, so this is a lower bound).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+MODES = ("reference", "hf-static", "hf-continuous")
+_DECODE_BATCH_FOR_FLOPS = 32  # decode steps at least this wide count for achieved FLOP/s
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    model: str | None = None  # HF model dir; None builds engines.tiny "small" into cache_dir
+    cache_dir: str = str(Path.home() / ".cache" / "tokenmill" / "bench")
+    num_prompts: int = 128  # requests in the workload
+    prompt_len: tuple[int, int] = (16, 512)  # prompt lengths drawn uniformly in [lo, hi]
+    max_tokens: tuple[int, int] = (8, 256)  # output lengths drawn uniformly in [lo, hi]
+    seed: int = 0  # workload seed
+    modes: tuple[str, ...] = MODES
+    threads: int | None = None  # torch threads per mode; None: all cores
+    static_batch_size: int = 32  # hf-static: requests per generate() call
+    max_batch_size: int = 128  # reference: requests in flight
+    max_num_tokens: int = 2048  # reference: tokens per step
+    mode_timeout_s: float = 3600.0  # a mode running longer is reported as failed
+
+
+@dataclass
+class ModeResult:
+    mode: str
+    useful_tokens: int = 0  # sum of each request's max_tokens
+    seconds: float = 0.0  # first submission to last result (model load excluded)
+    tokens_per_s: float = 0.0
+    ttft_p50_s: float | None = None
+    ttft_p95_s: float | None = None
+    peak_rss_mb: float = 0.0
+    load_s: float = 0.0
+    decode_flops_per_s: float | None = None  # reference only: achieved in wide decode steps
+    decode_steps_counted: int = 0
+    error: str | None = None
+
+
+@dataclass
+class BenchReport:
+    config: BenchConfig
+    model: str
+    threads: int
+    matmul_params: int  # parameters in the linears (the LM head included), per token
+    matmul_flops_per_s: float  # large fp32 matmul on this machine, same thread count
+    results: list[ModeResult] = field(default_factory=list)
+
+    def result(self, mode: str) -> ModeResult | None:
+        return next((r for r in self.results if r.mode == mode and r.error is None), None)
+
+    @property
+    def speedup_vs_best_hf(self) -> float | None:
+        ref = self.result("reference")
+        hf = [r.tokens_per_s for r in self.results if r.mode != "reference" and r.error is None]
+        return ref.tokens_per_s / max(hf) if ref and hf and max(hf) > 0 else None
+
+    @property
+    def decode_flops_fraction(self) -> float | None:
+        ref = self.result("reference")
+        if ref is None or not ref.decode_flops_per_s or not self.matmul_flops_per_s:
+            return None
+        return ref.decode_flops_per_s / self.matmul_flops_per_s
+
+    def to_json(self) -> dict:
+        return {
+            **asdict(self),
+            "speedup_vs_best_hf": self.speedup_vs_best_hf,
+            "decode_flops_fraction": self.decode_flops_fraction,
+        }
+
+
+# ---- workload -------------------------------------------------------------------------------
+def make_workload(config: BenchConfig, vocab_size: int) -> tuple[list[list[int]], list[int]]:
+    """Seeded prompts (random ids, specials excluded) and per-request max_tokens."""
+    rng = random.Random(config.seed)
+    prompts, max_tokens = [], []
+    for _ in range(config.num_prompts):
+        length = rng.randint(*config.prompt_len)
+        prompts.append([rng.randrange(3, vocab_size) for _ in range(length)])
+        max_tokens.append(rng.randint(*config.max_tokens))
+    return prompts, max_tokens
+
+
+def ensure_model(config: BenchConfig) -> Path:
+    if config.model:
+        return Path(config.model)
+    out = Path(config.cache_dir) / "llama-small"
+    if not (out / "config.json").exists():
+        from engines.tiny import make_tiny_model
+
+        make_tiny_model(out, arch="llama", size="small")
+    return out
+
+
+def matmul_params(model_dir: Path) -> int:
+    """Weights multiplied per token: every linear in the layers plus the LM head."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or hidden // heads
+    kv = cfg.get("num_key_value_heads") or heads
+    attn = hidden * head_dim * (2 * heads + 2 * kv)  # q, o, k, v
+    mlp = 3 * hidden * inter
+    return cfg["num_hidden_layers"] * (attn + mlp) + hidden * cfg["vocab_size"]
+
+
+def measure_matmul_flops(threads: int, size: int = 2048, repeats: int = 5) -> float:
+    import torch
+
+    torch.set_num_threads(threads)
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    for _ in range(2):
+        a @ b
+    best = float("inf")
+    for _ in range(repeats):  # best of several: the least disturbed by other load
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def _pool_tokens(prompts: list[list[int]], max_tokens: list[int]) -> int:
+    """KV slots for the whole workload in flight at once (both engines get the same)."""
+    return sum(len(p) + m for p, m in zip(prompts, max_tokens, strict=True)) + 1024
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+# ---- modes (run inside the worker subprocess) ------------------------------------------------
+def _run_reference(spec: dict) -> ModeResult:
+    import asyncio
+
+    from engines.api import GenerationRequest, SamplingParams
+    from engines.reference.engine import ReferenceEngine
+
+    engine = ReferenceEngine(
+        spec["model"],
+        num_threads=spec["threads"],
+        max_batch_size=spec["max_batch_size"],
+        max_num_tokens=spec["max_num_tokens"],
+        kv_cache_tokens=_pool_tokens(spec["prompts"], spec["max_tokens"]),
+    )
+    requests = [
+        GenerationRequest(p, SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True))
+        for p, m in zip(spec["prompts"], spec["max_tokens"], strict=True)
+    ]
+
+    async def run():
+        start = time.monotonic()
+        results = await asyncio.gather(*(engine.generate(r) for r in requests))
+        return start, time.monotonic(), results
+
+    try:
+        start, end, results = asyncio.run(run())
+        records = engine.drain_step_records()
+    finally:
+        engine.shutdown()
+    bad = [r for r in results if r.completion_tokens != len(r.output_token_ids) or not r.ok]
+    if bad:
+        raise RuntimeError(f"{len(bad)} requests failed, first: {bad[0].error}")
+    flops_time, flops_tokens, steps = 0.0, 0, 0
+    for rec in records:
+        if not rec.prefill_tokens and len(rec.decode_tokens) >= _DECODE_BATCH_FOR_FLOPS:
+            flops_time += rec.end - rec.start
+            flops_tokens += len(rec.decode_tokens)
+            steps += 1
+    useful = sum(r.completion_tokens for r in results)
+    return ModeResult(
+        mode="reference",
+        useful_tokens=useful,
+        seconds=end - start,
+        tokens_per_s=useful / (end - start),
+        ttft_p50_s=_percentile([r.metrics.first_token_time - start for r in results], 0.5),
+        ttft_p95_s=_percentile([r.metrics.first_token_time - start for r in results], 0.95),
+        load_s=engine.info.load_seconds,
+        decode_flops_per_s=(2 * spec["matmul_params"] * flops_tokens / flops_time)
+        if flops_time
+        else None,
+        decode_steps_counted=steps,
+    )
+
+
+def _load_hf(model: str):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+
+
+def _run_hf_static(spec: dict) -> ModeResult:
+    import torch
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    loaded = time.perf_counter()
+    model = _load_hf(spec["model"])
+    model.generation_config.eos_token_id = None  # run every row to max_new_tokens
+    load_s = time.perf_counter() - loaded
+    prompts, max_tokens = spec["prompts"], spec["max_tokens"]
+    size = spec["static_batch_size"]
+
+    class FirstCall(LogitsProcessor):
+        """Notes when the first token of the batch is being chosen (prefill done)."""
+
+        def __init__(self) -> None:
+            self.at: float | None = None
+
+        def __call__(self, input_ids, scores):
+            if self.at is None:
+                self.at = time.perf_counter()
+            return scores
+
+    ttft: list[float] = []
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for lo in range(0, len(prompts), size):
+            batch = prompts[lo : lo + size]
+            width = max(len(p) for p in batch)
+            ids = torch.zeros(len(batch), width, dtype=torch.int64)
+            mask = torch.zeros(len(batch), width, dtype=torch.int64)
+            for i, p in enumerate(batch):  # left padding
+                ids[i, width - len(p) :] = torch.tensor(p)
+                mask[i, width - len(p) :] = 1
+            first = FirstCall()
+            model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=max(max_tokens[lo : lo + size]),
+                do_sample=False,
+                pad_token_id=0,
+                logits_processor=LogitsProcessorList([first]),
+            )
+            ttft += [first.at - start] * len(batch)
+    seconds = time.perf_counter() - start
+    useful = sum(max_tokens)
+    return ModeResult(
+        mode="hf-static",
+        useful_tokens=useful,
+        seconds=seconds,
+        tokens_per_s=useful / seconds,
+        ttft_p50_s=_percentile(ttft, 0.5),
+        ttft_p95_s=_percentile(ttft, 0.95),
+        load_s=load_s,
+    )
+
+
+def _run_hf_continuous(spec: dict) -> ModeResult:
+    import torch
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+    loaded = time.perf_counter()
+    model = _load_hf(spec["model"])
+    load_s = time.perf_counter() - loaded
+    prompts, max_tokens = spec["prompts"], spec["max_tokens"]
+    gen = GenerationConfig(
+        max_new_tokens=max(max_tokens), do_sample=False, eos_token_id=-1, pad_token_id=0
+    )
+    hints = WorkloadHints(
+        max_prompt_length=max(len(p) for p in prompts),
+        max_generated_length=max(max_tokens),
+        num_requests=len(prompts),
+    )
+    # Same limits as the reference engine gets; left to itself the manager sizes its cache from
+    # (GPU) memory hints, which on CPU means tens of GB and huge padded batches.
+    block_size = 32
+    cb = ContinuousBatchingConfig(
+        block_size=block_size,
+        num_blocks=_pool_tokens(prompts, max_tokens) // block_size + len(prompts),
+        max_batch_tokens=spec["max_num_tokens"],
+        max_requests_per_batch=spec["max_batch_size"],
+    )
+    results = {}
+    with (
+        torch.inference_mode(),
+        model.continuous_batching_context_manager(
+            generation_config=gen,
+            continuous_batching_config=cb,
+            block=True,
+            timeout=60,
+            warmup=False,
+            workload_hints=hints,
+        ) as manager,
+    ):
+        start = time.perf_counter()
+        for i, (p, m) in enumerate(zip(prompts, max_tokens, strict=True)):
+            manager.add_request(
+                p, request_id=f"r{i}", max_new_tokens=m, record_timestamps=True, eos_token_id=-1
+            )
+        while len(results) < len(prompts):
+            out = manager.get_result(timeout=1)
+            if out is None:
+                if not manager.is_running():
+                    raise RuntimeError("transformers' continuous batching loop stopped")
+                continue
+            if out.error:
+                raise RuntimeError(f"transformers request {out.request_id}: {out.error}")
+            if out.is_finished():
+                results[out.request_id] = out
+        seconds = time.perf_counter() - start
+    useful = sum(len(r.generated_tokens) for r in results.values())
+    ttft = [r.timestamps[0] - start for r in results.values() if r.timestamps]
+    return ModeResult(
+        mode="hf-continuous",
+        useful_tokens=useful,
+        seconds=seconds,
+        tokens_per_s=useful / seconds,
+        ttft_p50_s=_percentile(ttft, 0.5),
+        ttft_p95_s=_percentile(ttft, 0.95),
+        load_s=load_s,
+    )
+
+
+_RUNNERS = {
+    "reference": _run_reference,
+    "hf-static": _run_hf_static,
+    "hf-continuous": _run_hf_continuous,
+}
+
+
+def _worker(mode: str, spec_path: str, out_path: str) -> None:
+    import torch
+
+    spec = json.loads(Path(spec_path).read_text())
+    torch.set_num_threads(spec["threads"])
+    result = _RUNNERS[mode](spec)
+    result.peak_rss_mb = _peak_rss_mb()
+    Path(out_path).write_text(json.dumps(asdict(result)))
+
+
+# ---- driver ----------------------------------------------------------------------------------
+def run_bench(config: BenchConfig, log=print) -> BenchReport:
+    """Build or find the model, measure the CPU, run each mode in a subprocess."""
+    unknown = [m for m in config.modes if m not in MODES]
+    if unknown:
+        raise ValueError(f"unknown bench mode(s) {unknown}; choose from {', '.join(MODES)}")
+    model_dir = ensure_model(config)
+    threads = config.threads or os.cpu_count() or 1
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    prompts, max_tokens = make_workload(config, vocab)
+    report = BenchReport(
+        config=config,
+        model=str(model_dir),
+        threads=threads,
+        matmul_params=matmul_params(model_dir),
+        matmul_flops_per_s=measure_matmul_flops(threads),
+    )
+    log(
+        f"model {model_dir} ({report.matmul_params / 1e6:.1f}M matmul params), "
+        f"{len(prompts)} prompts, {sum(max_tokens)} useful tokens, {threads} threads, "
+        f"matmul {report.matmul_flops_per_s / 1e9:.1f} GFLOP/s"
+    )
+    with tempfile.TemporaryDirectory(prefix="tokenmill-bench-") as tmp:
+        spec_path = Path(tmp) / "spec.json"
+        spec = {
+            "model": str(model_dir),
+            "threads": threads,
+            "prompts": prompts,
+            "max_tokens": max_tokens,
+            "static_batch_size": config.static_batch_size,
+            "max_batch_size": config.max_batch_size,
+            "max_num_tokens": config.max_num_tokens,
+            "matmul_params": report.matmul_params,
+        }
+        spec_path.write_text(json.dumps(spec))
+        for mode in config.modes:
+            out_path = Path(tmp) / f"{mode}.json"
+            env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+            cmd = [sys.executable, "-m", "engines.bench", "--worker", mode, spec_path, out_path]
+            try:
+                proc = subprocess.run(
+                    [str(c) for c in cmd],
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                    timeout=config.mode_timeout_s,
+                )
+                if proc.returncode != 0 or not out_path.exists():
+                    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+                    result = ModeResult(mode=mode, error=" | ".join(tail) or "worker failed")
+                else:
+                    result = ModeResult(**json.loads(out_path.read_text()))
+            except subprocess.TimeoutExpired:
+                result = ModeResult(mode=mode, error=f"timed out after {config.mode_timeout_s}s")
+            report.results.append(result)
+            log(format_result(result))
+    return report
+
+
+def format_result(r: ModeResult) -> str:
+    if r.error:
+        return f"{r.mode:14s} FAILED: {r.error}"
+    ttft = (
+        f"TTFT p50 {r.ttft_p50_s:.2f}s p95 {r.ttft_p95_s:.2f}s" if r.ttft_p50_s is not None else ""
+    )
+    return (
+        f"{r.mode:14s} {r.tokens_per_s:9.1f} tok/s  ({r.useful_tokens} tokens in "
+        f"{r.seconds:.1f}s)  {ttft}  peak RSS {r.peak_rss_mb:.0f} MB"
+    )
+
+
+def format_summary(report: BenchReport) -> str:
+    lines = []
+    if report.speedup_vs_best_hf is not None:
+        lines.append(f"reference vs best transformers mode: {report.speedup_vs_best_hf:.2f}x")
+    ref = report.result("reference")
+    if ref and ref.decode_flops_per_s:
+        lines.append(
+            f"decode steps with batch >= {_DECODE_BATCH_FOR_FLOPS}: "
+            f"{ref.decode_flops_per_s / 1e9:.1f} GFLOP/s = "
+            f"{100 * (report.decode_flops_fraction or 0):.0f}% of matmul "
+            f"{report.matmul_flops_per_s / 1e9:.1f} GFLOP/s ({ref.decode_steps_counted} steps)"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="bench worker (use `tokenmill bench`)")
+    parser.add_argument("--worker", choices=MODES, required=True)
+    parser.add_argument("spec")
+    parser.add_argument("out")
+    args = parser.parse_args()
+    _worker(args.worker, args.spec, args.out)
