@@ -33,6 +33,7 @@ def validate(
 ) -> None:
     """Parse and check a job file (and with --check-storage, its inputs and model)."""
     from pipeline.spec import SpecError, load_job_spec
+    from pipeline.storage import StorageError
 
     try:
         spec = load_job_spec(job, overrides=set_, date=date)
@@ -44,7 +45,7 @@ def validate(
                 typer.echo(f"  {file.uri} ({file.size:,} bytes)")
             typer.echo(f"ok: job {spec.name} ({len(files)} input file(s))")
             return
-    except SpecError as exc:
+    except (SpecError, StorageError) as exc:
         _fail(str(exc))
     typer.echo(f"ok: job {spec.name} (date {spec.date})")
 
@@ -67,12 +68,13 @@ def plan(
     from pipeline.plan import build_plan, format_plan
     from pipeline.prompts import PromptError
     from pipeline.spec import SpecError, load_job_spec
+    from pipeline.storage import StorageError
 
     try:
         spec = load_job_spec(job, overrides=set_, date=date)
         report = build_plan(
             spec, sample_rows=sample_rows, tokens_per_s=tokens_per_s, measure=measure
         )
-    except (SpecError, PromptError) as exc:
+    except (SpecError, PromptError, StorageError) as exc:
         _fail(str(exc))
     typer.echo(json.dumps(report.to_dict(), indent=2) if as_json else format_plan(report))
