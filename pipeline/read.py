@@ -33,8 +33,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from pipeline.spec import JobSpec
-from pipeline.storage import InputFile, filesystem_for
+from pipeline.spec import JobSpec, SpecError
+from pipeline.storage import InputFile, StorageError, filesystem_for
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -481,10 +481,18 @@ def iter_file(
 
     Yields at least one table (possibly empty), so the schema is always known.
     """
-    if spec.input.format == "parquet":
-        yield from _iter_parquet(spec, file, max_rows, chunk_rows)
-    else:
-        yield from _iter_jsonl(spec, file, max_rows, chunk_rows)
+    reader = _iter_parquet if spec.input.format == "parquet" else _iter_jsonl
+    try:
+        yield from reader(spec, file, max_rows, chunk_rows)
+    except (SpecError, StorageError):
+        raise
+    except Exception as exc:
+        # A corrupt file or a dropped connection: no row count to make error rows from, so the
+        # read fails, naming the file.
+        raise StorageError(
+            f"cannot read {file.uri} as input.format {spec.input.format}: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
 
 
 def read_file(spec: JobSpec, file: InputFile, max_rows: int | None = None) -> pa.Table:

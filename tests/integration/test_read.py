@@ -309,3 +309,15 @@ def test_override_values_that_do_not_fit_are_error_rows(tmp_path: Path) -> None:
     assert "line 2: column 's' (sampling.overrides.seed): 1.5 is not an integer" in errors[1]
     assert errors[2:] == [None, None]
     assert table.column("s").to_pylist() == [None, None, 7, None]
+
+
+def test_corrupt_parquet_fails_naming_the_file(tmp_path: Path) -> None:
+    from pipeline.read import read_file
+    from pipeline.storage import StorageError
+
+    path = tmp_path / "broken.parquet"
+    path.write_bytes(b"this is not parquet")
+    spec = make_spec(StorageSpec(), {"uri": str(path), "format": "parquet", "prompt_column": "q"})
+    (file,) = list_input_files(spec)
+    with pytest.raises(StorageError, match=rf"cannot read {path} as input.format parquet"):
+        read_file(spec, file)
