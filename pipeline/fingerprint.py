@@ -79,8 +79,10 @@ def model_content(path: str, storage: StorageSpec) -> dict[str, Any]:
     root = root.rstrip("/")
     try:
         entries = fs.find(root, detail=True)
-    except (FileNotFoundError, OSError) as exc:
-        raise FileNotFoundError(f"model.path {path!r}: cannot list the model: {exc}") from None
+    except OSError as exc:
+        from pipeline.spec import SpecError
+
+        raise SpecError(f"model.path: cannot list {path}: {exc}") from None
     sizes = {}
     config_hash = None
     for name, info in sorted(entries.items()):
@@ -88,6 +90,12 @@ def model_content(path: str, storage: StorageSpec) -> dict[str, Any]:
         sizes[rel] = int(info.get("size") or 0)
         if rel == "config.json":
             config_hash = hashlib.sha256(fs.cat_file(name)).hexdigest()
+    if config_hash is None:
+        from pipeline.spec import SpecError
+
+        raise SpecError(
+            f"model.path: {path} has no config.json; point it at a Hugging Face model directory"
+        )
     return {"config_sha256": config_hash, "files": sizes}
 
 

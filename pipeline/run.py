@@ -56,6 +56,8 @@ logger = logging.getLogger(__name__)
 # A pipeline that makes no progress for this long fails instead of hanging (an engine
 # actor that cannot be scheduled, a deadlocked read). Generous: a model download counts.
 NO_PROGRESS_TIMEOUT_S = 900.0
+# Engine actors must be up within this (model download and load included).
+ACTOR_START_TIMEOUT_S = 1200
 # Object store cap for a local Ray: rows are small, and the rest of the memory is the engine's.
 LOCAL_OBJECT_STORE_BYTES = 1 * 1024**3
 
@@ -139,6 +141,10 @@ def configure_data_context() -> None:
     # Keep a stricter guard someone set (tests); otherwise ours.
     if ctx.execution_no_progress_timeout_s > NO_PROGRESS_TIMEOUT_S:
         ctx.execution_no_progress_timeout_s = NO_PROGRESS_TIMEOUT_S
+    # Dispatch only once the whole pool is up: otherwise the first engine to finish loading
+    # takes every queued block and the others idle. Bounded, so a pool that cannot be
+    # scheduled (too few CPUs/GPUs) is an error, not a hang.
+    ctx.wait_for_min_actors_s = ACTOR_START_TIMEOUT_S
     ctx.enable_progress_bars = os.environ.get("RAY_DATA_DISABLE_PROGRESS_BARS") != "1"
 
 

@@ -1,0 +1,315 @@
+"""The whole batch pipeline on a local Ray with the reference engine and S3 over HTTP.
+
+Every job reads from and writes to the moto S3 server; the checks are on what a reader of the
+output prefix sees: each input id exactly once, the documented schema, manifest totals equal
+to the rows, error rows with messages, resume and refusal behaviour.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.run import ResumeRefused, RunResult, run_job
+from pipeline.spec import JobSpec, parse_job_spec
+from pipeline.write import (
+    RESULT_FIELDS,
+    TOKEN_IDS_FIELD,
+    OutputDir,
+    list_parts,
+    read_part,
+    table_to_parquet,
+)
+from tests.integration.s3_server import S3Server
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in extra.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and key in out else value
+    return out
+
+
+def make_spec(
+    name: str, input_: dict[str, Any], output_uri: str, server: S3Server, model: Path, **extra: Any
+) -> JobSpec:
+    data = {
+        "name": name,
+        "input": input_,
+        "model": {"path": str(model), "name": "tiny"},
+        "engine": {"kind": "reference", "device": "cpu", "max_batch_size": 16},
+        "sampling": {"max_tokens": 6, "temperature": 0.0},
+        "resources": {
+            "num_actors": 1,
+            "cpus_per_actor": 0.25,
+            "batch_size": 4,
+            "max_in_flight": 16,
+        },
+        "output": {"uri": output_uri, "rows_per_file": 7, "report": False},
+        "storage": {"endpoint_url": server.endpoint_url},
+        "cost": {"device_hour_usd": 1.0, "price_per_million": {"input": 1.0, "output": 2.0}},
+    }
+    return parse_job_spec(_merge(data, extra))
+
+
+def read_output(server: S3Server, prefix: str) -> tuple[pa.Table, list[str]]:
+    """All committed rows under an s3:// prefix, and the names of the objects there."""
+    uris = server.list_uris(prefix)
+    parts = [u for u in uris if u.rsplit("/", 1)[-1].startswith("part-")]
+    tables = [pq.read_table(io.BytesIO(server.get(u))) for u in parts]
+    return pa.concat_tables(tables), [u.rsplit("/", 1)[-1] for u in uris]
+
+
+def manifest_of(server: S3Server, prefix: str) -> dict[str, Any]:
+    return json.loads(server.get(f"{prefix.rstrip('/')}/_manifest.json"))
+
+
+def assert_exactly_once(table: pa.Table, expected_ids: list[str]) -> None:
+    ids = table.column("id").to_pylist()
+    assert len(ids) == len(set(ids)), "an id appears twice"
+    assert sorted(ids) == sorted(expected_ids)
+
+
+def assert_totals_match(manifest: dict[str, Any], table: pa.Table) -> None:
+    totals = manifest["totals"]
+    assert totals["rows"] == table.num_rows
+    errors = pc.sum(pc.equal(table.column("finish_reason"), "error")).as_py() or 0
+    assert totals["rows_error"] == errors
+    assert totals["completion_tokens"] == pc.sum(table.column("completion_tokens")).as_py()
+    assert totals["prompt_tokens"] == pc.sum(table.column("prompt_tokens")).as_py()
+    assert totals["rows_usd"] == pytest.approx(pc.sum(table.column("cost_usd")).as_py())
+    assert sum(p["rows"] for p in manifest["parts"]) == table.num_rows
+
+
+# --- parquet, two actors -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def parquet_job(
+    ray_local: Any, s3_server: S3Server, tiny_model_dir: Path
+) -> tuple[JobSpec, RunResult, list[str]]:
+    bucket = s3_server.make_bucket()
+    ids = [f"q{i:03d}" for i in range(40)]
+    table = pa.table(
+        {
+            "qid": ids,
+            "question": [f"Tell me about item {i} and the river." for i in range(40)],
+            "user": pa.array(range(40), pa.int64()),
+            "budget": pa.array([4 + i % 5 for i in range(40)], pa.int64()),
+        }
+    )
+    s3_server.put(f"s3://{bucket}/in/a.parquet", table_to_parquet(table.slice(0, 25)))
+    s3_server.put(f"s3://{bucket}/in/b.parquet", table_to_parquet(table.slice(25)))
+    spec = make_spec(
+        "parquet-job",
+        {
+            "uri": f"s3://{bucket}/in/",
+            "format": "parquet",
+            "id_column": "qid",
+            "prompt_column": "question",
+            "passthrough_columns": ["user"],
+        },
+        f"s3://{bucket}/out/",
+        s3_server,
+        tiny_model_dir,
+        resources={"num_actors": 2},
+        sampling={"overrides": {"max_tokens": "budget"}},
+        output={"include_token_ids": True},
+    )
+    return spec, run_job(spec), ids
+
+
+def test_parquet_s3_two_actors_every_id_once_with_documented_schema(
+    parquet_job: tuple[JobSpec, RunResult, list[str]], s3_server: S3Server
+) -> None:
+    spec, result, ids = parquet_job
+    assert result.status == "complete" and result.exit_code == 0
+    table, names = read_output(s3_server, spec.output.uri)
+    assert "_SUCCESS" in names and "_manifest.json" in names
+    assert_exactly_once(table, ids)
+
+    expected = ["id", "user", *(f.name for f in RESULT_FIELDS), TOKEN_IDS_FIELD.name]
+    assert table.column_names == expected
+    assert table.schema.field("user").type == pa.int64()
+    assert table.schema.field("completion_token_ids").type == pa.list_(pa.int32())
+    assert set(table.column("finish_reason").to_pylist()) <= {"stop", "length"}
+    assert table.column("error").null_count == table.num_rows
+    rows = {r["id"]: r for r in table.to_pylist()}
+    for i, row_id in enumerate(ids):  # passthrough and the per-row max_tokens override
+        assert rows[row_id]["user"] == i
+        assert 1 <= rows[row_id]["completion_tokens"] <= 4 + i % 5
+        assert len(rows[row_id]["completion_token_ids"]) == rows[row_id]["completion_tokens"]
+    assert min(table.column("gpu_seconds").to_pylist()) > 0
+    assert min(table.column("list_price_usd").to_pylist()) > 0
+    assert len(set(table.column("actor_id").to_pylist())) == 2, "both actors served rows"
+    for part in list_parts(OutputDir(spec.output.uri, spec.storage)):
+        assert read_part(OutputDir(spec.output.uri, spec.storage), part).num_rows <= 7
+
+    manifest = manifest_of(s3_server, spec.output.uri)
+    assert manifest["status"] == "complete"
+    assert_totals_match(manifest, table)
+    assert len(manifest["runs"]) == 1 and len(manifest["runs"][0]["actors"]) >= 2
+    assert manifest["totals"]["load_s"] > 0
+
+
+def test_finished_job_rerun_is_a_no_op(
+    parquet_job: tuple[JobSpec, RunResult, list[str]], s3_server: S3Server
+) -> None:
+    spec, _, _ = parquet_job
+    before = s3_server.list_uris(spec.output.uri)
+    again = run_job(spec)
+    assert again.status == "already_complete"
+    assert again.rows_written == 0 and again.parts_written == []
+    assert "already complete" in again.message
+    assert s3_server.list_uris(spec.output.uri) == before
+
+
+def test_changed_sampling_is_refused_naming_it(
+    parquet_job: tuple[JobSpec, RunResult, list[str]], s3_server: S3Server
+) -> None:
+    spec, _, _ = parquet_job
+    hotter = spec.model_copy(
+        update={"sampling": spec.sampling.model_copy(update={"temperature": 0.9})}
+    )
+    before = s3_server.list_uris(spec.output.uri)
+    with pytest.raises(ResumeRefused, match=r"sampling changed.*--fresh"):
+        run_job(hotter)
+    assert s3_server.list_uris(spec.output.uri) == before
+
+
+# --- JSONL with bad rows, then --retry-errors ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def jsonl_job(
+    ray_local: Any, s3_server: S3Server, tiny_model_dir: Path
+) -> tuple[JobSpec, RunResult, list[str]]:
+    bucket = s3_server.make_bucket()
+    good = [{"id": f"g{i}", "text": f"Write about the {i} bridges."} for i in range(10)]
+    lines = [json.dumps(r) for r in good]
+    lines.append(json.dumps({"id": "empty", "text": ""}))
+    lines.append('{"id": "broken", "text": "no closing brace"')
+    lines.append(json.dumps({"id": "long", "text": "river bucket " * 1500}))
+    s3_server.put(f"s3://{bucket}/in/prompts.jsonl", "\n".join(lines) + "\n")
+    spec = make_spec(
+        "jsonl-job",
+        {
+            "uri": f"s3://{bucket}/in/prompts.jsonl",
+            "format": "jsonl",
+            "id_column": "id",
+            "prompt_column": "text",
+        },
+        f"s3://{bucket}/out",
+        s3_server,
+        tiny_model_dir,
+        limits={"max_error_fraction": 0.1},
+        engine={"max_model_len": 512},
+    )
+    return spec, run_job(spec), [r["id"] for r in good]
+
+
+def test_bad_rows_become_error_rows_and_exit_code_3(
+    jsonl_job: tuple[JobSpec, RunResult, list[str]], s3_server: S3Server
+) -> None:
+    spec, result, good_ids = jsonl_job
+    assert result.status == "complete"
+    table, names = read_output(s3_server, spec.output.uri)
+    assert "_SUCCESS" in names
+    errors = {r["id"]: r for r in table.to_pylist() if r["finish_reason"] == "error"}
+    ids = table.column("id").to_pylist()
+    assert len(ids) == len(set(ids)) == 13
+    assert set(good_ids) <= set(ids)
+    assert all(errors[i]["error"] for i in errors)
+    assert "empty" in errors and "long" in errors
+    # the malformed line has a derived id; its message names the problem
+    broken = [r for i, r in errors.items() if i not in ("empty", "long")]
+    assert len(broken) == 1 and "json" in broken[0]["error"].lower()
+    assert "context length" in errors["long"]["error"]
+    assert all(errors[i]["text"] == "" and errors[i]["completion_tokens"] == 0 for i in errors)
+    assert result.totals["rows_error"] == 3
+    assert result.over_error_limit and result.exit_code == 3
+    assert_totals_match(manifest_of(s3_server, spec.output.uri), table)
+
+
+def test_retry_errors_supersedes_old_error_rows(
+    jsonl_job: tuple[JobSpec, RunResult, list[str]], s3_server: S3Server
+) -> None:
+    spec, _, good_ids = jsonl_job
+    out = OutputDir(spec.output.uri, spec.storage)
+    # Turn two good rows into errors, as a transient failure would have left them.
+    flaky = set(good_ids[:2])
+    for part in list_parts(out):
+        table = read_part(out, part)
+        hit = pc.is_in(table.column("id"), value_set=pa.array(sorted(flaky)))
+        if pc.any(hit).as_py():
+            reason = pc.if_else(hit, "error", table.column("finish_reason"))
+            table = table.set_column(
+                table.schema.get_field_index("finish_reason"), "finish_reason", reason
+            )
+            out.put_atomic(part.name, table_to_parquet(table))
+    parts_before = {p.name for p in list_parts(out)}
+
+    result = run_job(spec, retry_errors=True)
+    assert result.status == "complete"
+    assert result.rows_written == 5  # 2 flaky + 3 that fail again
+    assert {p.split("-")[1] for p in result.parts_written} == {"00002"}
+    assert result.superseded_parts and set(result.superseded_parts) <= parts_before
+    table, names = read_output(s3_server, spec.output.uri)
+    assert "_SUCCESS" in names
+    ids = table.column("id").to_pylist()
+    assert len(ids) == len(set(ids)) == 13
+    rows = {r["id"]: r for r in table.to_pylist()}
+    assert all(rows[i]["finish_reason"] != "error" for i in flaky)
+    assert result.totals["rows_error"] == 3
+    manifest = manifest_of(s3_server, spec.output.uri)
+    assert [r["mode"] for r in manifest["runs"]] == ["run", "retry-errors"]
+    assert_totals_match(manifest, table)
+
+
+# --- OpenAI batch JSONL ----------------------------------------------------------------------
+
+
+def test_openai_batch_on_s3(ray_local: Any, s3_server: S3Server, tiny_model_dir: Path) -> None:
+    bucket = s3_server.make_bucket()
+    lines = [
+        {
+            "custom_id": f"req-{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "model": "tiny",
+                "messages": [{"role": "user", "content": f"Say something about {i} rivers."}],
+                "max_tokens": 3 + i % 3,
+            },
+        }
+        for i in range(8)
+    ]
+    lines.append({"custom_id": "emb", "method": "POST", "url": "/v1/embeddings", "body": {}})
+    s3_server.put(f"s3://{bucket}/batch/input.jsonl", "".join(json.dumps(x) + "\n" for x in lines))
+    spec = make_spec(
+        "batch-job",
+        {"uri": f"s3://{bucket}/batch/input.jsonl", "format": "openai_batch"},
+        f"s3://{bucket}/batch-out/",
+        s3_server,
+        tiny_model_dir,
+        limits={"max_error_fraction": 0.5},
+    )
+    result = run_job(spec)
+    assert result.status == "complete" and result.exit_code == 0
+    table, _ = read_output(s3_server, spec.output.uri)
+    assert_exactly_once(table, [x["custom_id"] for x in lines])
+    rows = {r["id"]: r for r in table.to_pylist()}
+    assert "unsupported url" in rows["emb"]["error"]
+    for i in range(8):
+        assert rows[f"req-{i}"]["finish_reason"] in ("stop", "length")
+        assert rows[f"req-{i}"]["completion_tokens"] <= 3 + i % 3
+    assert_totals_match(manifest_of(s3_server, spec.output.uri), table)
