@@ -255,3 +255,31 @@ def test_unsupported_format_is_a_clear_error():
 
     with pytest.raises(ValidationError, match=r"fp8.*nvfp4"):
         QuantizationSpec(format="int4")
+
+
+def test_job_builds_then_reuses_quantized_model(models, tmp_path, caplog):
+    """A job naming model.quantization gets the artifact built once, then reused."""
+    from pipeline.engine_setup import open_engine
+    from pipeline.spec import EngineSpec, ModelSpec, StorageSpec
+
+    model = ModelSpec(
+        path=str(models["qwen2"]),
+        name="tiny-qwen2",
+        cache_dir=str(tmp_path / "models"),
+        quantization=spec_for("fp8", "fp8").model_copy(
+            update={"cache_uri": str(tmp_path / "quantized")}
+        ),
+    )
+    engine_spec = EngineSpec(kind="reference", device="cpu", dtype="float32")
+    with caplog.at_level("INFO", logger="engines.quantize"):
+        first = open_engine(model, engine_spec, StorageSpec())
+        first.shutdown()
+        assert "calibrated fp8-kvfp8" in caplog.text
+        caplog.clear()
+        second = open_engine(model, engine_spec, StorageSpec())
+        second.shutdown()
+    assert "no calibration" in caplog.text and "calibrated" not in caplog.text
+    (artifact,) = (p for p in (tmp_path / "quantized").iterdir() if p.is_dir())
+    assert artifact.name.startswith("tiny-qwen2-fp8-kvfp8-")
+    assert (artifact / "tokenmill_artifact.json").exists()
+    assert second.info.model == str(artifact)
