@@ -331,18 +331,38 @@ class CostMeter:
             self._add_step(step)
 
     def _add_step(self, step: StepRecord) -> None:
-        step_start = max(step.start, self._cursor)
+        # The hot path (thousands of steps a minute): same rule as split_steps, with a fast
+        # lane for pure decode steps and an early exit in the gap's arrival search.
+        cursor = self._cursor
+        step_start = max(step.start, cursor)
         step_end = max(step.end, step_start)
-        weights, total = _step_weights(step, self.prefill_weight, self.decode_weight)
-        duration = step_end - step_start
-        if weights:
-            earliest = min(self._in_flight.get(rid, step_start) for rid in weights)
-            duration += max(0.0, step_start - max(self._cursor, earliest))
         self._cursor = step_end
-        if not weights or duration <= 0:
+        if not step.prefill_tokens and self.decode_weight > 0:
+            weights: Mapping[str, float] = step.decode_tokens
+            total = float(sum(weights.values()))
+        else:
+            weights, total = _step_weights(step, self.prefill_weight, self.decode_weight)
+        if not weights:
+            return
+        if total <= 0:  # decode-only step listing zero tokens: share equally
+            weights, total = dict.fromkeys(weights, 1.0), float(len(weights))
+        duration = step_end - step_start
+        if step_start > cursor:
+            # The gap before the step counts from the earliest arrival among its requests.
+            in_flight = self._in_flight
+            earliest = step_start
+            for rid in weights:
+                arrival = in_flight.get(rid, step_start)
+                if arrival <= cursor:
+                    earliest = cursor
+                    break
+                earliest = min(earliest, arrival)
+            duration += step_start - max(cursor, earliest)
+        if duration <= 0:
             return
         accrued = self._accrued
         for rid, w in weights.items():
+            # w / total first: stays finite for any weights, even denormal ones.
             accrued[rid] = accrued.get(rid, 0.0) + duration * (w / total)
         self._busy_s += duration
 
