@@ -92,12 +92,13 @@ class RunResult:
 
     @property
     def exit_code(self) -> int:
-        """0 success, 1 incomplete, 3 complete with too many error rows, 4 stopped at
-        cost.budget_usd (committed rows are kept; rerun with a higher budget to resume)."""
+        """0 success, 1 incomplete, 3 complete with too many error rows, 5 stopped at
+        cost.budget_usd (committed rows are kept; rerun with a higher budget to resume).
+        4 is left out: `tokenmill submit` uses it for an unreachable cluster."""
         if self.status == "incomplete":
             return 1
         if self.status == "stopped_at_budget":
-            return 4
+            return 5
         return 3 if self.over_error_limit else 0
 
 

@@ -23,7 +23,7 @@ def test_budget_stops_the_run_and_a_higher_budget_resumes(ray_local, tiny_model_
     small = {"batch_size": 4, "max_in_flight": 4}
     stopped = run_job(tiny_job(tiny_model_dir, prompts, out, cost=pricey, resources=small))
     assert stopped.status == "stopped_at_budget", stopped.message
-    assert stopped.exit_code == 4
+    assert stopped.exit_code == 5
     assert "budget" in stopped.message
     manifest = json.loads((out / "_manifest.json").read_text())
     assert manifest["status"] == "stopped_at_budget"
