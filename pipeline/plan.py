@@ -5,11 +5,11 @@ starts): the inputs are listed (a missing file or an unreachable bucket fails he
 URI and endpoint), the model and tokenizer directories are checked, the output URI is parsed.
 
 `build_plan(spec)` reads no more than a sample: rows are counted from Parquet footers or JSONL
-line counts, the first `sample_rows` rows are read and tokenized in this process (no Ray), and
-token totals and error rates are extrapolated from them. Output tokens are an upper bound
-(rows x max_tokens). Time comes from an assumed per-actor output throughput (`--tokens-per-s`,
-`engine.expected_tokens_per_s`) or a short measurement on the real engine (`--measure`); cost
-from `pipeline.cost.estimate_cost`.
+line counts (estimated from bytes per line past EXACT_COUNT_BYTES), the first `sample_rows`
+rows are read and tokenized in this process (no Ray), and token totals and error rates are
+extrapolated from them. Output tokens are an upper bound (rows x max_tokens). Time comes from
+an assumed per-actor output throughput (`--tokens-per-s`, `engine.expected_tokens_per_s`) or
+a short measurement on the real engine (`--measure`); cost from `pipeline.cost.estimate_cost`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pipeline.prompts import (
     PromptStage,
     context_length,
 )
-from pipeline.read import ERROR, ID, count_rows, read_file
+from pipeline.read import ERROR, ID, count_rows, iter_lines, read_file
 from pipeline.spec import JobSpec, SpecError
 from pipeline.storage import (
     InputFile,
@@ -39,6 +39,9 @@ from pipeline.storage import (
 )
 
 DEFAULT_SAMPLE_ROWS = 200
+# JSONL bytes read to count rows exactly; larger inputs are estimated from bytes per line.
+EXACT_COUNT_BYTES = 256 * 1024**2
+BYTES_PER_ROW_LINES = 1000
 # --measure: a few prompts, short outputs; enough for a steady-state rate on a small model.
 MEASURE_PROMPTS = 8
 MEASURE_MAX_TOKENS = 32
@@ -87,6 +90,7 @@ class PlanReport:
     num_files: int
     input_bytes: int
     num_rows: int  # rows the run would read (after input.limit)
+    num_rows_exact: bool  # False: some JSONL rows estimated from bytes per line
     sample_rows: int  # rows read and tokenized here
     sample_errors: int  # of which error rows (any cause)
     sample_too_long: int  # of which over the context length
@@ -107,6 +111,45 @@ class PlanReport:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def _bytes_per_row(spec: JobSpec, file: InputFile) -> float | None:
+    """Average bytes of the first lines of a JSONL file (None if it has none)."""
+    lengths = []
+    for _, line in iter_lines(spec, file):
+        lengths.append(len(line))
+        if len(lengths) >= BYTES_PER_ROW_LINES:
+            break
+    return sum(lengths) / len(lengths) if lengths else None
+
+
+def count_job_rows(spec: JobSpec, files: list[InputFile]) -> tuple[int, bool]:
+    """(rows the run would read, whether the count is exact).
+
+    Parquet rows come from the footers (exact, cheap). JSONL rows are counted by reading the
+    files in order until EXACT_COUNT_BYTES have been read; beyond that, rows are estimated
+    from file sizes and the bytes per line seen so far, so planning a 100 GB input does not
+    download it.
+    """
+    limit = spec.input.limit
+    if spec.input.format == "parquet":
+        total = sum(count_rows(spec, f) for f in files)
+        return (total if limit is None else min(total, limit)), True
+    counted_rows, counted_bytes = 0, 0
+    rest: list[InputFile] = []
+    for file in files:
+        if limit is not None and counted_rows >= limit:
+            return limit, True
+        if counted_bytes + file.size <= EXACT_COUNT_BYTES:
+            counted_rows += count_rows(spec, file)
+            counted_bytes += file.size
+        else:
+            rest.append(file)
+    if not rest:
+        return (counted_rows if limit is None else min(counted_rows, limit)), True
+    per_row = counted_bytes / counted_rows if counted_rows else _bytes_per_row(spec, rest[0])
+    estimated = counted_rows + round(sum(f.size for f in rest) / per_row) if per_row else 0
+    return (estimated if limit is None else min(estimated, limit)), False
 
 
 def read_sample(spec: JobSpec, files: list[InputFile], num_rows: int) -> Any:
@@ -177,9 +220,7 @@ def build_plan(
 ) -> PlanReport:
     """Count, sample, tokenize and estimate (see the module docstring)."""
     files = preflight(spec) if files is None else files
-    total = sum(count_rows(spec, f) for f in files)
-    if spec.input.limit is not None:
-        total = min(total, spec.input.limit)
+    total, rows_exact = count_job_rows(spec, files)
     sample = read_sample(spec, files, min(sample_rows, total))
     rows = sample.to_pylist() if sample is not None else []
     ok = [r for r in rows if r[ERROR] is None]
@@ -212,6 +253,7 @@ def build_plan(
         num_files=len(files),
         input_bytes=sum(f.size for f in files),
         num_rows=total,
+        num_rows_exact=rows_exact,
         sample_rows=len(rows),
         sample_errors=len(errors),
         sample_too_long=too_long,
@@ -244,7 +286,7 @@ def format_plan(plan: PlanReport) -> str:
     lines = [
         f"job {plan.job}",
         f"  input       {plan.num_files} file(s), {plan.input_bytes:,} bytes, "
-        f"{plan.num_rows:,} rows",
+        f"{'' if plan.num_rows_exact else '~'}{plan.num_rows:,} rows",
         f"  sample      {plan.sample_rows:,} rows: {plan.sample_errors} error row(s) ({pct:.1f}%), "
         f"{plan.sample_too_long} over the context length ({plan.context_length or 'unknown'})",
     ]

@@ -314,7 +314,7 @@ def _batch_row(spec: JobSpec, obj: dict[str, Any], row: dict[str, Any], where: s
         row[ERROR] = f"{where}: {parsed[ERROR]}"
 
 
-def _iter_lines(spec: JobSpec, file: InputFile) -> Iterator[tuple[int, bytes]]:
+def iter_lines(spec: JobSpec, file: InputFile) -> Iterator[tuple[int, bytes]]:
     """(0-based line number, line) for the non-blank lines of a JSONL file."""
     fs, path = filesystem_for(file.uri, spec.storage)
     # compression="infer": .jsonl.gz / .jsonl.zst inputs are read transparently.
@@ -330,7 +330,7 @@ def _iter_jsonl(
     names = _output_names(spec)
     rows = _Rows.empty(names)
     count = 0
-    for index, line in _iter_lines(spec, file):
+    for index, line in iter_lines(spec, file):
         if max_rows is not None and count >= max_rows:
             break
         count += 1
@@ -511,7 +511,7 @@ def count_rows(spec: JobSpec, file: InputFile) -> int:
         fs, path = filesystem_for(file.uri, spec.storage)
         with fs.open(path, "rb") as handle:
             return pq.ParquetFile(handle).metadata.num_rows
-    return sum(1 for _ in _iter_lines(spec, file))
+    return sum(1 for _ in iter_lines(spec, file))
 
 
 def row_budget(spec: JobSpec, files: list[InputFile]) -> list[tuple[InputFile, int | None]]:

@@ -141,3 +141,32 @@ def test_plan_measure_runs_the_engine(tmp_path: Path) -> None:
     plan = json.loads(result.output)
     assert plan["tokens_per_s_source"] == "measured"
     assert plan["tokens_per_s"] > 0 and plan["est_wall_s"] > 0
+
+
+def test_count_job_rows_estimates_big_jsonl_inputs(
+    tmp_path: Path, model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pipeline import plan as plan_module
+    from pipeline.spec import load_job_spec
+    from pipeline.storage import list_input_files
+
+    folder = tmp_path / "many"
+    folder.mkdir()
+    for part in range(3):
+        lines = [json.dumps({"q": f"row {part}-{i:03d}"}) for i in range(10)]
+        (folder / f"part-{part}.jsonl").write_text("\n".join(lines) + "\n")
+    job = write_job(tmp_path, model_dir, input={"uri": str(folder)})
+    spec = load_job_spec(job)
+    files = list_input_files(spec)
+    assert plan_module.count_job_rows(spec, files) == (30, True)
+
+    # Budget for one file: the first is counted, the other two estimated from its bytes/row.
+    monkeypatch.setattr(plan_module, "EXACT_COUNT_BYTES", files[0].size)
+    assert plan_module.count_job_rows(spec, files) == (30, False)
+    # Budget smaller than any file: estimated from the first lines of the first file.
+    monkeypatch.setattr(plan_module, "EXACT_COUNT_BYTES", 10)
+    assert plan_module.count_job_rows(spec, files) == (30, False)
+
+    limited = load_job_spec(job, overrides=["input.limit=12"])
+    monkeypatch.setattr(plan_module, "EXACT_COUNT_BYTES", files[0].size * 2)
+    assert plan_module.count_job_rows(limited, files) == (12, True)
