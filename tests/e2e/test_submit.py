@@ -64,15 +64,21 @@ def _base_env() -> dict[str, str]:
     return env
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM to `ray start --block` stops the processes it started; then the group, by id."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
+def _stop(proc: subprocess.Popen[bytes], temp_dir: Path) -> None:
+    """Stop the head: SIGTERM then SIGKILL to its process group (a session of its own), then
+    any straggler whose command line names this head's temp dir. All of them are ours."""
+    import psutil
+
+    for sig, grace_s in ((signal.SIGTERM, 8), (signal.SIGKILL, 5)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
         with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=15)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=10)
+            proc.wait(timeout=grace_s)
+            break
+    for other in psutil.process_iter(["cmdline"]):
+        if any(str(temp_dir) in arg for arg in other.info["cmdline"] or []):
+            with contextlib.suppress(psutil.Error):
+                other.kill()
 
 
 def _session_of(address: str, headers: dict[str, str]) -> str | None:
@@ -144,7 +150,7 @@ def ray_head() -> Iterator[RayHead]:
             time.sleep(0.5)
         yield RayHead(address, env, token)
     finally:
-        _stop(proc)
+        _stop(proc, tmp)
         log.close()
         shutil.rmtree(tmp, ignore_errors=True)
 
