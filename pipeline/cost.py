@@ -477,6 +477,7 @@ class CostTotals:
     row_gpu_seconds: float  # sum of the rows' gpu_seconds
     idle_s: float  # device-seconds
     load_s: float  # device-seconds
+    pending_s: float  # device-seconds in flight when an actor's last account was taken
     busy_fraction: float  # (attributed + pending) / paid device time
     usd_per_million_input: float | None  # total_usd per 1M prompt tokens (None: no tokens)
     usd_per_million_output: float | None  # total_usd per 1M completion tokens
@@ -531,6 +532,7 @@ def job_totals(rows: pa.Table, accounts: list[ActorAccount], cost_spec: CostSpec
         row_gpu_seconds=_column_sum(rows, "gpu_seconds"),
         idle_s=idle_s,
         load_s=load_s,
+        pending_s=pending_s,
         busy_fraction=busy_s / paid_s if paid_s > 0 else 0.0,
         usd_per_million_input=_per_million(total_usd, prompt),
         usd_per_million_output=_per_million(total_usd, completion),

@@ -434,8 +434,8 @@ def render_markdown(s: ReportSummary, plots: list[str]) -> str:
             ["load", fmt(c.load_s), _share(c.load_s, paid_s), usd(c.load_usd)],
             [
                 "pending",
-                fmt(c.pending_usd * 3600 / s.device_hour_usd) if s.device_hour_usd else "—",
-                "",
+                fmt(c.pending_s),
+                _share(c.pending_s, paid_s),
                 usd(c.pending_usd),
             ],
             ["total paid", fmt(paid_s), "100%", usd(c.total_usd)],
