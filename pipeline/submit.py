@@ -43,6 +43,9 @@ EXIT_JOB_FAILED = 1  # the job ended FAILED or STOPPED
 EXIT_INVALID = 2  # the job file or the arguments are wrong; nothing was submitted
 EXIT_PARTIAL = 3  # `tokenmill run` exited 3: too many error rows (resubmit to retry them)
 EXIT_CLUSTER = 4  # the cluster could not be reached, refused the token, or refused the job
+EXIT_BUDGET = 5  # `tokenmill run` exited 5: stopped at cost.budget_usd (raise it to resume)
+# `tokenmill run` exit codes passed through as ours: they tell the operator what to do next.
+_PASSED_THROUGH = frozenset({EXIT_PARTIAL, EXIT_BUDGET})
 
 # Statuses as the Jobs API spells them (ray.job_submission.JobStatus values).
 ACTIVE_STATUSES = frozenset({"PENDING", "RUNNING"})
@@ -163,11 +166,11 @@ def decide(base_id: str, existing: Mapping[str, str]) -> Decision:
 
 
 def exit_code_for(status: str, driver_exit_code: int | None) -> int:
-    """Map a terminal job status to this command's exit code (`tokenmill run` 3 stays 3)."""
+    """Map a terminal job status to this command's exit code (`tokenmill run` 3 and 5 stay)."""
     if status == "SUCCEEDED":
         return EXIT_OK
-    if driver_exit_code == EXIT_PARTIAL:
-        return EXIT_PARTIAL
+    if driver_exit_code in _PASSED_THROUGH:
+        return driver_exit_code
     return EXIT_JOB_FAILED
 
 

@@ -57,7 +57,8 @@ def submit_cmd(
     Submitting the same night again attaches to (with --wait) or reports the first submission;
     a failed one is retried under `<id>-rN` and resumes from its committed parts.
     Exit codes: 0 submitted / succeeded, 1 job failed, 2 invalid job or arguments,
-    3 job finished partial, 4 cluster unreachable or refused.
+    3 job finished with too many error rows, 4 cluster unreachable or refused,
+    5 job stopped at its cost budget.
     """
     from pipeline.submit import SubmitError, SubmitRequest, submit
 

@@ -88,6 +88,8 @@ def test_exit_codes() -> None:
     assert sub.exit_code_for("SUCCEEDED", 0) == 0
     assert sub.exit_code_for("FAILED", 1) == 1
     assert sub.exit_code_for("FAILED", 3) == 3
+    assert sub.exit_code_for("FAILED", 5) == 5
+    assert sub.exit_code_for("FAILED", 2) == 1
     assert sub.exit_code_for("STOPPED", None) == 1
 
 
