@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -491,3 +492,63 @@ async def _tail(client: JobsClient, submission_id: str, out: TextIO) -> None:
     async for chunk in client.tail_job_logs(submission_id):
         out.write(chunk)
         out.flush()
+
+
+# --- catching up a range of nights -----------------------------------------------------------
+
+MAX_CATCH_UP_DAYS = 366
+
+
+def date_range(since: str, until: str) -> list[str]:
+    """Every date from `since` to `until`, both included, oldest first."""
+    import datetime as dt
+
+    try:
+        first, last = dt.date.fromisoformat(since), dt.date.fromisoformat(until)
+    except ValueError:
+        raise SubmitError(
+            f"--since {since!r} / --date {until!r}: dates are YYYY-MM-DD", EXIT_INVALID
+        ) from None
+    if first > last:
+        raise SubmitError(f"--since {since} is after {until}; nothing to catch up", EXIT_INVALID)
+    days = (last - first).days + 1
+    if days > MAX_CATCH_UP_DAYS:
+        raise SubmitError(
+            f"--since {since} spans {days} nights (at most {MAX_CATCH_UP_DAYS}); split the range",
+            EXIT_INVALID,
+        )
+    return [(first + dt.timedelta(days=i)).isoformat() for i in range(days)]
+
+
+def submit_range(
+    request: SubmitRequest,
+    since: str,
+    *,
+    environ: Mapping[str, str] | None = None,
+    client_factory: Callable[[str, str | None], JobsClient] = connect,
+    out: TextIO | None = None,
+    poll_s: float = 1.0,
+) -> list[tuple[str, SubmitOutcome]]:
+    """Catch up every night from `since` to the request's date (default today UTC).
+
+    Each night goes through `submit`, so nights that succeeded are only reported, running ones
+    attached to, failed ones resumed. With `wait` they run one after the other; a failed night
+    does not stop the next ones (nights are independent).
+    """
+    from pipeline.spec import today_utc
+
+    out = out or sys.stdout
+    outcomes = []
+    for day in date_range(since, request.date or today_utc()):
+        print(f"--- {day}", file=out)
+        night = dataclasses.replace(request, date=day)
+        outcome = submit(
+            night, environ=environ, client_factory=client_factory, out=out, poll_s=poll_s
+        )
+        outcomes.append((day, outcome))
+    return outcomes
+
+
+def range_exit_code(outcomes: Sequence[tuple[str, SubmitOutcome]]) -> int:
+    """The first non-zero night's exit code (in date order), or 0."""
+    return next((o.exit_code for _, o in outcomes if o.exit_code != EXIT_OK), EXIT_OK)

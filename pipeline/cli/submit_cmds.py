@@ -21,6 +21,12 @@ def submit_cmd(
     date: str | None = typer.Option(
         None, "--date", help="Run date YYYY-MM-DD for {{ date }}; default: the file's or today UTC."
     ),
+    since: str | None = typer.Option(
+        None,
+        "--since",
+        help="Catch up: submit every night from this date to --date (default today UTC); "
+        "nights that already succeeded are skipped.",
+    ),
     wait: bool = typer.Option(
         False, "--wait", help="Follow the logs and exit with the job's status (0 = succeeded)."
     ),
@@ -60,7 +66,7 @@ def submit_cmd(
     3 job finished with too many error rows, 4 cluster unreachable or refused,
     5 job stopped at its cost budget.
     """
-    from pipeline.submit import SubmitError, SubmitRequest, submit
+    from pipeline.submit import SubmitError, SubmitRequest, range_exit_code, submit, submit_range
 
     if no_env and env_from:
         typer.echo("--no-env and --env-from contradict each other; pass one", err=True)
@@ -76,8 +82,16 @@ def submit_cmd(
         token_file=token_file,
     )
     try:
-        outcome = submit(request)
+        if since is None:
+            code = submit(request).exit_code
+        else:
+            outcomes = submit_range(request, since)
+            for day, outcome in outcomes:
+                typer.echo(
+                    f"{day}  {outcome.action:<6}  {outcome.submission_id}  exit {outcome.exit_code}"
+                )
+            code = range_exit_code(outcomes)
     except SubmitError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(exc.exit_code) from None
-    raise typer.Exit(outcome.exit_code)
+    raise typer.Exit(code)

@@ -330,3 +330,58 @@ def test_cli_unreachable_cluster_exits_4(job_file: Path, monkeypatch: pytest.Mon
     )
     assert result.exit_code == sub.EXIT_CLUSTER, result.output
     assert "cannot reach the Ray Jobs API" in result.output
+
+
+# --- catching up -----------------------------------------------------------------------------
+
+
+def test_date_range_inclusive_and_bounded() -> None:
+    assert sub.date_range("2026-02-27", "2026-03-01") == ["2026-02-27", "2026-02-28", "2026-03-01"]
+    assert sub.date_range("2026-03-01", "2026-03-01") == ["2026-03-01"]
+    for since, until in [("2026-03-02", "2026-03-01"), ("2026-3-1", "2026-03-02")]:
+        with pytest.raises(sub.SubmitError) as info:
+            sub.date_range(since, until)
+        assert info.value.exit_code == sub.EXIT_INVALID
+    with pytest.raises(sub.SubmitError, match="split the range"):
+        sub.date_range("2020-01-01", "2026-01-01")
+
+
+def test_catch_up_skips_succeeded_nights_and_runs_the_missed_ones(job_file: Path) -> None:
+    client = FakeClient()
+    request = sub.SubmitRequest(job_file, "http://head:8265", date="2026-11-26", wait=True)
+    done_before, _ = _run(request, client, {})  # the 26th already ran
+    assert done_before.exit_code == 0
+
+    out = io.StringIO()
+    outcomes = sub.submit_range(
+        sub.SubmitRequest(job_file, "http://head:8265", date="2026-11-28", wait=True),
+        "2026-11-25",
+        environ={},
+        client_factory=lambda addr, tok: client,
+        out=out,
+        poll_s=0,
+    )
+    assert [day for day, _ in outcomes] == ["2026-11-25", "2026-11-26", "2026-11-27", "2026-11-28"]
+    assert [o.action for _, o in outcomes] == ["submit", "done", "submit", "submit"]
+    assert outcomes[1][1].submission_id == done_before.submission_id
+    assert len(client.submitted) == 4  # the 26th once, before; three missed nights now
+    assert {c["metadata"]["tokenmill_date"] for c in client.submitted[1:]} == {
+        "2026-11-25",
+        "2026-11-27",
+        "2026-11-28",
+    }
+    assert sub.range_exit_code(outcomes) == 0
+
+
+def test_catch_up_exit_code_is_the_first_failed_night(job_file: Path) -> None:
+    client = FakeClient(final_status="FAILED", driver_exit_code=5)
+    outcomes = sub.submit_range(
+        sub.SubmitRequest(job_file, "http://head:8265", date="2026-11-28", wait=True),
+        "2026-11-27",
+        environ={},
+        client_factory=lambda addr, tok: client,
+        out=io.StringIO(),
+        poll_s=0,
+    )
+    assert [o.exit_code for _, o in outcomes] == [5, 5]
+    assert sub.range_exit_code(outcomes) == sub.EXIT_BUDGET
