@@ -82,7 +82,9 @@ class OpenAIIngress:
         self._spec = spec
         self._engines = engines
         self._keys = keys
-        self._tokenizers = {m.name: PromptTokenizer(m.model, spec.storage) for m in spec.models}
+        self._tokenizers = {
+            m.name: PromptTokenizer(m.model, m.prompt, spec.storage) for m in spec.models
+        }
         # One shared fetch per model: concurrent first requests must not each send an info
         # call, since those calls take engine slots like requests do.
         self._infos: dict[str, asyncio.Future[EngineInfo]] = {}

@@ -68,7 +68,7 @@ def to_engine_request(
                 code="unsupported_endpoint",
             )
         messages = [{"role": m.role, "content": m.text} for m in request.messages]
-        prompt_ids = tokenizer.chat_ids(messages, served.prompt.system_prompt)
+        prompt_ids = tokenizer.chat_ids(messages)
         prompt_param = "messages"
         default_max = served.limits.default_max_tokens
     else:
@@ -141,7 +141,7 @@ def completion_prompt_ids(request: CompletionRequest, tokenizer: PromptTokenizer
     if isinstance(prompt, str):
         if not prompt:
             raise ApiError(400, "'prompt' is empty", param="prompt", code="invalid_value")
-        return tokenizer.text_ids(prompt)
+        return tokenizer.completion_ids(prompt)
     ids = list(prompt)
     vocab = tokenizer.vocab_size
     bad = [t for t in ids if not 0 <= t < vocab]

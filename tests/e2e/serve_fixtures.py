@@ -25,8 +25,9 @@ REPO = Path(__file__).resolve().parents[2]
 API_KEY = "test-key-1"
 OTHER_KEY = "test-key-2"
 MAX_BODY_BYTES = 64 * 1024
-MAX_MODEL_LEN = 1024
-MAX_TOKENS_CAP = 1000
+# Long enough that a capped request runs for seconds: disconnects land mid-generation.
+MAX_MODEL_LEN = 2048
+MAX_TOKENS_CAP = 2000
 PRICES = {"input": 0.10, "cached_input": 0.05, "output": 0.40}
 DEVICE_HOUR_USD = 0.05
 STARTUP_TIMEOUT_S = 180

@@ -237,7 +237,7 @@ ERROR_CASES = [
     (
         "long-prompt",
         auth(),
-        with_(messages=[{"role": "user", "content": "river bridge " * 1200}]),
+        with_(messages=[{"role": "user", "content": "river bridge " * 2000}]),
         400,
         "messages",
         "context_length_exceeded",
@@ -352,15 +352,13 @@ def test_client_disconnect_mid_stream_frees_the_engine(server: ServerProcess) ->
         lines = response.iter_lines()
         received = [ln for ln, _ in zip(lines, range(6), strict=False) if ln.startswith("data: ")]
         assert received
-        busy = scrape(server)
-        assert metric(busy, "tokenmill_serve_requests_in_flight", model="tiny") == 1
     # Leaving the block closed the connection mid-stream.
     after = wait_engine_idle(server, "tiny")
     steps = metric(after, "tokenmill_engine_steps", model="tiny")
     time.sleep(1.0)
     assert metric(scrape(server), "tokenmill_engine_steps", model="tiny") == steps  # idle
-    # The request was cut short: far fewer steps than its 1000 tokens would take.
-    assert steps - steps_before < MAX_TOKENS_CAP / 2
+    # The request was cut short: it alone would have taken one engine step per token.
+    assert 0 < steps - steps_before < MAX_TOKENS_CAP / 2
     assert metric(after, "tokenmill_serve_errors_total", kind="client_disconnected") >= 1
 
 
