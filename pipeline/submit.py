@@ -45,6 +45,7 @@ EXIT_INVALID = 2  # the job file or the arguments are wrong; nothing was submitt
 EXIT_PARTIAL = 3  # `tokenmill run` exited 3: too many error rows (resubmit to retry them)
 EXIT_CLUSTER = 4  # the cluster could not be reached, refused the token, or refused the job
 EXIT_BUDGET = 5  # `tokenmill run` exited 5: stopped at cost.budget_usd (raise it to resume)
+EXIT_INTERRUPTED = 130  # Ctrl-C while following; the job itself keeps running
 # `tokenmill run` exit codes passed through as ours: they tell the operator what to do next.
 _PASSED_THROUGH = frozenset({EXIT_PARTIAL, EXIT_BUDGET})
 
@@ -415,14 +416,12 @@ def submit(
             file=out,
         )
     if decision.action == "done":
-        info = client.get_job_info(decision.submission_id)
         outcome.status = "SUCCEEDED"
         print(
             f"{decision.submission_id} already SUCCEEDED for {spec.date}; nothing to do "
             "(change the job or --date to run something else)",
             file=out,
         )
-        outcome.exit_code = exit_code_for("SUCCEEDED", getattr(info, "driver_exit_code", None))
         return outcome
     if request.wait:
         outcome.status, outcome.exit_code = follow(client, outcome.submission_id, out, poll_s)
@@ -438,13 +437,13 @@ def _submit_attempt(
     env_vars: Mapping[str, str],
     out: TextIO,
 ) -> None:
-    assert spec.date is not None  # load_job_spec always sets it
+    date = spec.date or ""  # load_job_spec always sets it
     with tempfile.TemporaryDirectory(prefix="tokenmill-submit-") as tmp:
         # working_dir carries only the job file: the code is the image's (or --ship-code's).
         working_dir = Path(tmp)
         shutil.copyfile(request.job_file, working_dir / request.job_file.name)
         entrypoint = run_entrypoint(
-            request.job_file.name, spec.date, request.overrides, request.ship_code
+            request.job_file.name, date, request.overrides, request.ship_code
         )
         try:
             client.submit_job(
@@ -453,7 +452,7 @@ def _submit_attempt(
                 runtime_env=runtime_env_for(working_dir, env_vars, request.ship_code),
                 metadata={
                     "tokenmill_job": spec.name,
-                    "tokenmill_date": spec.date,
+                    "tokenmill_date": date,
                     "tokenmill_spec_sha": spec_digest(spec),
                 },
             )
@@ -474,9 +473,18 @@ def _submit_attempt(
 def follow(
     client: JobsClient, submission_id: str, out: TextIO, poll_s: float = 1.0
 ) -> tuple[str, int]:
-    """Stream the job's logs to `out` until it ends; returns (status, exit code)."""
+    """Stream the job's logs to `out` until it ends; returns (status, exit code).
+
+    Ctrl-C stops following, not the job: it keeps running on the cluster.
+    """
     try:
         asyncio.run(_tail(client, submission_id, out))
+    except KeyboardInterrupt:
+        raise SubmitError(
+            f"stopped following {submission_id}; the job keeps running "
+            f"(`ray job stop {submission_id}` stops it; submitting again attaches to it)",
+            EXIT_INTERRUPTED,
+        ) from None
     except Exception as exc:
         # The log stream is a convenience; the status below is what decides the exit code.
         print(f"(log stream ended early: {exc}; waiting for the job status)", file=out)

@@ -385,3 +385,18 @@ def test_catch_up_exit_code_is_the_first_failed_night(job_file: Path) -> None:
     )
     assert [o.exit_code for _, o in outcomes] == [5, 5]
     assert sub.range_exit_code(outcomes) == sub.EXIT_BUDGET
+
+
+def test_ctrl_c_while_following_leaves_the_job_running(job_file: Path) -> None:
+    class InterruptedClient(FakeClient):
+        async def tail_job_logs(self, job_id: str):
+            yield "first line\n"
+            raise KeyboardInterrupt
+
+    client = InterruptedClient()
+    request = sub.SubmitRequest(job_file, "http://head:8265", date="2026-11-28", wait=True)
+    with pytest.raises(sub.SubmitError, match="keeps running") as info:
+        _run(request, client, {})
+    assert info.value.exit_code == sub.EXIT_INTERRUPTED
+    (job,) = client.jobs.values()
+    assert job.status == "PENDING"  # nothing stopped it
