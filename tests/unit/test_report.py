@@ -97,9 +97,9 @@ def _actor_rows(actor: str, n: int, t0: float, errors: int = 0):
     return rows, {**account.to_dict(), "incarnation": "x1"}
 
 
-@pytest.fixture(scope="module")
-def output_dir(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("out")
+def make_output_dir(root: Path) -> Path:
+    """An output prefix with two parts (two actors, 2 devices each) and its manifest."""
+    root.mkdir(parents=True, exist_ok=True)
     rows_a, acc_a = _actor_rows("actor-aaaa", 6, 1e9, errors=2)
     rows_b, acc_b = _actor_rows("actor-bbbb", 4, 1e9 + 3)
     schema = output_schema()
@@ -130,6 +130,11 @@ def output_dir(tmp_path_factory) -> Path:
     }
     (root / "_manifest.json").write_text(json.dumps(manifest))
     return root
+
+
+@pytest.fixture(scope="module")
+def output_dir(tmp_path_factory) -> Path:
+    return make_output_dir(tmp_path_factory.mktemp("out"))
 
 
 def test_summary_books_balance_and_costs(output_dir):
