@@ -17,6 +17,8 @@ from typing import Any
 import hcl2
 import pytest
 
+from pipeline.serve_spec import load_serve_spec
+from pipeline.spec import load_job_spec
 from pipeline.submit import NIGHTLY_DATE_EXPR, nightly_submit_argv, nightly_submit_shell
 
 REPO = Path(__file__).resolve().parents[2]
@@ -230,6 +232,10 @@ def test_cron_job_mounts_the_nightly_job_file_from_the_repository(
     assert config_map["data"][key] == "${file(local.nightly_job_file)}"
     source = Path(resolve(workloads, workloads["locals"]["nightly_job_file"], module_dir))
     assert source.resolve() == REPO / "jobs" / "nightly.yaml"
+    # file() fails the plan on a missing file, and the submitter pod validates the job with no
+    # storage variables set: both must hold for the repository's nightly job.
+    spec = load_job_spec(source, date="2026-01-01", env={})
+    assert "2026-01-01" in spec.output.uri
     pod = _nightly_pod(workloads)
     mounts = block(pod, "container")["volume_mount"]
     config_dir = resolve(workloads, workloads["locals"]["config_dir"], module_dir)
@@ -283,6 +289,7 @@ def test_ray_service_serves_the_serve_yaml(workloads: dict[str, Any]) -> None:
     assert config_map["data"][Path(serve_path).name] == "${file(local.serve_config_file)}"
     source = Path(resolve(workloads, workloads["locals"]["serve_config_file"], module_dir))
     assert source.resolve() == REPO / "jobs" / "serve.yaml"
+    assert load_serve_spec(source, env={}).models
     # The import path names a builder that exists (checked without importing Ray Serve).
     module_name, func = import_path.split(":")
     tree = ast.parse((REPO / Path(*module_name.split("."))).with_suffix(".py").read_text())
@@ -380,3 +387,15 @@ def test_checkov_reports_no_failed_checks() -> None:
     summary = reports[0].get("summary", {})
     assert summary.get("parsing_errors", 0) == 0
     assert summary.get("resource_count", 0) >= 8
+
+
+def test_network_policy_keeps_the_dashboard_inside(workloads: dict[str, Any]) -> None:
+    policy = workloads["resource"][("kubernetes_network_policy_v1", "ray")]
+    spec = block(policy, "spec")
+    assert spec["policy_types"] == ["Ingress"]
+    rules = spec["ingress"] if isinstance(spec["ingress"], list) else [spec["ingress"]]
+    for rule in rules:
+        if "from" not in rule:  # open to every source: only the Serve port may be
+            ports = rule["ports"] if isinstance(rule["ports"], list) else [rule["ports"]]
+            assert [p["port"] for p in ports] == ["8000"]
+    assert any("from" in rule for rule in rules)

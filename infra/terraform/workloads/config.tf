@@ -18,7 +18,9 @@ resource "kubernetes_config_map_v1" "jobs" {
 }
 
 # Ray pods accept traffic only from their own namespace (workers, head, the nightly submitter)
-# and from the KubeRay operator, which calls the dashboard to deploy Serve apps and poll jobs.
+# and from the KubeRay operator, which calls the dashboard to deploy Serve apps and poll jobs;
+# the Serve port is open to the whole cluster (requests carry API keys). kubectl port-forward
+# is not subject to network policies.
 resource "kubernetes_network_policy_v1" "ray" {
   metadata {
     name      = "tokenmill-ray"
@@ -40,6 +42,12 @@ resource "kubernetes_network_policy_v1" "ray" {
         namespace_selector {
           match_labels = { "kubernetes.io/metadata.name" = var.kuberay_namespace }
         }
+      }
+    }
+    ingress {
+      ports {
+        port     = "8000"
+        protocol = "TCP"
       }
     }
   }
