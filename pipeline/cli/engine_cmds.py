@@ -25,3 +25,62 @@ def make_tiny_model(
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     typer.echo(f"wrote {arch} ({size}) model to {path}")
+
+
+@app.command("bench")
+def bench(
+    model: Path | None = typer.Option(
+        None, help="Hugging Face model dir. Default: a ~35M-parameter tiny Llama built once."
+    ),
+    num_prompts: int = typer.Option(128, min=1, help="Requests in the workload."),
+    min_prompt_len: int = typer.Option(16, min=1, help="Shortest prompt, in tokens."),
+    max_prompt_len: int = typer.Option(512, min=1, help="Longest prompt, in tokens."),
+    min_max_tokens: int = typer.Option(8, min=1, help="Fewest tokens a request generates."),
+    max_max_tokens: int = typer.Option(256, min=1, help="Most tokens a request generates."),
+    seed: int = typer.Option(0, help="Workload seed (prompt ids and lengths)."),
+    modes: str = typer.Option(
+        "reference,hf-static,hf-continuous", help="Comma-separated modes to run, in order."
+    ),
+    threads: int | None = typer.Option(None, min=1, help="Torch threads per mode (all cores)."),
+    static_batch_size: int = typer.Option(32, min=1, help="hf-static: requests per batch."),
+    max_batch_size: int = typer.Option(128, min=1, help="Requests in flight (reference, CB)."),
+    max_num_tokens: int = typer.Option(2048, min=1, help="Tokens per step (reference, CB)."),
+    json_path: Path | None = typer.Option(None, "--json", help="Also write the numbers here."),
+) -> None:
+    """Compare the reference engine with transformers (static and continuous batching).
+
+    Prints useful generated tokens/s, TTFT p50/p95 and peak RSS per mode, the speed-up over
+    the best transformers mode, and decode FLOP/s against this CPU's matmul FLOP/s.
+    """
+    import json
+
+    from engines.bench import MODES, BenchConfig, format_summary, run_bench
+
+    chosen = tuple(m.strip() for m in modes.split(",") if m.strip())
+    unknown = [m for m in chosen if m not in MODES]
+    if unknown or not chosen:
+        raise typer.BadParameter(f"unknown mode(s) {unknown}; choose from {', '.join(MODES)}")
+    if min_prompt_len > max_prompt_len or min_max_tokens > max_max_tokens:
+        raise typer.BadParameter("each --min-* must be <= its --max-*")
+    config = BenchConfig(
+        model=str(model) if model else None,
+        num_prompts=num_prompts,
+        prompt_len=(min_prompt_len, max_prompt_len),
+        max_tokens=(min_max_tokens, max_max_tokens),
+        seed=seed,
+        modes=chosen,
+        threads=threads,
+        static_batch_size=static_batch_size,
+        max_batch_size=max_batch_size,
+        max_num_tokens=max_num_tokens,
+    )
+    report = run_bench(config, log=typer.echo)
+    summary = format_summary(report)
+    if summary:
+        typer.echo(summary)
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(report.to_json(), indent=2))
+        typer.echo(f"wrote {json_path}")
+    if any(r.error for r in report.results):
+        raise typer.Exit(1)

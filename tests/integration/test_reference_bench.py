@@ -1,0 +1,76 @@
+"""`tokenmill bench` end to end on a tiny model and a small workload: every mode runs in its
+own subprocess and the JSON report holds consistent numbers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from pipeline.cli import app
+from tests.engine_fixtures import tiny_model
+
+pytestmark = pytest.mark.timeout(600)
+
+
+ALL_MODES = ("reference", "hf-static", "hf-continuous")
+
+
+@pytest.mark.parametrize(
+    "modes",
+    [
+        # Default suite: one subprocess keeps it quick; the slow run covers every mode.
+        pytest.param(("reference",), id="reference"),
+        pytest.param(ALL_MODES, id="all-modes", marks=pytest.mark.slow),
+    ],
+)
+def test_bench_command_runs_modes_and_writes_json(tmp_path, modes) -> None:
+    out = tmp_path / "bench.json"
+    result = CliRunner().invoke(
+        app,
+        [
+            "bench",
+            "--model",
+            str(tiny_model("llama")),
+            "--num-prompts",
+            "6",
+            "--min-prompt-len",
+            "4",
+            "--max-prompt-len",
+            "24",
+            "--min-max-tokens",
+            "2",
+            "--max-max-tokens",
+            "10",
+            "--threads",
+            "1",
+            "--static-batch-size",
+            "4",
+            "--modes",
+            ",".join(modes),
+            "--json",
+            str(out),
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    by_mode = {r["mode"]: r for r in data["results"]}
+    assert tuple(by_mode) == modes
+    useful = {r["useful_tokens"] for r in by_mode.values()}
+    assert len(useful) == 1 and useful.pop() > 0  # every mode produced exactly max_tokens
+    for r in by_mode.values():
+        assert r["error"] is None
+        assert r["tokens_per_s"] > 0 and r["peak_rss_mb"] > 0
+        assert 0 <= r["ttft_p50_s"] <= r["ttft_p95_s"] <= r["seconds"]
+    assert data["matmul_flops_per_s"] > 1e8
+    assert "tok/s" in result.output
+    if len(modes) > 1:
+        assert data["speedup_vs_best_hf"] > 0
+        assert "reference vs best transformers" in result.output
+
+
+def test_bench_rejects_unknown_modes() -> None:
+    result = CliRunner().invoke(app, ["bench", "--modes", "reference,vllm"])
+    assert result.exit_code != 0
+    assert "vllm" in result.output

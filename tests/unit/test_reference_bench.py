@@ -1,0 +1,78 @@
+"""Bench bookkeeping: seeded workload, FLOP accounting, report maths (no engine runs)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engines.bench import (
+    BenchConfig,
+    BenchReport,
+    ModeResult,
+    _percentile,
+    format_summary,
+    make_workload,
+    matmul_params,
+)
+
+
+def test_workload_is_seeded_and_within_ranges() -> None:
+    config = BenchConfig(num_prompts=64, prompt_len=(16, 512), max_tokens=(8, 256), seed=3)
+    prompts, max_tokens = make_workload(config, vocab_size=1000)
+    assert (prompts, max_tokens) == make_workload(config, vocab_size=1000)
+    assert (prompts, max_tokens) != make_workload(BenchConfig(num_prompts=64, seed=4), 1000)
+    assert len(prompts) == len(max_tokens) == 64
+    assert all(16 <= len(p) <= 512 for p in prompts)
+    assert all(8 <= m <= 256 for m in max_tokens)
+    assert all(3 <= t < 1000 for p in prompts for t in p)
+    assert len({len(p) for p in prompts}) > 20  # lengths really vary
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_matmul_params_counts_every_linear(tmp_path, arch) -> None:
+    import transformers
+
+    common = dict(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    if arch == "llama":
+        config = transformers.LlamaConfig(**common)
+        model = transformers.LlamaForCausalLM(config)
+    else:
+        config = transformers.Qwen3Config(**common, head_dim=32)
+        model = transformers.Qwen3ForCausalLM(config)
+    (tmp_path / "config.json").write_text(json.dumps(config.to_dict()))
+    import torch
+
+    linears = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert matmul_params(tmp_path) == linears
+
+
+def test_percentile_and_summary_ratios() -> None:
+    assert _percentile([], 0.5) is None
+    assert _percentile([3.0, 1.0, 2.0], 0.5) == 2.0
+    assert _percentile(list(range(101)), 0.95) == 95
+    report = BenchReport(
+        config=BenchConfig(), model="m", threads=2, matmul_params=10, matmul_flops_per_s=100e9
+    )
+    report.results = [
+        ModeResult(
+            "reference", tokens_per_s=300.0, decode_flops_per_s=45e9, decode_steps_counted=7
+        ),
+        ModeResult("hf-static", tokens_per_s=50.0),
+        ModeResult("hf-continuous", tokens_per_s=100.0),
+        ModeResult("hf-continuous", error="boom"),
+    ]
+    assert report.speedup_vs_best_hf == pytest.approx(3.0)
+    assert report.decode_flops_fraction == pytest.approx(0.45)
+    text = format_summary(report)
+    assert "3.00x" in text and "45%" in text
+    data = report.to_json()
+    assert data["speedup_vs_best_hf"] == pytest.approx(3.0)
+    assert data["results"][0]["mode"] == "reference"
