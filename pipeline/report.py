@@ -253,35 +253,48 @@ def _actor_lines(inputs: ReportInputs) -> list[ActorLine]:
 
 
 def _estimate(
-    inputs: ReportInputs, cost_spec: CostSpec, totals: CostTotals, wall_s: float
+    inputs: ReportInputs, cost_spec: CostSpec, totals: CostTotals
 ) -> tuple[CostEstimate | None, str]:
-    """The plan's estimate stored in the manifest, or one recomputed from the spec."""
+    """The plan's estimate stored in the manifest, or one recomputed as `tokenmill plan`
+    would: rows x max_tokens output tokens at engine.expected_tokens_per_s, or, when that is
+    not set, at the throughput the engines actually had while busy (so the comparison shows
+    what load, idle time and shorter completions did to the cost)."""
     stored = inputs.manifest.get("estimate")
     if isinstance(stored, dict):
         try:
             return CostEstimate(**stored), "stored in the manifest by the run"
         except TypeError:
             pass
+    spec = inputs.manifest.get("spec", {})
     try:
         resources = _resources(inputs.manifest)
     except ValueError:
         return None, "not available (the manifest's resources section is unreadable)"
-    max_tokens = inputs.manifest.get("spec", {}).get("sampling", {}).get("max_tokens")
+    max_tokens = spec.get("sampling", {}).get("max_tokens")
     num_rows = totals.num_rows
     if isinstance(max_tokens, int) and max_tokens > 0:
         output_tokens, how = num_rows * max_tokens, f"{num_rows} rows x max_tokens {max_tokens}"
     else:
         output_tokens, how = totals.completion_tokens, "the actual completion tokens"
-    num_actors = resources.num_actors or resources.max_actors or 1
-    if wall_s <= 0 or totals.completion_tokens <= 0 or output_tokens <= 0:
-        return None, "not available (no completion tokens or no wall time recorded)"
-    tokens_per_s = totals.completion_tokens / wall_s / num_actors
+    expected = spec.get("engine", {}).get("expected_tokens_per_s")
+    busy_actor_s = math.fsum(
+        (a.attributed_s + a.pending_s) / a.devices for a in inputs.accounts if a.devices > 0
+    )
+    if isinstance(expected, (int, float)) and expected > 0:
+        tokens_per_s, rate = float(expected), "engine.expected_tokens_per_s"
+    elif busy_actor_s > 0 and totals.completion_tokens > 0:
+        tokens_per_s = totals.completion_tokens / busy_actor_s
+        rate = "the measured throughput of the engines while busy"
+    else:
+        return None, "not available (no completion tokens and no expected throughput)"
+    if output_tokens <= 0:
+        return None, "not available (no output tokens to estimate)"
     estimate = estimate_for_resources(
         resources, cost_spec, num_rows, totals.prompt_tokens, output_tokens, tokens_per_s
     )
     return estimate, (
-        f"recomputed from the spec: output = {how}, at the measured {tokens_per_s:,.1f} output "
-        "tok/s per actor (no estimate was stored with the run)"
+        f"recomputed from the spec (none was stored with the run): output = {how}, at "
+        f"{tokens_per_s:,.1f} output tok/s per actor ({rate})"
     )
 
 
@@ -294,7 +307,7 @@ def summarize(inputs: ReportInputs) -> ReportSummary:
     errors = rows.filter(is_error).column("error").to_pylist()
     runs = manifest.get("runs", [])
     wall_s = math.fsum(float(r.get("wall_s") or 0.0) for r in runs)
-    estimate, source = _estimate(inputs, cost_spec, totals, wall_s)
+    estimate, source = _estimate(inputs, cost_spec, totals)
     actors = _actor_lines(inputs)
     notes = []
     if any(r.get("mode") == "retry-errors" for r in runs):
@@ -452,7 +465,7 @@ def render_markdown(s: ReportSummary, plots: list[str]) -> str:
             ["", "estimate", "actual"],
             [
                 ["output tokens", fmt(e.output_tokens), fmt(c.completion_tokens)],
-                ["generation wall time (s)", fmt(e.wall_s), fmt(s.wall_s)],
+                ["wall time (s): generation / whole run", fmt(e.wall_s), fmt(s.wall_s)],
                 ["device-hours", fmt(e.device_hours), fmt(c.device_hours)],
                 ["cost", usd(e.usd), usd(c.total_usd)],
                 [

@@ -192,3 +192,26 @@ def test_error_kinds():
     assert error_kind("row 'x1': max_tokens must be >= 1") == "max_tokens must be >= 1"
     assert error_kind("empty prompt (no tokens)") == "empty prompt"
     assert error_kind(None) == "unknown"
+
+
+def test_estimate_is_recomputed_like_plan(output_dir, tmp_path):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(output_dir, copy)
+    manifest = json.loads((copy / "_manifest.json").read_text())
+    manifest["spec"]["engine"] = {"expected_tokens_per_s": 100.0}
+    manifest["spec"]["sampling"] = {"max_tokens": "***"}  # unreadable: actual tokens are used
+    (copy / "_manifest.json").write_text(json.dumps(manifest))
+    summary, _, _ = build_report(OutputDir(str(copy), StorageSpec()), plots=False)
+    est = summary.estimate
+    assert est is not None and est.tokens_per_s == 100.0
+    assert est.output_tokens == summary.cost.completion_tokens == 40
+    assert est.wall_s == pytest.approx(40 / (100.0 * 2))  # two actors
+    assert "expected_tokens_per_s" in summary.estimate_source
+    # Without an expected throughput: the engines' busy throughput (tokens per busy second).
+    del manifest["spec"]["engine"]
+    (copy / "_manifest.json").write_text(json.dumps(manifest))
+    summary, _, _ = build_report(OutputDir(str(copy), StorageSpec()), plots=False)
+    busy = sum(a.attributed_s / a.devices for a in summary.actors)
+    assert summary.estimate.tokens_per_s == pytest.approx(40 / busy)
