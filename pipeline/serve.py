@@ -1,8 +1,9 @@
 """Run the Serve application on Ray until told to stop: what `tokenmill serve` does.
 
 Starts (or joins, with RAY_ADDRESS) a Ray cluster, starts Serve's HTTP proxy on the given
-host and port, deploys the app, and blocks until Ctrl-C or SIGTERM, then deletes the app and
-stops Serve so replicas release their engines before the process exits.
+host and port, deploys the app, and blocks until Ctrl-C or SIGTERM, then deletes the app (and
+stops Serve, when the cluster is this process's own) so replicas release their engines before
+the process exits.
 """
 
 from __future__ import annotations
@@ -25,18 +26,21 @@ class ServerOptions:
     object_store_mb: int | None = None  # object store of a local Ray; None: Ray's default
 
 
-def start_ray(options: ServerOptions) -> None:
-    """Join RAY_ADDRESS if set, else start a private local Ray (never someone else's)."""
+def start_ray(options: ServerOptions) -> bool:
+    """Join RAY_ADDRESS if set, else start a private local Ray (never someone else's).
+    True when the Ray (and so the Serve instance) is this process's own."""
     import ray
 
     address = os.environ.get("RAY_ADDRESS") or "local"
-    kwargs: dict[str, object] = {"address": address, "include_dashboard": False}
+    kwargs: dict[str, object] = {"address": address}
     if address == "local":
+        kwargs["include_dashboard"] = False  # Serve does not need it; it costs memory
         if options.num_cpus is not None:
             kwargs["num_cpus"] = options.num_cpus
         if options.object_store_mb is not None:
             kwargs["object_store_memory"] = options.object_store_mb * 1024**2
     ray.init(**kwargs, log_to_driver=True)
+    return address == "local"
 
 
 def run_server(
@@ -52,7 +56,7 @@ def run_server(
     from pipeline.serve_app import build_app
 
     stop = threading.Event()
-    start_ray(options)
+    own_cluster = start_ray(options)
     # After ray.init, which installs a SIGTERM handler of its own that would kill the driver
     # without letting Serve stop its replicas.
     previous = {
@@ -70,6 +74,10 @@ def run_server(
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         try:
-            serve.shutdown()
+            # On a shared cluster only this app goes; other Serve apps keep running.
+            if own_cluster:
+                serve.shutdown()
+            else:
+                serve.delete(spec.name)
         finally:
             ray.shutdown()

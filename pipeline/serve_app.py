@@ -116,14 +116,14 @@ class OpenAIIngress:
 
     @fastapi_app.get("/v1/models")
     async def list_models(self, request: Request) -> JSONResponse:
-        self._authorize(request, "models")
+        self._authorize(request)
         return JSONResponse(
             {"object": "list", "data": [self._model_card(n) for n in self._engines]}
         )
 
     @fastapi_app.get("/v1/models/{model}")
     async def get_model(self, model: str, request: Request) -> JSONResponse:
-        self._authorize(request, "models")
+        self._authorize(request)
         self._served(model, param=None)
         return JSONResponse(self._model_card(model))
 
@@ -141,7 +141,7 @@ class OpenAIIngress:
         started = time.monotonic()
         model = "-"
         try:
-            self._authorize(request, endpoint)
+            self._authorize(request)
             data = parse_json_body(await self._read_body(request))
             model = str(data.get("model") or "-")
             prepared = await self._prepare(data, endpoint)
@@ -160,7 +160,7 @@ class OpenAIIngress:
             self._metrics.requests.labels(model, endpoint, str(exc.status)).inc()
             raise
 
-    def _authorize(self, request: Request, endpoint: str) -> None:
+    def _authorize(self, request: Request) -> None:
         if not self._keys.accepts(request.headers.get("authorization")):
             raise ApiError(
                 401,

@@ -127,10 +127,12 @@ def start_server(config_path: Path, env: dict[str, str], extra_args: list[str]) 
         "300",
         *extra_args,
     ]
+    # Never attach to a cluster someone else started: the server brings its own local Ray.
+    base_env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     process = subprocess.Popen(
         cmd,
         cwd=REPO,
-        env={**os.environ, "OMP_NUM_THREADS": "1", **env},
+        env={**base_env, "OMP_NUM_THREADS": "1", **env},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -72,13 +72,11 @@ def engine(serve_model_dir: Path):
     eng.shutdown()
 
 
-def run_engine(engine, prompt_ids: list[int], max_tokens: int):
+def run_engine(engine, prompt_ids: list[int], max_tokens: int, **sampling):
     from engines import GenerationRequest, SamplingParams
 
-    request = GenerationRequest(
-        prompt_token_ids=list(prompt_ids),
-        sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0),
-    )
+    params = SamplingParams(max_tokens=max_tokens, **{"temperature": 0.0, **sampling})
+    request = GenerationRequest(prompt_token_ids=list(prompt_ids), sampling=params)
     return asyncio.run(engine.generate(request))
 
 
@@ -192,6 +190,34 @@ def test_completions_greedy_and_stream_equal_engine(
     # Token-id prompts reach the engine unchanged.
     by_ids = client.completions.create(model="tiny", prompt=ids, temperature=0, max_tokens=16)
     assert by_ids.choices[0].text == expected.text
+
+
+def test_sampling_parameters_reach_the_engine(client: openai.OpenAI, engine, tokenizer) -> None:
+    ids = chat_ids(tokenizer, CHAT)
+    # Seeded sampling: the same seed gives the same tokens, whatever else is in the batch.
+    sampled = {"temperature": 0.9, "top_p": 0.9, "top_k": 50, "seed": 7}
+    expected = run_engine(engine, ids, max_tokens=12, **sampled)
+    response = client.chat.completions.create(
+        model="tiny",
+        messages=CHAT,
+        max_tokens=12,
+        temperature=0.9,
+        top_p=0.9,
+        seed=7,
+        extra_body={"top_k": 50},
+    )
+    assert response.choices[0].message.content == expected.text
+    # A stop string taken from the greedy text ends the completion before it.
+    greedy = run_engine(engine, ids, max_tokens=24).text
+    stop = next(
+        greedy[i : i + 3] for i in range(len(greedy) // 2, len(greedy)) if greedy[i : i + 3].strip()
+    )
+    expected = run_engine(engine, ids, max_tokens=24, stop=(stop,))
+    response = client.chat.completions.create(
+        model="tiny", messages=CHAT, temperature=0, max_tokens=24, stop=[stop]
+    )
+    assert response.choices[0].message.content == expected.text
+    assert stop not in expected.text and response.choices[0].finish_reason == "stop"
 
 
 def test_raw_stream_is_openai_sse(server: ServerProcess) -> None:
