@@ -504,7 +504,7 @@ def render_markdown(s: ReportSummary, plots: list[str]) -> str:
             ],
             [
                 [
-                    a.actor_id[-12:],
+                    short_actor(a.actor_id),
                     str(a.incarnations),
                     fmt(a.devices),
                     fmt(a.lifetime_s),
@@ -537,6 +537,11 @@ def render_markdown(s: ReportSummary, plots: list[str]) -> str:
         out += ["", "## Plots", ""]
         out += [f"![{p.rsplit('/', 1)[-1][:-4]}]({p})" for p in plots]
     return "\n".join(out) + "\n"
+
+
+def short_actor(actor_id: str) -> str:
+    """A Ray actor id's distinctive head (its tail is the job id, the same for every actor)."""
+    return actor_id[:12]
 
 
 def _share(part: float, whole: float) -> str:
@@ -594,7 +599,9 @@ def render_plots(inputs: ReportInputs, summary: ReportSummary) -> dict[str, byte
         totals = [0.0] * bins
         for e, n in zip(ends, tokens, strict=True):
             totals[min(int(e / width), bins - 1)] += n
-        ax.step([i * width for i in range(bins)], [t / width for t in totals], where="post")
+        rates = [t / width for t in totals]
+        # where="post" draws each bin from its left edge: repeat the last rate to close it.
+        ax.step([i * width for i in range(bins + 1)], [*rates, rates[-1]], where="post")
         ax.set_xlabel("seconds since the first row started")
         ax.set_ylabel("output tokens / s")
         ax.set_title("Throughput (by row finish time)")
@@ -633,7 +640,7 @@ def render_plots(inputs: ReportInputs, summary: ReportSummary) -> dict[str, byte
                 [(s, e) for s, e, a in zip(starts, ends, actors, strict=True) if a == name]
             )
             ax_t.broken_barh([(s, e - s) for s, e in spans], (y - 0.35, 0.7), color="tab:green")
-        ax_t.set_yticks(range(len(names)), [n[-8:] for n in names])
+        ax_t.set_yticks(range(len(names)), [short_actor(n) for n in names])
         ax_t.set_xlabel("seconds since the first row started (green: rows in the engine)")
         ax_t.set_title("Per-actor busy timeline")
         left = [0.0] * len(names)
@@ -646,7 +653,7 @@ def render_plots(inputs: ReportInputs, summary: ReportSummary) -> dict[str, byte
         for label, values, color in buckets:
             ax_b.barh(range(len(names)), values, left=left, label=label, color=color)
             left = [x + v for x, v in zip(left, values, strict=True)]
-        ax_b.set_yticks(range(len(names)), [n[-8:] for n in names])
+        ax_b.set_yticks(range(len(names)), [short_actor(n) for n in names])
         ax_b.set_xlabel("device-seconds")
         ax_b.set_title("Where each actor's paid time went")
         ax_b.legend(loc="lower right", fontsize="small")

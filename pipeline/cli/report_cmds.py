@@ -29,7 +29,13 @@ def report_cmd(
     from rich.console import Console
     from rich.table import Table
 
-    from pipeline.report import ReportError, build_report, summary_rows, write_report
+    from pipeline.report import (
+        ReportError,
+        build_report,
+        short_actor,
+        summary_rows,
+        write_report,
+    )
     from pipeline.spec import StorageSpec
     from pipeline.storage import StorageError
     from pipeline.write import OutputDir
@@ -63,7 +69,7 @@ def report_cmd(
             actors.add_column(col, justify="left" if col == "actor" else "right")
         for a in summary.actors:
             actors.add_row(
-                a.actor_id[-12:],
+                short_actor(a.actor_id),
                 f"{a.num_rows:,}",
                 f"{a.row_gpu_seconds:.3f}",
                 f"{a.idle_s:.3f}",
