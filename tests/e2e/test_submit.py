@@ -69,7 +69,7 @@ def _stop(proc: subprocess.Popen[bytes], temp_dir: Path) -> None:
     any straggler whose command line names this head's temp dir. All of them are ours."""
     import psutil
 
-    for sig, grace_s in ((signal.SIGTERM, 8), (signal.SIGKILL, 5)):
+    for sig, grace_s in ((signal.SIGTERM, 4), (signal.SIGKILL, 5)):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, sig)
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -229,6 +229,9 @@ def test_nightly_submit_runs_once_and_commits_the_output(ray_head: RayHead, job_
 
     base_id = base_submission_id(load_job_spec(job_file, date=DATE))
     assert base_id in first.stdout
+    # The driver joined this head through RAY_ADDRESS (set by the Jobs API), not a private Ray.
+    assert "Connected to Ray cluster" in first.stdout
+    assert "Started a local Ray instance" not in first.stdout
 
     # The same night again: reported, not run a second time.
     second = _submit(ray_head, argv)
