@@ -50,7 +50,6 @@ EXIT_INTERRUPTED = 130  # Ctrl-C while following; the job itself keeps running
 _PASSED_THROUGH = frozenset({EXIT_PARTIAL, EXIT_BUDGET})
 
 # Statuses as the Jobs API spells them (ray.job_submission.JobStatus values).
-ACTIVE_STATUSES = frozenset({"PENDING", "RUNNING"})
 RETRYABLE_STATUSES = frozenset({"FAILED", "STOPPED"})
 TERMINAL_STATUSES = frozenset({"SUCCEEDED", "FAILED", "STOPPED"})
 

@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from pipeline import submit as sub
@@ -400,3 +402,25 @@ def test_ctrl_c_while_following_leaves_the_job_running(job_file: Path) -> None:
     assert info.value.exit_code == sub.EXIT_INTERRUPTED
     (job,) = client.jobs.values()
     assert job.status == "PENDING"  # nothing stopped it
+
+
+_STATUSES = ("PENDING", "RUNNING", "SUCCEEDED", "FAILED", "STOPPED")
+
+
+@given(
+    attempts=st.dictionaries(st.integers(1, 12), st.sampled_from(_STATUSES), max_size=6),
+    others=st.dictionaries(st.text("abc-r0123456789", max_size=12), st.sampled_from(_STATUSES)),
+)
+def test_decide_never_reuses_an_id_and_never_runs_beside_an_active_attempt(
+    attempts: dict[int, str], others: dict[str, str]
+) -> None:
+    base = "tokenmill-j-2026-01-01-abcd1234"
+    existing = {**others, **{sub.attempt_id(base, n): s for n, s in attempts.items()}}
+    decision = sub.decide(base, existing)
+    if decision.action == "submit":
+        assert decision.submission_id not in existing
+        if attempts:  # only after a failed or stopped latest attempt
+            assert attempts[max(attempts)] in ("FAILED", "STOPPED")
+    else:
+        assert existing[decision.submission_id] == decision.previous_status
+    assert sub.attempt_number(base, decision.submission_id) is not None
