@@ -49,7 +49,7 @@ from pipeline.serve_requests import (
     to_engine_request,
     usage_of,
 )
-from pipeline.serve_spec import ServedModelSpec, ServeSpec
+from pipeline.serve_spec import ServedModelSpec, ServeSpec, engine_deployment_options
 from pipeline.serve_tokens import PromptTokenizer
 
 logger = logging.getLogger(__name__)
@@ -143,7 +143,10 @@ class OpenAIIngress:
         try:
             self._authorize(request)
             data = parse_json_body(await self._read_body(request))
-            model = str(data.get("model") or "-")
+            # Label metrics with served names only: client-chosen strings would let anyone
+            # grow the metric label set without bound.
+            if isinstance(data.get("model"), str) and data["model"] in self._engines:
+                model = data["model"]
             prepared = await self._prepare(data, endpoint)
             model = prepared.served.name
             if prepared.stream:
@@ -354,34 +357,10 @@ class OpenAIIngress:
 # --- assembly --------------------------------------------------------------------------------
 
 
-def _engine_options(served: ServedModelSpec) -> dict[str, Any]:
-    replicas = served.replicas
-    options: dict[str, Any] = {
-        "name": f"engine-{served.name}",
-        "max_ongoing_requests": replicas.max_ongoing_requests,
-        "max_queued_requests": replicas.max_queued_requests,
-        "ray_actor_options": {
-            "num_cpus": replicas.cpus_per_replica,
-            "num_gpus": replicas.devices_per_replica,
-        },
-        # Loading weights can take minutes on a big model; Serve's default gives up sooner.
-        "health_check_timeout_s": 60,
-    }
-    if replicas.min_replicas == replicas.max_replicas:
-        options["num_replicas"] = replicas.max_replicas
-    else:
-        options["autoscaling_config"] = {
-            "min_replicas": replicas.min_replicas,
-            "max_replicas": replicas.max_replicas,
-            "target_ongoing_requests": replicas.target_ongoing_requests,
-        }
-    return options
-
-
 def build_app(spec: ServeSpec, keys: KeyDigests) -> serve.Application:
     """The bound application: one ingress, one engine deployment per served model."""
     engines = {
-        m.name: EngineReplica.options(**_engine_options(m)).bind(m, spec.storage)
+        m.name: EngineReplica.options(**engine_deployment_options(m)).bind(m, spec.storage)
         for m in spec.models
     }
     ingress = OpenAIIngress.options(

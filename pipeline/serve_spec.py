@@ -186,6 +186,35 @@ class ServeSpec(_Strict):
         return next((m for m in self.models if m.name == name), None)
 
 
+# --- Serve options ---------------------------------------------------------------------------
+
+
+def engine_deployment_options(served: ServedModelSpec) -> dict[str, Any]:
+    """Serve deployment options (`Deployment.options(**...)`) for a model's engine replicas."""
+    replicas = served.replicas
+    options: dict[str, Any] = {
+        "name": f"engine-{served.name}",
+        "max_ongoing_requests": replicas.max_ongoing_requests,
+        "max_queued_requests": replicas.max_queued_requests,
+        "ray_actor_options": {
+            "num_cpus": replicas.cpus_per_replica,
+            "num_gpus": replicas.devices_per_replica,
+        },
+        # The health check shares the replica's event loop with streaming requests; under a
+        # full batch it can answer late, which must not get a working replica replaced.
+        "health_check_timeout_s": 60,
+    }
+    if replicas.min_replicas == replicas.max_replicas:
+        options["num_replicas"] = replicas.max_replicas
+    else:
+        options["autoscaling_config"] = {
+            "min_replicas": replicas.min_replicas,
+            "max_replicas": replicas.max_replicas,
+            "target_ongoing_requests": replicas.target_ongoing_requests,
+        }
+    return options
+
+
 # --- loading ---------------------------------------------------------------------------------
 
 # Field names that can only mean a credential. Matched on whole keys, so `max_tokens` or

@@ -23,7 +23,13 @@ from pipeline.openai_protocol import (
 from pipeline.serve_auth import AuthConfigError, load_key_digests
 from pipeline.serve_cost import EqualShareMeter
 from pipeline.serve_requests import capped_max_tokens
-from pipeline.serve_spec import AuthSpec, ServedModelSpec, load_serve_spec, parse_serve_spec
+from pipeline.serve_spec import (
+    AuthSpec,
+    ServedModelSpec,
+    engine_deployment_options,
+    load_serve_spec,
+    parse_serve_spec,
+)
 from pipeline.spec import SpecError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -277,3 +283,40 @@ def test_equal_share_meter_splits_busy_time_exactly() -> None:
     assert c == pytest.approx(2 * (0.5 + 1))
     assert a + b + c == pytest.approx(2 * 7.0)  # every busy second, on both devices
     assert meter.leave("unknown", 8.0) == 0.0
+
+
+# --- deployment options ----------------------------------------------------------------------
+
+
+def test_replica_settings_become_serve_options() -> None:
+    fixed = ServedModelSpec.model_validate(
+        {
+            "name": "m",
+            "model": {"path": "/x"},
+            "replicas": {"min_replicas": 2, "max_replicas": 2, "max_queued_requests": 5},
+        }
+    )
+    options = engine_deployment_options(fixed)
+    assert options["num_replicas"] == 2 and "autoscaling_config" not in options
+    assert options["max_queued_requests"] == 5 and options["name"] == "engine-m"
+
+    scaled = ServedModelSpec.model_validate(
+        {
+            "name": "m",
+            "model": {"path": "/x"},
+            "replicas": {
+                "min_replicas": 1,
+                "max_replicas": 4,
+                "target_ongoing_requests": 8,
+                "devices_per_replica": 1,
+            },
+        }
+    )
+    options = engine_deployment_options(scaled)
+    assert "num_replicas" not in options
+    assert options["autoscaling_config"] == {
+        "min_replicas": 1,
+        "max_replicas": 4,
+        "target_ongoing_requests": 8,
+    }
+    assert options["ray_actor_options"]["num_gpus"] == 1
