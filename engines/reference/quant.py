@@ -43,9 +43,13 @@ class _DequantizedLinear(nn.Module):
 
     def _params(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
         # The loader builds the model on the meta device and casts only plain parameters, so
-        # the buffers may still be float32 in a bfloat16 model: follow the activations.
-        bias = None if self.bias is None else self.bias.to(dtype)
-        return self.weight.to(dtype), bias
+        # the buffers may still be float32 in a bfloat16 model: follow the activations (once;
+        # a model computes in one dtype).
+        if self.weight.dtype != dtype:
+            self.weight = self.weight.to(dtype)
+            if self.bias is not None:
+                self.bias = self.bias.to(dtype)
+        return self.weight, self.bias
 
 
 class Fp8Linear(_DequantizedLinear):

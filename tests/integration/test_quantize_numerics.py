@@ -83,3 +83,49 @@ def test_cpu_backend_reproduces_modelopt_dynamic_block_quantizer():
     x = torch.randn(8, 64)
     quantizer.amax = x.abs().amax()
     assert torch.equal(quantizer(x), numerics.nvfp4_qdq(x, x.abs().amax()))
+
+
+def test_quantized_linears_follow_the_activation_dtype():
+    from engines.reference.quant import Fp8Linear, Nvfp4Linear
+
+    torch.manual_seed(3)
+    w = torch.randn(8, 32)
+    scale = w.abs().amax() / 448
+    fp8 = Fp8Linear(
+        (w / scale).to(torch.float8_e4m3fn), scale, torch.tensor(0.01), None, torch.float32
+    )
+    x = torch.randn(2, 32)
+    expected = numerics.fp8_qdq_scale(x, torch.tensor(0.01)) @ fp8.weight.T
+    assert torch.allclose(fp8(x), expected)
+    out = fp8(x.to(torch.bfloat16))
+    assert out.dtype == torch.bfloat16 and fp8.weight.dtype == torch.bfloat16
+
+    packed = torch.randint(0, 256, (8, 16), dtype=torch.uint8)
+    block = torch.full((8, 2), 1.0).to(torch.float8_e4m3fn)
+    nv = Nvfp4Linear(
+        packed, block, torch.tensor(0.5), torch.tensor(0.01), torch.ones(8), torch.float32
+    )
+    assert torch.equal(nv.weight, numerics.unpack_e2m1(packed) * 0.5)
+    assert nv(x).shape == (2, 8)
+
+
+def test_apply_quantized_checkpoint_errors_name_the_tensors():
+    from torch import nn
+
+    from engines.reference.quant import apply_quantized_checkpoint
+
+    model = nn.Module()
+    model.proj = nn.Linear(32, 8)
+    tensors = {
+        "other.weight": torch.zeros(8, 32).to(torch.float8_e4m3fn),
+        "other.weight_scale": torch.tensor(1.0),
+        "other.input_scale": torch.tensor(1.0),
+    }
+    with pytest.raises(ValueError, match=r"other.*no matching nn.Linear"):
+        apply_quantized_checkpoint(model, dict(tensors), {"quantization": {"quant_algo": "FP8"}})
+    with pytest.raises(ValueError, match=r"W8A8_SQ_PER_CHANNEL.*not supported"):
+        apply_quantized_checkpoint(model, {}, {"quant_algo": "W8A8_SQ_PER_CHANNEL"})
+    renamed = {k.replace("other", "proj"): v for k, v in tensors.items()}
+    apply_quantized_checkpoint(model, renamed, {"quantization": {"quant_algo": "FP8"}})
+    assert renamed == {}  # every tensor of the quantized layer was consumed
+    assert type(model.proj).__name__ == "Fp8Linear"
