@@ -183,3 +183,37 @@ def test_estimate_matches_the_documented_example():
     assert est.list_price_usd == pytest.approx(6.0)
     with pytest.raises(ValueError, match="tokens_per_s"):
         estimate_cost(spec, 1, 1, 1, 0.0)
+
+
+@settings(max_examples=150, deadline=None)
+@given(steps=sequential_steps(), pw=st.floats(0, 5), dw=st.floats(0.01, 5))
+def test_identical_requests_get_equal_shares(steps, pw, dw):
+    """A twin that processes exactly what "a" processes, in the same steps, pays the same."""
+    twinned = [
+        StepRecord(
+            s.start,
+            s.end,
+            {
+                **s.prefill_tokens,
+                **({"twin": s.prefill_tokens["a"]} if "a" in s.prefill_tokens else {}),
+            },
+            {
+                **s.decode_tokens,
+                **({"twin": s.decode_tokens["a"]} if "a" in s.decode_tokens else {}),
+            },
+        )
+        for s in steps
+    ]
+    arrivals = dict.fromkeys(["a", "b", "c", "d", "twin"], 0.0)
+    shares = split_steps(twinned, pw, dw, arrivals=arrivals, start=0.0)
+    assert shares.get("twin", 0.0) == pytest.approx(shares.get("a", 0.0), rel=1e-9, abs=1e-12)
+
+
+@settings(max_examples=150, deadline=None)
+@given(steps=sequential_steps(), arrival=st.floats(0, 100), pw=st.floats(0, 5))
+def test_a_request_alone_gets_all_engine_time_from_its_arrival(steps, arrival, pw):
+    alone = [StepRecord(s.start, s.end, {"a": 3}, {"a": 1}) for s in steps if s.start >= arrival]
+    shares = split_steps(alone, pw, 1.0, arrivals={"a": arrival}, start=arrival)
+    expected = alone[-1].end - arrival if alone else 0.0
+    assert shares.get("a", 0.0) == pytest.approx(expected, rel=1e-9, abs=1e-9)
+    assert split_intervals({"a": (arrival, arrival + 2.5)}) == {"a": pytest.approx(2.5)}
