@@ -10,7 +10,8 @@ Rule: a row is admitted only if
   bounds of the true spend; (a) is usually the larger one.
 * projected cost of a row: usd_per_token x (prompt_tokens + max_tokens), where usd_per_token is
   the cost per processed token of the rows finished so far (this run's rows; before the first
-  one finishes, the prior rate given at start: the previous run's rate or a plan estimate).
+  one finishes, the prior rate given at start: the previous run's rate, or one derived from
+  engine.expected_tokens_per_s).
   max_tokens is an upper bound on the completion, so the projection errs on the safe side.
   With no rate at all (a first run, nothing finished yet) a row is projected at 0: the first
   wave of rows (up to max_in_flight per actor) is admitted on spend alone. docs/cost-accounting.md
@@ -25,7 +26,12 @@ a small Ray actor shared by every engine actor of a run.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from pipeline.cost import billed_devices
+
+if TYPE_CHECKING:
+    from pipeline.spec import JobSpec
 
 
 @dataclass(frozen=True)
@@ -154,6 +160,32 @@ def prior_from_totals(totals: dict[str, Any]) -> tuple[float, float | None]:
     rows_usd = float(totals.get("rows_usd") or 0.0)
     tokens = int(totals.get("prompt_tokens") or 0) + int(totals.get("completion_tokens") or 0)
     return spent, (rows_usd / tokens if tokens > 0 and rows_usd > 0 else None)
+
+
+def prior_from_expected_throughput(spec: JobSpec) -> float | None:
+    """USD per token from `engine.expected_tokens_per_s` (output tokens/s per actor), or None.
+
+    It prices every token like an output token, which over-projects prompt tokens: a safe
+    prior for the first wave, replaced as soon as this run's first rows finish.
+    """
+    expected = spec.engine.expected_tokens_per_s
+    if not expected or expected <= 0:
+        return None
+    usd_per_actor_s = billed_devices(spec.resources.devices_per_actor) * (
+        spec.cost.device_hour_usd / 3600.0
+    )
+    return usd_per_actor_s / expected
+
+
+def gate_for_job(spec: JobSpec, previous_totals: dict[str, Any] | None) -> BudgetGate:
+    """The gate for a run: earlier spend and rate from the previous manifest's totals, else a
+    prior rate from engine.expected_tokens_per_s (else none: see the first-wave rule)."""
+    if spec.cost.budget_usd is None:
+        raise ValueError("cost.budget_usd is not set: there is no budget to enforce")
+    spent, rate = prior_from_totals(previous_totals or {})
+    if rate is None:
+        rate = prior_from_expected_throughput(spec)
+    return BudgetGate(spec.cost.budget_usd, spent, rate)
 
 
 def start_budget_actor(gate: BudgetGate) -> Any:

@@ -79,3 +79,33 @@ def test_spend_never_passes_the_budget_when_the_rate_holds(budget, rate, rows, w
         assert spent <= budget * (1 + 1e-9)
         if not all(decisions):
             assert gate.state().is_closed
+
+
+def _spec(**engine):
+    from pipeline.spec import parse_job_spec
+
+    return parse_job_spec(
+        {
+            "name": "b",
+            "input": {"uri": "x.jsonl", "format": "jsonl", "prompt_column": "p"},
+            "model": {"path": "m"},
+            "engine": engine,
+            "resources": {"devices_per_actor": 2},
+            "output": {"uri": "out"},
+            "cost": {"device_hour_usd": 3.6, "budget_usd": 5.0},
+        }
+    )
+
+
+def test_gate_for_job_priors():
+    from pipeline.budget import gate_for_job
+
+    # Two GPUs at $3.60/h = $0.002/s per actor; 100 output tok/s → $0.00002 per token.
+    gate = gate_for_job(_spec(expected_tokens_per_s=100.0), None)
+    assert gate.budget_usd == 5.0 and gate.spent_before_usd == 0.0
+    assert gate.usd_per_token == pytest.approx(0.002 / 100)
+    # An earlier run's totals win over the throughput prior.
+    totals = {"total_usd": 1.0, "rows_usd": 0.5, "prompt_tokens": 400, "completion_tokens": 100}
+    gate = gate_for_job(_spec(expected_tokens_per_s=100.0), totals)
+    assert gate.spent_before_usd == 1.0 and gate.usd_per_token == pytest.approx(0.001)
+    assert gate_for_job(_spec(), None).usd_per_token is None
