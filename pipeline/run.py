@@ -426,10 +426,9 @@ def _start_budget(spec: JobSpec, previous: Manifest | None) -> Any:
     Spend of earlier runs on this output counts against the budget."""
     if spec.cost.budget_usd is None:
         return None
-    from pipeline.budget import BudgetGate, prior_from_totals, start_budget_actor
+    from pipeline.budget import gate_for_job, start_budget_actor
 
-    spent, rate = prior_from_totals(previous.totals) if previous else (0.0, None)
-    return start_budget_actor(BudgetGate(spec.cost.budget_usd, spent, rate))
+    return start_budget_actor(gate_for_job(spec, previous.totals if previous else None))
 
 
 def _passthrough_fields(batch: pa.Table, names: list[str]) -> list[pa.Field]:
