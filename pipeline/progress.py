@@ -1,10 +1,17 @@
-"""A periodic one-line progress report of a running job (rows, tokens/s, errors, parts)."""
+"""A periodic one-line progress report of a running job (rows, tokens/s, errors, parts).
+
+The driver blocks while it waits for the next output batch (engines loading, a long batch), so
+the line is printed by a small background thread: the user sees the job is alive even before
+the first row comes back.
+"""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import TracebackType
 
 from pipeline.write import CommitStats
 
@@ -37,15 +44,31 @@ class Progress:
 
 
 class ProgressPrinter:
-    """Calls `emit(progress.line())` at most every `interval_s` seconds (and on `final`)."""
+    """Emits `progress.line()` every `interval_s` seconds from a daemon thread while entered,
+    and once more on exit."""
 
-    def __init__(self, emit: Callable[[str], None], interval_s: float = 10.0):
+    def __init__(self, progress: Progress, emit: Callable[[str], None], interval_s: float = 10.0):
+        self.progress = progress
         self.emit = emit
         self.interval_s = interval_s
-        self._last = time.monotonic()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="progress", daemon=True)
 
-    def maybe_emit(self, progress: Progress, final: bool = False) -> None:
-        now = time.monotonic()
-        if final or now - self._last >= self.interval_s:
-            self._last = now
-            self.emit(progress.line(now))
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.emit(self.progress.line())
+
+    def __enter__(self) -> ProgressPrinter:
+        self._thread.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._stop.set()
+        self._thread.join()
+        if exc_type is None:
+            self.emit(self.progress.line())

@@ -67,6 +67,10 @@ FILTER_TASK_CPUS = 0.25
 RunStatus = Literal["complete", "already_complete", "incomplete", "stopped_at_budget"]
 
 
+class ResourceError(RuntimeError):
+    """The job's actors cannot fit beside the other stages on the cluster."""
+
+
 class ResumeRefused(RuntimeError):
     """The output prefix holds rows made differently (or unknown rows); nothing was changed."""
 
@@ -147,6 +151,43 @@ def configure_data_context() -> None:
     # scheduled (too few CPUs/GPUs) is an error, not a hang.
     ctx.wait_for_min_actors_s = ACTOR_START_TIMEOUT_S
     ctx.enable_progress_bars = os.environ.get("RAY_DATA_DISABLE_PROGRESS_BARS") != "1"
+
+
+# Ray Data runs its repartition tasks (pipeline.read cuts blocks with one) with 1 CPU and
+# offers no setting; with fewer free CPUs the read stalls and the job hangs.
+REPARTITION_TASK_CPUS = 1.0
+
+
+def known_cluster_cpus() -> float | None:
+    """CPUs of the cluster the job will run on, when known before it starts (None: unknown,
+    e.g. an autoscaling cluster at RAY_ADDRESS)."""
+    import ray
+
+    if ray.is_initialized():
+        return float(ray.cluster_resources().get("CPU", 0.0))
+    kwargs = ray_init_kwargs(os.environ)
+    return float(kwargs["num_cpus"]) if "num_cpus" in kwargs else None
+
+
+def check_cpu_headroom(spec: JobSpec, cluster_cpus: float | None) -> None:
+    """Refuse a pool whose CPUs leave too little for the read and prompt stages (a silent
+    hang otherwise). Raises ResourceError naming the fields to change."""
+    from pipeline.prompts import PROMPT_STAGE_CPUS
+    from pipeline.read import READ_TASK_CPUS
+
+    if cluster_cpus is None:
+        return
+    res = spec.resources
+    actors = res.num_actors or res.min_actors or 1
+    others = READ_TASK_CPUS + PROMPT_STAGE_CPUS + REPARTITION_TASK_CPUS
+    if actors * res.cpus_per_actor + others > cluster_cpus + 1e-9:
+        fit = max(cluster_cpus - others, 0.0) / actors
+        raise ResourceError(
+            f"resources: {actors} engine actor(s) x cpus_per_actor {res.cpus_per_actor} plus "
+            f"{others:g} CPU for reading and tokenizing exceed the cluster's {cluster_cpus:g} "
+            f"CPUs; set resources.cpus_per_actor <= {fit:.2f} (fractions are fine) or use "
+            "fewer actors"
+        )
 
 
 # --- the front half (pipeline.read / pipeline.prompts) ---------------------------------------
@@ -236,6 +277,7 @@ def run_job(
     """Run (or resume) a job; see the module docstring for the order of the stages."""
     say = emit or (lambda line: logger.info(line))
     files = _preflight(spec)  # fails here, before any actor, on bad input or storage
+    check_cpu_headroom(spec, known_cluster_cpus())
     fingerprint = job_fingerprint(spec, files)
     out = OutputDir(spec.output.uri, spec.storage)
     if fresh:
@@ -394,30 +436,28 @@ def _generate_and_write(
     writer: PartWriter | None = None
     accounts: dict[str, dict[str, Any]] = {}  # "<actor id>/<incarnation>" -> latest account
     progress = Progress(total=len(todo))
-    printer = ProgressPrinter(say, progress_interval_s)
-    for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
+    with ProgressPrinter(progress, say, progress_interval_s):
+        for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
+            if writer is None:
+                if schema is None:
+                    schema = output_schema(
+                        _passthrough_fields(batch, spec.input.passthrough_columns),
+                        spec.output.include_token_ids,
+                    )
+                writer = PartWriter(out, attempt, schema, spec.output.rows_per_file)
+            for text in batch.column(ACCOUNT_COLUMN).drop_null().to_pylist():
+                account = json.loads(text)
+                key = f"{account['actor_id']}/{account['incarnation']}"
+                if account["lifetime_s"] >= accounts.get(key, {}).get("lifetime_s", -1.0):
+                    accounts[key] = account
+            writer.add(conform(batch, writer.schema))
+            progress.update(writer.stats)
         if writer is None:
-            if schema is None:
-                schema = output_schema(
-                    _passthrough_fields(batch, spec.input.passthrough_columns),
-                    spec.output.include_token_ids,
-                )
-            writer = PartWriter(out, attempt, schema, spec.output.rows_per_file)
-        for text in batch.column(ACCOUNT_COLUMN).drop_null().to_pylist():
-            account = json.loads(text)
-            key = f"{account['actor_id']}/{account['incarnation']}"
-            if account["lifetime_s"] >= accounts.get(key, {}).get("lifetime_s", -1.0):
-                accounts[key] = account
-        writer.add(conform(batch, writer.schema))
+            if budget is not None:  # the budget refused every row: nothing to commit
+                return CommitStats(), list(accounts.values())
+            raise RuntimeError("the generate stage returned no rows although rows were pending")
+        writer.close()
         progress.update(writer.stats)
-        printer.maybe_emit(progress)
-    if writer is None:
-        if budget is not None:  # the budget refused every row: nothing to commit
-            return CommitStats(), list(accounts.values())
-        raise RuntimeError("the generate stage returned no rows although rows were pending")
-    writer.close()
-    progress.update(writer.stats)
-    printer.maybe_emit(progress, final=True)
     return writer.stats, list(accounts.values())
 
 

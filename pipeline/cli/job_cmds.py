@@ -76,12 +76,13 @@ def print_summary(result: RunResult) -> None:
 
 def run_and_report(spec: Any, *, fresh: bool, retry_errors: bool) -> int:
     """Run the job, print progress and the summary; returns the exit code."""
-    from pipeline.run import ResumeRefused, run_job
+    from pipeline.run import ResourceError, ResumeRefused, run_job
     from pipeline.spec import SpecError
+    from pipeline.storage import StorageError
 
     try:
         result = run_job(spec, fresh=fresh, retry_errors=retry_errors, emit=_err)
-    except (SpecError, ResumeRefused) as exc:
+    except (SpecError, ResumeRefused, ResourceError, StorageError) as exc:
         _err(f"error: {exc}")
         return EXIT_FAILED
     print_summary(result)

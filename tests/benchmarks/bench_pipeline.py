@@ -38,7 +38,7 @@ def job_dict(src: Path, model: Path, out: Path, args: argparse.Namespace) -> dic
         "sampling": {"max_tokens": args.max_tokens, "temperature": 0.0, "ignore_eos": True},
         "resources": {
             "num_actors": 1,
-            "cpus_per_actor": 1,
+            "cpus_per_actor": 0.5,
             "batch_size": args.batch_size,
             "max_in_flight": args.in_flight,
         },
