@@ -17,6 +17,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -88,6 +89,7 @@ class OpenAIIngress:
         # One shared fetch per model: concurrent first requests must not each send an info
         # call, since those calls take engine slots like requests do.
         self._infos: dict[str, asyncio.Future[EngineInfo]] = {}
+        self._tokenize_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self._metrics = ServeMetrics()
         self._created = int(time.time())
 
@@ -221,7 +223,18 @@ class OpenAIIngress:
         request = parse_request(data, endpoint)
         served = self._served(request.model)
         info = await self._info(served.name)
-        return to_engine_request(request, endpoint, served, self._tokenizers[served.name], info)
+        # Tokenizing a long prompt takes milliseconds: done off the event loop so the streams
+        # this ingress is sending meanwhile do not stall, on one thread because a Hugging Face
+        # tokenizer must not be used by two threads at once ("Already borrowed").
+        return await asyncio.get_running_loop().run_in_executor(
+            self._tokenize_thread,
+            to_engine_request,
+            request,
+            endpoint,
+            served,
+            self._tokenizers[served.name],
+            info,
+        )
 
     def _usage(self, served: ServedModelSpec, result: GenerationResult, seconds: float) -> Usage:
         usage = usage_of(served, result, seconds)

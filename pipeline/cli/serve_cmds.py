@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
 from pipeline.cli.app import app
+
+if TYPE_CHECKING:
+    from pipeline.serve_spec import ServeSpec
 
 
 @app.command("serve")
@@ -47,6 +51,10 @@ def serve_cmd(
         raise typer.Exit(2) from None
     if make_demo_model:
         _make_missing_models([m.model.path for m in spec.models])
+    missing = _missing_local_models(spec)
+    if missing:
+        typer.echo(f"error: {config}: {missing}", err=True)
+        raise typer.Exit(2)
     if keys.insecure:
         typer.echo("warning: serving without API keys (--insecure-no-auth)", err=True)
     options = ServerOptions(
@@ -73,3 +81,20 @@ def _make_missing_models(paths: list[str]) -> None:
             continue
         make_tiny_model(local, arch="llama")
         typer.echo(f"built the tiny demo model at {local}")
+
+
+def _missing_local_models(spec: ServeSpec) -> str | None:
+    """A message for local model paths with no model, checked before Ray starts: a replica that
+    cannot load fails only after Serve's constructor retries, far from the cause."""
+    for i, served in enumerate(spec.models):
+        path = served.model.path
+        if "://" in path and not path.startswith("file://"):
+            continue
+        local = Path(path.removeprefix("file://")).expanduser()
+        if not (local / "config.json").is_file():
+            return (
+                f"models[{i}] ({served.name}): model.path {local} has no config.json; point it "
+                "at a Hugging Face model directory, or pass --make-demo-model to build the tiny "
+                "demo model there"
+            )
+    return None

@@ -67,3 +67,10 @@ def test_unknown_field_names_its_path(tmp_path: Path) -> None:
     result = run_cli("serve", str(write(tmp_path, data)), env={"TOKENMILL_API_KEYS": "k"})
     assert result.returncode == 2
     assert "models.0.replicas.max_replica" in result.stderr and "unknown field" in result.stderr
+
+
+def test_missing_local_model_is_named_before_ray_starts(tmp_path: Path) -> None:
+    result = run_cli("serve", str(write(tmp_path, MINIMAL)), env={"TOKENMILL_API_KEYS": "k"})
+    assert result.returncode == 2
+    assert "/nonexistent/model" in result.stderr and "--make-demo-model" in result.stderr
+    assert "Started a local Ray" not in result.stderr
