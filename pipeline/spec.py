@@ -36,7 +36,9 @@ class _Strict(BaseModel):
 class InputSpec(_Strict):
     uri: str | list[str] = Field(
         description="Input file(s): local paths, file://, or s3:// URIs; globs (`*`, `**`) and "
-        "directories are expanded. A list reads several sources as one dataset."
+        "directories are expanded (names starting with `_` or `.` are skipped). A list reads "
+        "several sources as one dataset. Local paths must exist on every node that reads: use "
+        "s3:// on multi-node clusters."
     )
     format: Literal["parquet", "jsonl", "openai_batch"] = Field(
         "parquet",
