@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -212,7 +212,7 @@ class ActorAccount:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ActorAccount:
-        known = {f for f in cls.__dataclass_fields__}
+        known = set(cls.__dataclass_fields__)
         return cls(**{k: v for k, v in data.items() if k in known})
 
 
@@ -236,7 +236,7 @@ class _IntervalSweep:
         heapq.heappush(self.events, (start, 0, rid))
         heapq.heappush(self.events, (end, 1, rid))
 
-    def advance(self, to: float, on_end: Any) -> None:
+    def advance(self, to: float, on_end: Callable[[str, float], None]) -> None:
         """Settle every instant before `to`; calls on_end(rid, wall_seconds) for ended ones."""
         while self.events and self.events[0][0] <= to:
             t, kind, rid = heapq.heappop(self.events)
