@@ -158,8 +158,9 @@ def expand_uri(uri: str, storage: StorageSpec, field: str = "input.uri") -> list
         if info.get("type", "file") != "directory" and not _is_hidden(p)
     ]
     if not files:
+        where = _endpoint(storage, uri) if is_s3(uri) or path == uri else f"local path {path}"
         raise SpecError(
-            f"{field}: no input file matches {uri!r} (at {_endpoint(storage, uri)}); "
+            f"{field}: no input file matches {uri!r} (at {where}); "
             "check the path, the glob and that the files were uploaded"
         )
     return sorted(files, key=lambda f: f.uri)
