@@ -213,7 +213,13 @@ def error_kind(message: str | None) -> str:
 
 
 def _cost_spec(manifest: dict[str, Any]) -> CostSpec:
-    return CostSpec.model_validate(manifest.get("spec", {}).get("cost", {}))
+    try:
+        return CostSpec.model_validate(manifest.get("spec", {}).get("cost", {}))
+    except ValueError as exc:  # pydantic's ValidationError is a ValueError
+        raise ReportError(
+            f"the manifest's spec.cost section is not a valid cost spec ({exc}); rerun the job "
+            "to rewrite _manifest.json"
+        ) from None
 
 
 def _resources(manifest: dict[str, Any]) -> ResourcesSpec:
