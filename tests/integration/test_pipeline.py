@@ -313,3 +313,19 @@ def test_openai_batch_on_s3(ray_local: Any, s3_server: S3Server, tiny_model_dir:
         assert rows[f"req-{i}"]["finish_reason"] in ("stop", "length")
         assert rows[f"req-{i}"]["completion_tokens"] <= 3 + i % 3
     assert_totals_match(manifest_of(s3_server, spec.output.uri), table)
+
+    # --fresh replaces the old output instead of mixing: one attempt, each id once.
+    s3_server.put(f"{spec.output.uri}notes.txt", "not ours")
+    greedy_stop = spec.model_copy(
+        update={"sampling": spec.sampling.model_copy(update={"stop": ["."]})}
+    )
+    with pytest.raises(ResumeRefused, match="sampling changed"):
+        run_job(greedy_stop)
+    again = run_job(greedy_stop, fresh=True)
+    assert again.status == "complete" and again.attempt == 1
+    table, names = read_output(s3_server, spec.output.uri)
+    assert_exactly_once(table, [x["custom_id"] for x in lines])
+    assert "notes.txt" in names  # --fresh deletes only the job's own files
+    manifest = manifest_of(s3_server, spec.output.uri)
+    assert len(manifest["runs"]) == 1
+    assert manifest["spec"]["sampling"]["stop"] == ["."]
