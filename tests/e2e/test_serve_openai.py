@@ -220,6 +220,24 @@ def test_sampling_parameters_reach_the_engine(client: openai.OpenAI, engine, tok
     assert stop not in expected.text and response.choices[0].finish_reason == "stop"
 
 
+def test_repeated_prefix_reports_cached_tokens(client: openai.OpenAI, tokenizer) -> None:
+    # A long shared system message: its full KV blocks are reused the second time.
+    chat = [
+        {"role": "system", "content": "You answer about rivers and bridges. " * 12},
+        {"role": "user", "content": "Which bridge is the oldest?"},
+    ]
+    usages = [
+        client.chat.completions.create(
+            model="tiny", messages=chat, temperature=0, max_tokens=2
+        ).usage
+        for _ in range(2)
+    ]
+    prompt_tokens = len(chat_ids(tokenizer, chat))
+    for usage in usages:
+        check_usage_cost(usage, prompt_tokens, usage.completion_tokens)
+    assert usages[1].prompt_tokens_details.cached_tokens >= prompt_tokens // 2
+
+
 def test_raw_stream_is_openai_sse(server: ServerProcess) -> None:
     body = {"model": "tiny", "messages": CHAT, "temperature": 0, "max_tokens": 4, "stream": True}
     with httpx.stream(
