@@ -34,6 +34,8 @@ def test_budget_stops_the_run_and_a_higher_budget_resumes(ray_local, tiny_model_
     assert 0 < len(first) < NUM_ROWS
     assert manifest["missing_ids"] == NUM_ROWS - len(first)
     check_books(out)
+    report = (out / "report.md").read_text()
+    assert "stopped_at_budget" in report and "stopped admitting rows" in report
 
     raised = {**pricey, "budget_usd": 1e6}
     resumed = run_job(tiny_job(tiny_model_dir, prompts, out, cost=raised, resources=small))
