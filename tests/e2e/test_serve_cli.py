@@ -74,3 +74,19 @@ def test_missing_local_model_is_named_before_ray_starts(tmp_path: Path) -> None:
     assert result.returncode == 2
     assert "/nonexistent/model" in result.stderr and "--make-demo-model" in result.stderr
     assert "Started a local Ray" not in result.stderr
+
+
+def test_rayservice_builder_makes_the_same_app(monkeypatch: pytest.MonkeyPatch) -> None:
+    """KubeRay's serveConfigV2 runs `pipeline.serve_app:app_builder` with `config` in args."""
+    from ray.serve import Application
+
+    from pipeline.serve_app import app_builder
+    from pipeline.serve_auth import AuthConfigError
+
+    config = str(Path(__file__).resolve().parents[2] / "jobs" / "serve.yaml")
+    monkeypatch.setenv("TOKENMILL_API_KEYS", "")
+    with pytest.raises(AuthConfigError, match="TOKENMILL_API_KEYS"):
+        app_builder({"config": config})
+    assert isinstance(app_builder({"config": config, "insecure_no_auth": "true"}), Application)
+    monkeypatch.setenv("TOKENMILL_API_KEYS", "k1")
+    assert isinstance(app_builder({"config": config}), Application)

@@ -337,9 +337,9 @@ def test_errors_through_openai_client_then_server_still_serves(
 
 
 def test_full_queue_answers_429_with_retry_after(server: ServerProcess) -> None:
-    # `narrow` has one engine slot and one queue place: of 6 concurrent long requests at least
-    # four find both taken.
-    body = {"model": "narrow", "prompt": PROMPT, "max_tokens": 300, "ignore_eos": True}
+    # `narrow` has one engine slot and one queue place: of 6 concurrent long requests (~2 s each)
+    # four find both taken; two would need the others to be spread over seconds.
+    body = {"model": "narrow", "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True}
 
     async def fire() -> list[httpx.Response]:
         async with httpx.AsyncClient(headers=auth(), timeout=120) as http:
@@ -349,14 +349,14 @@ def test_full_queue_answers_429_with_retry_after(server: ServerProcess) -> None:
 
     responses = asyncio.run(fire())
     statuses = sorted(r.status_code for r in responses)
-    assert statuses.count(200) >= 1 and statuses.count(429) >= 3, statuses
+    assert statuses.count(200) >= 1 and statuses.count(429) >= 2, statuses
     assert set(statuses) <= {200, 429}
     for r in responses:
         if r.status_code == 429:
             assert r.headers["retry-after"] == "2"
             assert r.json()["error"]["code"] == "queue_full"
         else:
-            assert r.json()["usage"]["completion_tokens"] == 300
+            assert r.json()["usage"]["completion_tokens"] == 400
     # Once the burst is over the same model serves again.
     again = httpx.post(
         server.api_url + "/completions", json={**body, "max_tokens": 2}, headers=auth(), timeout=60
