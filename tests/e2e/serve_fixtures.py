@@ -60,7 +60,15 @@ def serve_config(model_dir: Path) -> dict:
                 "engine": engine,
                 "cost": cost,
                 "limits": limits,
-                "replicas": {"cpus_per_replica": 0.25, "max_ongoing_requests": 32},
+                # Autoscaling bounds, so that deployment path is exercised too; the tests
+                # never hold 16 requests in flight, so it stays at one replica.
+                "replicas": {
+                    "cpus_per_replica": 0.25,
+                    "max_ongoing_requests": 32,
+                    "min_replicas": 1,
+                    "max_replicas": 2,
+                    "target_ongoing_requests": 16,
+                },
             },
             {
                 "name": "narrow",
