@@ -194,11 +194,9 @@ def check_cpu_headroom(spec: JobSpec, cluster_cpus: float | None) -> None:
 
 
 def _preflight(spec: JobSpec) -> list[Any]:
-    try:
-        from pipeline.preflight import preflight  # type: ignore[import-not-found]
-    except ImportError:
-        # Until the full pre-flight lands: the input listing alone (fails on missing input).
-        from pipeline.storage import list_input_files as preflight
+    # Inputs listed, model/tokenizer directories and the output URI checked: bad jobs fail
+    # here, before any actor starts.
+    from pipeline.plan import preflight
 
     return list(preflight(spec))
 
@@ -317,7 +315,9 @@ def run_job(
         )
     out.delete(SUCCESS_NAME)  # the parts may change from here on
 
-    attempt = state.next_attempt
+    # Never reuse an attempt number, even of a run that died before committing a part.
+    earlier = [r.attempt for r in previous.runs] if previous else []
+    attempt = max([state.next_attempt, *(a + 1 for a in earlier)])
     run = RunRecord(
         attempt=attempt, started_at=utc_now(), mode="retry-errors" if retry_errors else "run"
     )
