@@ -271,7 +271,8 @@ class GenerateStage:
             if not all(admitted):
                 batch = batch.filter(pa.array(admitted, pa.bool_()))
                 rows = [row for row, ok in zip(rows, admitted, strict=True) if ok]
-        outcomes = list(await asyncio.gather(*(self._serve(row) for row in rows)))
+        results = await asyncio.gather(*(self._serve(row) for row in rows), return_exceptions=True)
+        outcomes = [self._as_outcome(row, r) for row, r in zip(rows, results, strict=True)]
         account = self._account()
         table = outcomes_to_table(
             batch,
@@ -319,9 +320,16 @@ class GenerateStage:
             f"{self.actor_id}/{self.incarnation}", paid_usd / 3600.0
         )
 
-    def pid(self) -> int:
-        """The actor's process id (tests kill it to check restarts)."""
-        return os.getpid()
+    @staticmethod
+    def _as_outcome(row: dict[str, Any], result: RowOutcome | BaseException) -> RowOutcome:
+        """A row whose serving raised is that row's error; the rest of the batch stands."""
+        if isinstance(result, RowOutcome):
+            return result
+        if not isinstance(result, Exception):  # cancellation, interpreter exit: not a row's
+            raise result
+        logger.exception("row %r failed", row.get("id"), exc_info=result)
+        message = f"internal error serving the row: {type(result).__name__}: {result}"
+        return RowOutcome.failed(message, _prompt_tokens_of(row), served=True)
 
     def _account(self) -> dict[str, Any]:
         account = self.meter.account(time.monotonic())

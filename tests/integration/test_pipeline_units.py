@@ -142,3 +142,13 @@ def test_exit_codes() -> None:
     assert result("complete", 0.2).exit_code == 3
     assert result("already_complete", 0.2).exit_code == 3
     assert result("incomplete", 0.0).exit_code == 1
+
+
+def test_a_row_that_raises_becomes_that_rows_error() -> None:
+    from pipeline.generate import GenerateStage
+
+    outcome = GenerateStage._as_outcome({"id": "r", "prompt_tokens": 4}, KeyError("meter"))
+    assert outcome.finish_reason == "error" and "KeyError" in (outcome.error or "")
+    assert outcome.prompt_tokens == 4
+    with pytest.raises(KeyboardInterrupt):
+        GenerateStage._as_outcome({"id": "r"}, KeyboardInterrupt())
