@@ -94,9 +94,9 @@ class QualityThresholds(_Strict):
     min_greedy_match: float = Field(description="See QualitySpec.min_greedy_match.")
 
 
-# Defaults per format: FP8 is close to lossless, NVFP4 loses more. Set from the numbers
-# measured on tiny random models (docs/quantization.md) with a margin; tighten them per model
-# in the spec once its own numbers are known.
+# Defaults per format: FP8 is close to lossless, NVFP4 loses more. A briefly trained tiny model
+# passes them with margin and random ones fail them (docs/quantization.md); tighten them per
+# model in the spec once its own numbers are known.
 DEFAULT_THRESHOLDS: dict[str, QualityThresholds] = {
     "fp8": QualityThresholds(min_token_agreement=0.90, max_mean_kl=0.05, min_greedy_match=8.0),
     "nvfp4": QualityThresholds(min_token_agreement=0.75, max_mean_kl=0.25, min_greedy_match=3.0),
