@@ -66,7 +66,12 @@ def run_server(
         serve.start(
             http_options={"host": options.host, "port": options.port}, proxy_location="HeadOnly"
         )
-        serve.run(build_app(spec, keys), name=spec.name, route_prefix="/")
+        serve.run(
+            build_app(spec, keys),
+            name=spec.name,
+            route_prefix="/",
+            logging_config={"enable_access_log": spec.http.access_log},
+        )
         on_ready(f"http://{options.host}:{options.port}/v1")
         while not stop.wait(timeout=1.0):
             pass

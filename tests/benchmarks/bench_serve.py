@@ -134,7 +134,7 @@ def bench_serve(model_dir: Path, work: Path, args: argparse.Namespace) -> dict[s
                 "limits": {"max_tokens": args.max_tokens, "default_max_tokens": args.max_tokens},
             }
         ],
-        "http": {"cpus_per_ingress": 0.25},
+        "http": {"cpus_per_ingress": 0.25, "access_log": args.access_log},
     }
     path = work / "serve.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -175,6 +175,12 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--size", choices=("tiny", "small"), default="tiny")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of each engine")
+    parser.add_argument(
+        "--access-log",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="keep Serve's per-request access log lines (http.access_log)",
+    )
     parser.add_argument("--out", type=Path, help="also write the results here as JSON")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
