@@ -45,7 +45,7 @@ class BenchConfig:
     static_batch_size: int = 32  # hf-static: requests per generate() call
     max_batch_size: int = 128  # reference: requests in flight
     max_num_tokens: int = 2048  # reference: tokens per step
-    mode_timeout_s: float = 3600.0  # a mode running longer is reported as failed
+    mode_timeout_s: float = 1200.0  # a mode running longer is reported as failed
 
 
 @dataclass

@@ -35,13 +35,20 @@ class PrefillSeq:
 
 
 @dataclass
+class DecodeGroup:
+    """Single-token requests of similar context length, attended to together."""
+
+    rows: torch.Tensor  # [B] int64 rows of the flat batch
+    gather: torch.Tensor  # [B, Lmax] int64 cache slots of each context (padded)
+    mask: torch.Tensor  # [B, 1, 1, Lmax] bool, True for real (unpadded) keys
+
+
+@dataclass
 class AttentionBatch:
     """Where the step's tokens go in the KV cache and what each one attends to."""
 
     slot_mapping: torch.Tensor  # [T] int64 flat cache slot (block * block_size + offset)
-    decode_rows: torch.Tensor | None  # [B] int64 rows of the flat batch that are decode tokens
-    decode_gather: torch.Tensor | None  # [B, Lmax] int64 cache slots of each decode context
-    decode_mask: torch.Tensor | None  # [B, 1, 1, Lmax] bool, True for real (unpadded) keys
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillSeq] = field(default_factory=list)
 
 
@@ -128,26 +135,26 @@ class Attention(nn.Module):
         v_flat.index_copy_(0, batch.slot_mapping, v)
 
         out = torch.empty_like(q)  # [T, H, D]
-        if batch.decode_rows is not None:
-            out[batch.decode_rows] = self._decode(q, k_flat, v_flat, batch)
+        for group in batch.decode_groups:
+            out[group.rows] = self._decode(q, k_flat, v_flat, group)
         for seq in batch.prefills:
             rows = slice(seq.token_start, seq.token_start + seq.num_tokens)
             out[rows] = self._prefill(q[rows], k[rows], v[rows], k_flat, v_flat, seq)
         return self.o_proj(out.view(num_tokens, self.num_heads * self.head_dim))
 
-    def _decode(self, q, k_flat, v_flat, batch: AttentionBatch) -> torch.Tensor:
+    def _decode(self, q, k_flat, v_flat, group: DecodeGroup) -> torch.Tensor:
         # One query per request, so the G query heads sharing a KV head can ride in SDPA's
         # query-length dimension: GQA without repeating K/V.
-        rows = batch.decode_rows
+        rows = group.rows
         num_seqs = rows.shape[0]
-        group = self.num_heads // self.num_kv_heads
-        qd = q[rows].view(num_seqs, self.num_kv_heads, group, self.head_dim)  # [B, KVH, G, D]
+        per_kv = self.num_heads // self.num_kv_heads  # G
+        qd = q[rows].view(num_seqs, self.num_kv_heads, per_kv, self.head_dim)  # [B, KVH, G, D]
         # index_select over flat slots is far cheaper on CPU than advanced indexing.
-        slots = batch.decode_gather.view(-1)  # [B * Lmax]
+        slots = group.gather.view(-1)  # [B * Lmax]
         shape = (num_seqs, -1, self.num_kv_heads, self.head_dim)
         kd = k_flat.index_select(0, slots).view(shape).transpose(1, 2)  # [B, KVH, Lmax, D]
         vd = v_flat.index_select(0, slots).view(shape).transpose(1, 2)  # [B, KVH, Lmax, D]
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=batch.decode_mask)
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=group.mask)
         return od.reshape(num_seqs, self.num_heads, self.head_dim)  # [B, H, D]
 
     def _prefill(self, q, k, v, k_flat, v_flat, seq: PrefillSeq) -> torch.Tensor:

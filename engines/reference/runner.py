@@ -10,8 +10,11 @@ from dataclasses import dataclass
 import torch
 
 from engines.reference.config import ModelConfig, rope_inv_freq
-from engines.reference.model import AttentionBatch, CausalLM, PrefillSeq
+from engines.reference.model import AttentionBatch, CausalLM, DecodeGroup, PrefillSeq
 from engines.reference.scheduler import ScheduledChunk
+
+# Decode requests attended together; smaller groups pad less, larger ones call SDPA less.
+_DECODE_GROUP_SIZE = 16
 
 
 @dataclass(frozen=True)
@@ -64,13 +67,46 @@ class ModelRunner:
             block_ids[positions // self.block_size] * self.block_size + positions % self.block_size
         )
 
+    def _decode_groups(
+        self, rows: list[int], lens: list[int], tables: list[Sequence[int]]
+    ) -> list[DecodeGroup]:
+        """Decode requests sorted by context length and cut into groups, each padded only to
+        its own longest context: with mixed lengths, one padded batch would gather and attend
+        over mostly padding."""
+        order = sorted(range(len(rows)), key=lens.__getitem__)
+        groups = []
+        for lo in range(0, len(order), _DECODE_GROUP_SIZE):
+            members = order[lo : lo + _DECODE_GROUP_SIZE]
+            max_len = lens[members[-1]]
+            max_blocks = -(-max_len // self.block_size)
+            padded = [
+                list(tables[i][:max_blocks]) + [0] * (max_blocks - len(tables[i])) for i in members
+            ]
+            table = torch.tensor(padded, dtype=torch.int64)  # [B, max_blocks]
+            context = torch.arange(max_len)  # [Lmax]
+            gather = (
+                table[:, context // self.block_size] * self.block_size + context % self.block_size
+            )  # [B, Lmax]
+            group_lens = torch.tensor([lens[i] for i in members])
+            mask = (context[None, :] < group_lens[:, None]).view(len(members), 1, 1, max_len)
+            groups.append(
+                DecodeGroup(
+                    rows=torch.tensor([rows[i] for i in members], device=self.device),
+                    gather=gather.to(self.device),
+                    mask=mask.to(self.device),
+                )
+            )
+        return groups
+
     @torch.inference_mode()
     def execute(self, inputs: Sequence[ChunkInput]) -> torch.Tensor:
         """Run one step; returns logits [S, V] (float32) for the sampling chunks, in order."""
-        dev = self.device
+        dev, bs = self.device, self.block_size
+        # Plain Python lists, one torch.tensor each at the end: per-request tensor ops would
+        # cost more than the bookkeeping itself at large batch sizes.
         input_ids: list[int] = []
-        positions: list[torch.Tensor] = []
-        slots: list[torch.Tensor] = []
+        positions: list[int] = []
+        slots: list[int] = []
         prefills: list[PrefillSeq] = []
         decode_rows: list[int] = []
         decode_lens: list[int] = []
@@ -80,50 +116,32 @@ class ModelRunner:
         for item in inputs:
             chunk = item.chunk
             start, n = chunk.start, chunk.num_tokens
+            blocks = item.block_ids
             input_ids.extend(item.token_ids[start : start + n])
-            pos = torch.arange(start, start + n)
-            table = torch.tensor(item.block_ids, dtype=torch.int64)
-            positions.append(pos)
-            slots.append(self._slots(table, pos))
+            positions.extend(range(start, start + n))
+            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, start + n))
             if n == 1:
                 decode_rows.append(row)
                 decode_lens.append(start + 1)
-                decode_tables.append(item.block_ids)
+                decode_tables.append(blocks)
             else:
                 gather = mask = None
                 if start > 0:  # attend to cached history: gather the whole context
+                    table = torch.tensor(blocks, dtype=torch.int64)
                     context = torch.arange(start + n)
                     gather = self._slots(table, context).to(dev)
-                    mask = (context[None, :] <= pos[:, None]).to(dev)  # [n, L]
+                    queries = torch.arange(start, start + n)
+                    mask = (context[None, :] <= queries[:, None]).to(dev)  # [n, L]
                 prefills.append(PrefillSeq(row, n, start, gather, mask))
             if chunk.is_sampling:
                 logits_rows.append(row + n - 1)
             row += n
 
-        decode_rows_t = decode_gather = decode_mask = None
-        if decode_rows:
-            max_len = max(decode_lens)
-            max_blocks = -(-max_len // self.block_size)
-            tables = torch.zeros(len(decode_rows), max_blocks, dtype=torch.int64)
-            for i, t in enumerate(decode_tables):
-                used = min(len(t), max_blocks)
-                tables[i, :used] = torch.tensor(t[:used], dtype=torch.int64)
-            context = torch.arange(max_len)  # [Lmax]
-            decode_gather = (
-                tables[:, context // self.block_size] * self.block_size + context % self.block_size
-            ).to(dev)  # [B, Lmax]
-            lens = torch.tensor(decode_lens)
-            decode_mask = (
-                (context[None, :] < lens[:, None]).view(len(decode_rows), 1, 1, max_len).to(dev)
-            )
-            decode_rows_t = torch.tensor(decode_rows, dtype=torch.int64, device=dev)
-
-        pos_t = torch.cat(positions).to(dev)
+        groups = self._decode_groups(decode_rows, decode_lens, decode_tables)
+        pos_t = torch.tensor(positions, dtype=torch.int64, device=dev)
         batch = AttentionBatch(
-            slot_mapping=torch.cat(slots).to(dev),
-            decode_rows=decode_rows_t,
-            decode_gather=decode_gather,
-            decode_mask=decode_mask,
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            decode_groups=groups,
             prefills=prefills,
         )
         cos = self.cos[pos_t].unsqueeze(1)  # [T, 1, D]
