@@ -45,6 +45,9 @@ def bench(
     static_batch_size: int = typer.Option(32, min=1, help="hf-static: requests per batch."),
     max_batch_size: int = typer.Option(128, min=1, help="Requests in flight (reference, CB)."),
     max_num_tokens: int = typer.Option(2048, min=1, help="Tokens per step (reference, CB)."),
+    mode_timeout: float = typer.Option(
+        1200.0, min=1, help="Seconds a mode may run before it is reported as failed."
+    ),
     json_path: Path | None = typer.Option(None, "--json", help="Also write the numbers here."),
 ) -> None:
     """Compare the reference engine with transformers (static and continuous batching).
@@ -73,6 +76,7 @@ def bench(
         static_batch_size=static_batch_size,
         max_batch_size=max_batch_size,
         max_num_tokens=max_num_tokens,
+        mode_timeout_s=mode_timeout,
     )
     report = run_bench(config, log=typer.echo)
     summary = format_summary(report)
