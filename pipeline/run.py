@@ -37,7 +37,7 @@ from pipeline.manifest import (
     write_manifest,
 )
 from pipeline.progress import Progress, ProgressPrinter
-from pipeline.spec import JobSpec
+from pipeline.spec import JobSpec, SpecError
 from pipeline.write import (
     SUCCESS_NAME,
     CommitStats,
@@ -234,7 +234,7 @@ def read_input_ids(ds: Any) -> pa.Array:
         dupes = [
             v["values"] for v in counts.filter(pc.greater(counts.field("counts"), 1)).to_pylist()
         ]
-        raise ValueError(
+        raise SpecError(
             f"input has {len(dupes)} duplicate id(s), e.g. {dupes[:5]}; every row needs a "
             "unique id: fix input.id_column (or leave it null to derive ids from file and row)"
         )

@@ -104,7 +104,7 @@ def parquet_job(
             "qid": ids,
             "question": [f"Tell me about item {i} and the river." for i in range(40)],
             "user": pa.array(range(40), pa.int64()),
-            "budget": pa.array([4 + i % 5 for i in range(40)], pa.int64()),
+            "budget": pa.array([8 + i % 5 for i in range(40)], pa.int64()),
         }
     )
     s3_server.put(f"s3://{bucket}/in/a.parquet", table_to_parquet(table.slice(0, 25)))
@@ -122,7 +122,9 @@ def parquet_job(
         s3_server,
         tiny_model_dir,
         resources={"num_actors": 2},
-        sampling={"overrides": {"max_tokens": "budget"}},
+        # ignore_eos: each row decodes exactly its budget, long enough for both actors to
+        # get work while the other is busy
+        sampling={"overrides": {"max_tokens": "budget"}, "ignore_eos": True},
         output={"include_token_ids": True},
     )
     return spec, run_job(spec), ids
@@ -141,12 +143,12 @@ def test_parquet_s3_two_actors_every_id_once_with_documented_schema(
     assert table.column_names == expected
     assert table.schema.field("user").type == pa.int64()
     assert table.schema.field("completion_token_ids").type == pa.list_(pa.int32())
-    assert set(table.column("finish_reason").to_pylist()) <= {"stop", "length"}
+    assert set(table.column("finish_reason").to_pylist()) == {"length"}
     assert table.column("error").null_count == table.num_rows
     rows = {r["id"]: r for r in table.to_pylist()}
     for i, row_id in enumerate(ids):  # passthrough and the per-row max_tokens override
         assert rows[row_id]["user"] == i
-        assert 1 <= rows[row_id]["completion_tokens"] <= 4 + i % 5
+        assert rows[row_id]["completion_tokens"] == 8 + i % 5
         assert len(rows[row_id]["completion_token_ids"]) == rows[row_id]["completion_tokens"]
     assert min(table.column("gpu_seconds").to_pylist()) > 0
     assert min(table.column("list_price_usd").to_pylist()) > 0
@@ -329,3 +331,15 @@ def test_openai_batch_on_s3(ray_local: Any, s3_server: S3Server, tiny_model_dir:
     manifest = manifest_of(s3_server, spec.output.uri)
     assert len(manifest["runs"]) == 1
     assert manifest["spec"]["sampling"]["stop"] == ["."]
+
+
+def test_duplicate_input_ids_are_refused(ray_local: Any) -> None:
+    import ray.data
+
+    from pipeline.run import read_input_ids
+    from pipeline.spec import SpecError
+
+    ids = read_input_ids(ray.data.from_items([{"id": "a"}, {"id": "b"}]))
+    assert ids.to_pylist() == ["a", "b"]
+    with pytest.raises(SpecError, match=r"1 duplicate id\(s\), e.g. \['a'\].*input.id_column"):
+        read_input_ids(ray.data.from_items([{"id": "a"}, {"id": "b"}, {"id": "a"}]))
