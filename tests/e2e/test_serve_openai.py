@@ -87,7 +87,7 @@ def chat_ids(tokenizer, messages) -> list[int]:
 
 def scrape(server: ServerProcess) -> dict[tuple[str, tuple], float]:
     """/metrics as {(sample name, sorted labels): value}."""
-    text = httpx.get(server.base_url + "/metrics", timeout=30).text
+    text = httpx.get(server.base_url + "/metrics", timeout=60).text
     samples = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
@@ -364,7 +364,7 @@ def test_full_queue_answers_429_with_retry_after(server: ServerProcess) -> None:
     assert again.status_code == 200
 
 
-def wait_engine_idle(server: ServerProcess, model: str, timeout: float = 30) -> dict:
+def wait_engine_idle(server: ServerProcess, model: str, timeout: float = 60) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         samples = scrape(server)
