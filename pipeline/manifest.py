@@ -84,6 +84,7 @@ class RunRecord:
     completion_tokens: int = 0
     parts: list[str] = field(default_factory=list)
     actors: list[dict[str, Any]] = field(default_factory=list)  # pipeline.cost.ActorAccount
+    interrupted: bool = False  # the driver died before finishing; rows/parts from the listing
 
 
 @dataclass

@@ -372,6 +372,13 @@ def run_job(
         manifest.status = "stopped_at_budget"
     manifest.missing_ids = missing
     manifest.parts = part_listing(out)
+    for earlier in runs[:-1]:
+        if earlier.finished_at is None:  # its driver died: record what it had committed
+            prefix = f"part-{earlier.attempt:05d}-"
+            kept = [p for p in manifest.parts if p["name"].startswith(prefix)]
+            earlier.parts = [p["name"] for p in kept]
+            earlier.rows = sum(p["rows"] for p in kept)
+            earlier.interrupted = True
     manifest.totals = compute_totals(out, spec, runs)
     write_manifest(out, manifest)
     if missing == 0:

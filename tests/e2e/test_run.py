@@ -156,6 +156,7 @@ def test_driver_killed_mid_run_then_rerun_every_id_once(tmp_path: Path, model_di
     assert (out / "_SUCCESS").exists()
     manifest = json.loads((out / "_manifest.json").read_text())
     assert [r["attempt"] for r in manifest["runs"]] == [1, 2]
+    assert manifest["runs"][0]["interrupted"] and manifest["runs"][0]["rows"] == len(before)
     assert manifest["totals"]["rows"] == 61 and manifest["totals"]["rows_error"] == 1
     attempts = {p.name.split("-")[1] for p in out.glob("part-*.parquet")}
     assert attempts == {"00001", "00002"}
