@@ -9,7 +9,9 @@ Layout of an output prefix:
     _SUCCESS                               written last, only when the output is complete
 
 1. Every run is an *attempt*, numbered one above the highest attempt found in the part names
-   (a crashed attempt's number is never reused, so names never collide).
+   and in the manifest's runs (a crashed attempt's number is never reused, so names never
+   collide). One driver writes a prefix at a time: two concurrent runs of the same job on the
+   same prefix are not guarded against (`tokenmill submit` gives each night one submission).
 2. The driver alone writes parts. It consumes the generate stage's output stream and cuts it
    into parts of at most `output.rows_per_file` rows, named with the attempt and a sequence
    number. A part is serialized in memory and committed in one step: on S3 one PUT of the
