@@ -72,6 +72,7 @@ class EngineReplica:
             self._step_meter.record_load(load_start, time.monotonic())
         else:
             self._equal_meter = EqualShareMeter(devices)
+        self._cancelled: list[GenerationRequest] = []  # cancelled since the last drain
 
     def info(self) -> EngineInfo:
         return self._engine.info
@@ -98,20 +99,22 @@ class EngineReplica:
         rid = request.request_id
         if self._step_meter is None:
             return self._equal_meter.leave(rid, time.monotonic())  # type: ignore[union-attr]
-        if result is None:
-            result = GenerationResult(
-                request_id=rid,
-                output_token_ids=[],
-                text="",
-                finish_reason="cancelled",
-                prompt_tokens=len(request.prompt_token_ids),
-                completion_tokens=0,
-            )
+        meter = self._step_meter
         # The engine records a request's steps before delivering its result, so after this
-        # drain the request's share is final.
-        self._step_meter.add_steps(self._engine.drain_step_records())
-        self._step_meter.on_finish(result)
-        return self._step_meter.pop_row_seconds(rid)
+        # drain a finished request's share is final.
+        meter.add_steps(self._engine.drain_step_records())
+        # A cancelled request may still be in the step that was running when it was aborted;
+        # that step reaches the meter with a later drain. Settle such leftovers once, here, so
+        # the meter does not keep an entry per disconnected client.
+        leftovers, self._cancelled = self._cancelled, []
+        for stale in leftovers:
+            meter.on_finish(_cancelled_result(stale))
+            meter.pop_row_seconds(stale.request_id)
+        if result is None:
+            self._cancelled.append(request)
+            result = _cancelled_result(request)
+        meter.on_finish(result)
+        return meter.pop_row_seconds(rid)
 
     async def generate(self, request: GenerationRequest) -> ServedResult:
         self._enter(request)
@@ -152,3 +155,15 @@ class EngineReplica:
         engine = getattr(self, "_engine", None)
         if engine is not None:
             engine.shutdown()
+
+
+def _cancelled_result(request: GenerationRequest) -> GenerationResult:
+    """What the cost meter needs to know of a request that left without a result."""
+    return GenerationResult(
+        request_id=request.request_id,
+        output_token_ids=[],
+        text="",
+        finish_reason="cancelled",
+        prompt_tokens=len(request.prompt_token_ids),
+        completion_tokens=0,
+    )
