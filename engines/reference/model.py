@@ -39,8 +39,8 @@ class DecodeGroup:
     """Single-token requests of similar context length, attended to together."""
 
     rows: torch.Tensor  # [B] int64 rows of the flat batch
-    gather: torch.Tensor  # [B, Lmax] int64 cache slots of each context (padded)
-    mask: torch.Tensor  # [B, 1, 1, Lmax] bool, True for real (unpadded) keys
+    blocks: torch.Tensor  # [B * NB] int64 block ids of each context, padded to NB blocks
+    mask: torch.Tensor  # [1, B, 1, NB * block_size] bool, True for real (unpadded) keys
 
 
 @dataclass
@@ -111,8 +111,8 @@ class Attention(nn.Module):
         cos: torch.Tensor,  # [T, 1, D]
         sin: torch.Tensor,  # [T, 1, D]
         batch: AttentionBatch,
-        k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
-        v_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+        k_cache: torch.Tensor,  # [KVH, num_blocks, block_size, D]
+        v_cache: torch.Tensor,  # [KVH, num_blocks, block_size, D]
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         q, k, v = self._qkv(x)
@@ -129,43 +129,43 @@ class Attention(nn.Module):
         if self.v_scale is not None:
             v = fake_quant_fp8(v, self.v_scale)
 
-        k_flat = k_cache.view(-1, self.num_kv_heads, self.head_dim)  # [slots, KVH, D]
-        v_flat = v_cache.view(-1, self.num_kv_heads, self.head_dim)
-        k_flat.index_copy_(0, batch.slot_mapping, k)
-        v_flat.index_copy_(0, batch.slot_mapping, v)
+        k_flat = k_cache.view(self.num_kv_heads, -1, self.head_dim)  # [KVH, slots, D]
+        v_flat = v_cache.view(self.num_kv_heads, -1, self.head_dim)
+        k_flat.index_copy_(1, batch.slot_mapping, k.transpose(0, 1))
+        v_flat.index_copy_(1, batch.slot_mapping, v.transpose(0, 1))
 
         out = torch.empty_like(q)  # [T, H, D]
         for group in batch.decode_groups:
-            out[group.rows] = self._decode(q, k_flat, v_flat, group)
+            out[group.rows] = self._decode(q, k_cache, v_cache, group)
         for seq in batch.prefills:
             rows = slice(seq.token_start, seq.token_start + seq.num_tokens)
             out[rows] = self._prefill(q[rows], k[rows], v[rows], k_flat, v_flat, seq)
         return self.o_proj(out.view(num_tokens, self.num_heads * self.head_dim))
 
-    def _decode(self, q, k_flat, v_flat, group: DecodeGroup) -> torch.Tensor:
-        # One query per request, so the G query heads sharing a KV head can ride in SDPA's
-        # query-length dimension: GQA without repeating K/V.
+    def _decode(self, q, k_cache, v_cache, group: DecodeGroup) -> torch.Tensor:
+        # One query per request, so the G query heads sharing a KV head ride in SDPA's
+        # query-length dimension (GQA without repeating K/V), and with KV heads outermost in
+        # the cache one index_select of whole blocks yields SDPA-ready [KVH, B, L, D] K/V:
+        # (KVH, B) act as SDPA's (batch, heads), no transposed copy.
         rows = group.rows
         num_seqs = rows.shape[0]
         per_kv = self.num_heads // self.num_kv_heads  # G
         qd = q[rows].view(num_seqs, self.num_kv_heads, per_kv, self.head_dim)  # [B, KVH, G, D]
-        # index_select over flat slots is far cheaper on CPU than advanced indexing.
-        slots = group.gather.view(-1)  # [B * Lmax]
-        shape = (num_seqs, -1, self.num_kv_heads, self.head_dim)
-        kd = k_flat.index_select(0, slots).view(shape).transpose(1, 2)  # [B, KVH, Lmax, D]
-        vd = v_flat.index_select(0, slots).view(shape).transpose(1, 2)  # [B, KVH, Lmax, D]
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=group.mask)
-        return od.reshape(num_seqs, self.num_heads, self.head_dim)  # [B, H, D]
+        qd = qd.transpose(0, 1)  # [KVH, B, G, D]
+        shape = (self.num_kv_heads, num_seqs, -1, self.head_dim)
+        kd = k_cache.index_select(1, group.blocks).view(shape)  # [KVH, B, L, D]
+        vd = v_cache.index_select(1, group.blocks).view(shape)  # [KVH, B, L, D]
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=group.mask)  # [KVH, B, G, D]
+        return od.transpose(0, 1).reshape(num_seqs, self.num_heads, self.head_dim)  # [B, H, D]
 
     def _prefill(self, q, k, v, k_flat, v_flat, seq: PrefillSeq) -> torch.Tensor:
         qs = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         if seq.gather is None:  # no cached history: the chunk's own K/V is the whole context
-            ks, vs = k, v  # [n, KVH, D]
+            ks, vs = k.transpose(0, 1), v.transpose(0, 1)  # [KVH, n, D]
         else:
-            ks = k_flat.index_select(0, seq.gather)  # [L, KVH, D]
-            vs = v_flat.index_select(0, seq.gather)
-        ks = ks.transpose(0, 1).unsqueeze(0)  # [1, KVH, L, D]
-        vs = vs.transpose(0, 1).unsqueeze(0)
+            ks = k_flat.index_select(1, seq.gather)  # [KVH, L, D]
+            vs = v_flat.index_select(1, seq.gather)
+        ks, vs = ks.unsqueeze(0), vs.unsqueeze(0)  # [1, KVH, L, D]
         o = F.scaled_dot_product_attention(
             qs, ks, vs, attn_mask=seq.mask, is_causal=seq.mask is None, enable_gqa=True
         )  # [1, H, n, D]

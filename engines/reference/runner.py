@@ -45,8 +45,9 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         self.device = device
-        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        # Per layer: K and V pools, [num_blocks, block_size, KVH, D].
+        # Per layer: K and V pools, [KVH, num_blocks, block_size, D]. KV heads outermost so a
+        # gather of whole blocks is directly SDPA's [KVH, B, L, D] (see Attention._decode).
+        shape = (cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
         self.kv_caches = [
             (
                 torch.zeros(shape, dtype=dtype, device=device),
@@ -79,20 +80,17 @@ class ModelRunner:
             members = order[lo : lo + _DECODE_GROUP_SIZE]
             max_len = lens[members[-1]]
             max_blocks = -(-max_len // self.block_size)
-            padded = [
-                list(tables[i][:max_blocks]) + [0] * (max_blocks - len(tables[i])) for i in members
-            ]
-            table = torch.tensor(padded, dtype=torch.int64)  # [B, max_blocks]
-            context = torch.arange(max_len)  # [Lmax]
-            gather = (
-                table[:, context // self.block_size] * self.block_size + context % self.block_size
-            )  # [B, Lmax]
+            blocks: list[int] = []
+            for i in members:  # padding blocks point at block 0; the mask hides them
+                blocks.extend(tables[i][:max_blocks])
+                blocks.extend([0] * (max_blocks - len(tables[i])))
+            context = torch.arange(max_blocks * self.block_size)  # [L]
             group_lens = torch.tensor([lens[i] for i in members])
-            mask = (context[None, :] < group_lens[:, None]).view(len(members), 1, 1, max_len)
+            mask = (context[None, :] < group_lens[:, None]).view(1, len(members), 1, -1)
             groups.append(
                 DecodeGroup(
                     rows=torch.tensor([rows[i] for i in members], device=self.device),
-                    gather=gather.to(self.device),
+                    blocks=torch.tensor(blocks, dtype=torch.int64, device=self.device),
                     mask=mask.to(self.device),
                 )
             )
