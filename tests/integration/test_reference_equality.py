@@ -17,7 +17,8 @@ VARIANTS = {
     "default": ({}, 0.0),
     "no-prefix-cache": ({"enable_prefix_caching": False}, 0.0),
     "no-chunked-prefill": ({"enable_chunked_prefill": False, "max_num_tokens": 128}, 0.0),
-    # 16-token steps chunk most prompts; 14 blocks of 8 tokens (one long request fits) force preemptions.
+    # 16-token steps chunk most prompts; 14 blocks of 8 tokens (room for the longest request
+    # alone) force preemptions.
     "chunked-preempting": (
         {"max_num_tokens": 16, "kv_cache_tokens": 112, "block_size": 8, "max_batch_size": 8},
         0.0,
