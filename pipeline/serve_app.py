@@ -24,7 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.exceptions import BackPressureError
-from ray.serve.handle import DeploymentHandle
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engines.api import EngineInfo, GenerationResult
@@ -41,7 +41,7 @@ from pipeline.openai_protocol import (
 )
 from pipeline.serve_auth import KeyDigests
 from pipeline.serve_metrics import CONTENT_TYPE, ServeMetrics
-from pipeline.serve_replica import EngineReplica, ServedDelta, ServedResult
+from pipeline.serve_replica import EngineReplica, ServedResult
 from pipeline.serve_requests import (
     Prepared,
     engine_unavailable,
@@ -317,7 +317,7 @@ class OpenAIIngress:
         )
 
     async def _events(
-        self, prepared: Prepared, deltas: AsyncIterator[ServedDelta], started: float
+        self, prepared: Prepared, deltas: DeploymentResponseGenerator, started: float
     ) -> AsyncIterator[bytes]:
         ids, usage_on = prepared.ids, prepared.include_usage
         name = prepared.served.name
@@ -363,7 +363,7 @@ class OpenAIIngress:
             if not finished:
                 # Client gone mid-stream (or a failure): cancel the replica's generator, which
                 # closes the engine's stream and frees the request's KV blocks.
-                deltas.cancel()  # type: ignore[attr-defined]
+                deltas.cancel()
                 self._metrics.errors.labels("client_disconnected").inc()
 
 

@@ -91,14 +91,15 @@ class EngineReplica:
         now = time.monotonic()
         if self._step_meter is not None:
             self._step_meter.on_submit(request.request_id, now)
-        else:
-            self._equal_meter.enter(request.request_id, now)  # type: ignore[union-attr]
+        elif self._equal_meter is not None:
+            self._equal_meter.enter(request.request_id, now)
 
     def _leave(self, request: GenerationRequest, result: GenerationResult | None) -> float:
         """The request's device-seconds, once it has left the engine (result None: cancelled)."""
         rid = request.request_id
-        if self._step_meter is None:
-            return self._equal_meter.leave(rid, time.monotonic())  # type: ignore[union-attr]
+        if self._equal_meter is not None:
+            return self._equal_meter.leave(rid, time.monotonic())
+        assert self._step_meter is not None  # one of the two meters is always set
         meter = self._step_meter
         # The engine records a request's steps before delivering its result, so after this
         # drain a finished request's share is final.
