@@ -191,9 +191,16 @@ def _run_reference(spec: dict) -> ModeResult:
         records = engine.drain_step_records()
     finally:
         engine.shutdown()
-    bad = [r for r in results if r.completion_tokens != len(r.output_token_ids) or not r.ok]
+    bad = [
+        r
+        for r, m in zip(results, spec["max_tokens"], strict=True)
+        if not r.ok or r.completion_tokens != m
+    ]
     if bad:
-        raise RuntimeError(f"{len(bad)} requests failed, first: {bad[0].error}")
+        raise RuntimeError(
+            f"{len(bad)} requests failed or stopped early, first: {bad[0].finish_reason} "
+            f"{bad[0].error or ''}"
+        )
     flops_time, flops_tokens, steps = 0.0, 0, 0
     for rec in records:
         if not rec.prefill_tokens and len(rec.decode_tokens) >= _DECODE_BATCH_FOR_FLOPS:
