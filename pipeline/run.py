@@ -194,8 +194,7 @@ def check_cpu_headroom(spec: JobSpec, cluster_cpus: float | None) -> None:
 
 
 def _preflight(spec: JobSpec) -> list[Any]:
-    # Inputs listed, model/tokenizer directories and the output URI checked: bad jobs fail
-    # here, before any actor starts.
+    """Inputs listed, model and output checked (pipeline.plan); SpecError names the field."""
     from pipeline.plan import preflight
 
     return list(preflight(spec))
@@ -383,7 +382,7 @@ def run_job(
     write_manifest(out, manifest)
     if missing == 0:
         out.put_atomic(SUCCESS_NAME, b"")  # last: marks the output complete
-    _write_report(spec, out, manifest, say)
+    _write_report(spec, out, say)
     rows_written = stats.rows
     if stopped_at_budget:
         message = (
@@ -487,13 +486,11 @@ def _passthrough_fields(batch: pa.Table, names: list[str]) -> list[pa.Field]:
     return fields
 
 
-def _write_report(spec: JobSpec, out: OutputDir, manifest: Manifest, say: Any) -> None:
+def _write_report(spec: JobSpec, out: OutputDir, say: Callable[[str], None]) -> None:
     if not spec.output.report:
         return
-    try:
-        from pipeline.report import write_report
-    except ImportError:
-        return
+    from pipeline.report import write_report
+
     try:
         write_report(out.uri, spec.storage)
     except Exception as exc:  # the rows are committed; a failed report must not fail the job
