@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import threading
 import time
@@ -40,6 +41,8 @@ from engines.api import (
     StreamDelta,
 )
 from engines.reference.config import ModelConfig, load_model_config
+
+_log = logging.getLogger(__name__)
 
 SETTINGS = (
     "max_num_tokens",
@@ -346,9 +349,10 @@ class ReferenceEngine:
                     self._finish(request_id, "cancelled")
                 if self._live:
                     self._step()
-        except BaseException as exc:  # the loop must never die silently
+        except Exception as exc:  # the loop must never die silently: callers get the cause
+            _log.exception("reference engine step loop crashed")
             self._die(f"step loop crashed: {type(exc).__name__}: {exc}")
-            raise
+            return
         self._cancel_all()
 
     def _admit(self, live: _Live) -> None:

@@ -267,3 +267,19 @@ def test_invalid_sampling_values_are_value_errors() -> None:
         SamplingParams(top_p=0.0)
     with pytest.raises(ValueError, match="max_tokens"):
         SamplingParams(max_tokens=0)
+
+
+def test_a_crashing_step_loop_fails_requests_with_engine_dead_error() -> None:
+    eng = ReferenceEngine(str(tiny_model("llama")), num_threads=1)
+
+    def broken(inputs):
+        raise RuntimeError("simulated kernel failure")
+
+    eng.runner.execute = broken
+    try:
+        with pytest.raises(EngineDeadError, match="simulated kernel failure"):
+            run_all(eng, [_req(PROMPT, max_tokens=3)])
+        with pytest.raises(EngineDeadError):
+            run_all(eng, [_req(PROMPT, max_tokens=3)])
+    finally:
+        eng.shutdown()
