@@ -57,17 +57,6 @@ SETTINGS = (
     "max_model_len",
     "num_threads",
 )
-_DTYPES = {
-    "float32": "float32",
-    "fp32": "float32",
-    "bfloat16": "bfloat16",
-    "bf16": "bfloat16",
-    "float16": "float16",
-    "fp16": "float16",
-}
-_DEFAULT_POOL_CONTEXT = 2048  # default pool: max_batch_size sequences of this many tokens
-_CPU_POOL_CAP_BYTES = 1 << 30  # ...but at most 1 GiB on CPU
-_CUDA_POOL_FREE_FRACTION = 0.5  # ...or half of the free GPU memory
 
 
 @dataclass
@@ -113,7 +102,23 @@ class _Live:
 
 class ReferenceEngine:
     """PyTorch engine with a paged KV cache, prefix caching, chunked prefill and in-flight
-    batching. See docs/engine.md for every setting."""
+    batching (docs/engine.md has the details).
+
+    Args:
+        model: local Hugging Face directory (config.json, safetensors, tokenizer).
+        max_num_tokens: tokens computed per step, all requests together.
+        max_batch_size: requests holding KV blocks at once.
+        kv_cache_tokens: KV pool size in tokens; wins over kv_cache_memory_gb.
+        kv_cache_memory_gb: KV pool size in GiB. Neither: max_batch_size x
+            min(max_model_len, 2048) tokens, at most 1 GiB on CPU / half the free GPU memory.
+        block_size: tokens per KV block (allocation and prefix-reuse unit).
+        enable_prefix_caching: reuse KV of full blocks whose whole prefix matches.
+        enable_chunked_prefill: let prompts span steps; off refuses prompts > max_num_tokens.
+        dtype: auto | float32 | bfloat16 | float16 (auto: float32 on CPU, bf16 on CUDA).
+        device: auto | cpu | cuda | cuda:N.
+        max_model_len: prompt + output tokens per request (default: the model's).
+        num_threads: torch threads for the step loop (default: all cores).
+    """
 
     def __init__(
         self,
@@ -141,6 +146,13 @@ class ReferenceEngine:
         import torch
 
         from engines.reference.kv_cache import BlockManager
+        from engines.reference.resources import (
+            load_tokenizer,
+            pool_blocks,
+            resolve_device,
+            resolve_dtype,
+            resolve_max_model_len,
+        )
         from engines.reference.runner import ModelRunner, kv_bytes_per_token
         from engines.reference.scheduler import Scheduler, SchedulerConfig
         from engines.reference.weights import load_model
@@ -154,16 +166,16 @@ class ReferenceEngine:
                 raise EngineError(f"{name} must be an integer >= 1, got {value!r}")
         self._num_threads = num_threads or os.cpu_count() or 1
         torch.set_num_threads(self._num_threads)
-        self._torch_device = _resolve_device(device)
-        self._torch_dtype = getattr(torch, _resolve_dtype(dtype, self._torch_device))
+        self._torch_device = resolve_device(device)
+        self._torch_dtype = getattr(torch, resolve_dtype(dtype, self._torch_device))
         model_dir = Path(model)
         self.config: ModelConfig = load_model_config(model_dir)
-        self.max_model_len = _resolve_max_model_len(self.config, max_model_len)
+        self.max_model_len = resolve_max_model_len(self.config, max_model_len)
         self.model = load_model(model_dir, self.config, self._torch_dtype, self._torch_device)
-        self.tokenizer = _load_tokenizer(model_dir)
+        self.tokenizer = load_tokenizer(model_dir)
 
         bytes_per_token = kv_bytes_per_token(self.config, self._torch_dtype)
-        num_blocks = _pool_blocks(
+        num_blocks = pool_blocks(
             kv_cache_tokens,
             kv_cache_memory_gb,
             block_size,
@@ -528,97 +540,3 @@ def _result(
         num_preemptions=preemptions,
         metrics=metrics,
     )
-
-
-def _resolve_device(device: str):
-    import torch
-
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        resolved = torch.device(device)
-    except RuntimeError as exc:
-        raise EngineError(f"device {device!r} is not a torch device (auto, cpu, cuda:N)") from exc
-    if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise EngineError(f"device {device!r} asked for, but CUDA is not available here")
-    return resolved
-
-
-def _resolve_dtype(dtype: str, device) -> str:
-    import torch
-
-    if dtype == "auto":
-        if device.type == "cuda" and torch.cuda.is_bf16_supported():
-            return "bfloat16"
-        return "float32"
-    if dtype not in _DTYPES:
-        raise EngineError(
-            f"dtype {dtype!r} is not supported; choose auto, float32, bfloat16 or float16"
-        )
-    return _DTYPES[dtype]
-
-
-def _resolve_max_model_len(cfg: ModelConfig, asked: int | None) -> int:
-    limit = cfg.max_position_embeddings
-    if cfg.sliding_window is not None:
-        # Full attention over a window-trained model would not match it: stay inside the window.
-        limit = min(limit, cfg.sliding_window)
-    if asked is None:
-        return limit
-    if not isinstance(asked, int) or asked < 2 or asked > limit:
-        raise EngineError(
-            f"max_model_len={asked!r} is outside what the model supports (2..{limit} tokens, "
-            "from max_position_embeddings / sliding_window in config.json)"
-        )
-    return asked
-
-
-def _pool_blocks(
-    kv_cache_tokens: int | None,
-    kv_cache_memory_gb: float | None,
-    block_size: int,
-    bytes_per_token: int,
-    max_batch_size: int,
-    max_model_len: int,
-    device,
-) -> int:
-    """Blocks in the KV pool: from tokens, else from memory, else a default sized for a full
-    batch of moderately long sequences (capped so a CPU job cannot eat all the RAM)."""
-    if kv_cache_tokens is not None:
-        if not isinstance(kv_cache_tokens, int) or kv_cache_tokens < block_size:
-            raise EngineError(
-                f"kv_cache_tokens must be an integer >= block_size ({block_size}), "
-                f"got {kv_cache_tokens!r}"
-            )
-        return kv_cache_tokens // block_size
-    bytes_per_block = bytes_per_token * block_size
-    if kv_cache_memory_gb is not None:
-        blocks = int(kv_cache_memory_gb * (1 << 30)) // bytes_per_block
-        if blocks < 1:
-            raise EngineError(
-                f"kv_cache_memory_gb={kv_cache_memory_gb!r} holds no {block_size}-token block "
-                f"({bytes_per_block} bytes each); raise it"
-            )
-        return blocks
-    tokens = max_batch_size * min(max_model_len, _DEFAULT_POOL_CONTEXT)
-    blocks = -(-tokens // block_size)
-    if device.type == "cuda":
-        import torch
-
-        free, _ = torch.cuda.mem_get_info(device)
-        cap = int(free * _CUDA_POOL_FREE_FRACTION)
-    else:
-        cap = _CPU_POOL_CAP_BYTES
-    return max(1, min(blocks, cap // bytes_per_block))
-
-
-def _load_tokenizer(model_dir: Path):
-    """The model's tokenizer, or None when the directory has none (text stays empty)."""
-    if not any((model_dir / name).exists() for name in ("tokenizer.json", "tokenizer_config.json")):
-        return None
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(model_dir))
-    except (OSError, ValueError) as exc:
-        raise EngineError(f"{model_dir}: cannot load the tokenizer ({exc})") from exc
