@@ -388,12 +388,14 @@ class GenerateStage:
 
 
 def _actor_id() -> str:
-    try:
-        import ray
+    import ray
 
-        return ray.get_runtime_context().get_actor_id() or f"pid-{os.getpid()}"
-    except Exception:
-        return f"pid-{os.getpid()}"
+    # get_runtime_context() would start a Ray instance when used outside one (tests, tools).
+    if ray.is_initialized():
+        actor_id = ray.get_runtime_context().get_actor_id()
+        if actor_id:
+            return actor_id
+    return f"pid-{os.getpid()}"
 
 
 # --- wiring into a dataset -------------------------------------------------------------------
