@@ -152,3 +152,14 @@ def test_a_row_that_raises_becomes_that_rows_error() -> None:
     assert outcome.prompt_tokens == 4
     with pytest.raises(KeyboardInterrupt):
         GenerateStage._as_outcome({"id": "r"}, KeyboardInterrupt())
+
+
+def test_demo_rows_vary_and_ids_are_unique() -> None:
+    from pipeline.demo import DEMO_JOB, sample_rows
+
+    rows = sample_rows(300)
+    assert len({r["id"] for r in rows}) == 300
+    assert len({r["max_tokens"] for r in rows}) >= 5
+    assert len({r["prompt"] for r in rows}) > 250  # varied text
+    assert sample_rows(20) == sample_rows(20)  # deterministic
+    assert DEMO_JOB.is_file()
