@@ -107,8 +107,17 @@ def job_fingerprint(
 
     if model_info is None:
         model_info = model_content(spec.model.path, spec.storage)
+    model_part: dict[str, Any] = {
+        "path": spec.model.path,
+        "tokenizer": spec.model.tokenizer,
+        **model_info,
+    }
+    if spec.model.quantization is not None:
+        # Added only when set, so fingerprints of unquantized jobs stay what they were; an fp8
+        # job and an nvfp4 job on the same source model must never share output.
+        model_part["quantization"] = spec.model.quantization.model_dump(mode="json")
     parts: dict[str, Any] = {
-        "model": {"path": spec.model.path, "tokenizer": spec.model.tokenizer, **model_info},
+        "model": model_part,
         "engine": {"kind": spec.engine.kind, "settings": engine_settings(spec.engine)},
         "sampling": spec.sampling.model_dump(mode="json"),
         "prompt": {

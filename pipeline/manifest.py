@@ -25,7 +25,13 @@ from pipeline.spec import JobSpec
 from pipeline.write import MANIFEST_NAME, OutputDir, iter_committed, list_parts
 
 Status = Literal["running", "complete", "incomplete", "stopped_at_budget"]
-_SECRET_KEY = re.compile(r"(secret|password|passwd|token|credential|api_?key|access_?key)", re.I)
+# Key names that hold secrets. "token" alone would also hide max_tokens, kv_cache_tokens and
+# friends, so only token names that are credentials match (auth_token, session_token, ...).
+_SECRET_KEY = re.compile(
+    r"(secret|password|passwd|credential|api_?keys?$|access_?key|"
+    r"(auth|session|access|bearer|api|security)_?token)",
+    re.I,
+)
 _URI_USERINFO = re.compile(r"(?<=://)[^/@\s]+@")
 REDACTED = "***"
 # Columns the totals need (a part's text is not read back for them).

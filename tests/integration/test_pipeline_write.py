@@ -202,6 +202,36 @@ def test_fingerprint_names_the_changed_component(tmp_path: Path) -> None:
     assert Fingerprint.from_json(base.to_json()) == base
 
 
+def test_fingerprint_tells_quantizations_apart(tmp_path: Path) -> None:
+    files = [InputFile(uri="s3://b/in.jsonl", size=10, version="etag1")]
+    plain = _spec(tmp_path)
+
+    def quantized(fmt: str) -> JobSpec:
+        data = plain.model_dump(mode="json")
+        data["model"]["quantization"] = {"format": fmt}
+        return parse_job_spec(data)
+
+    base = job_fingerprint(plain, files)
+    fp8 = job_fingerprint(quantized("fp8"), files)
+    assert fp8.changed_components(base) == ["model"]
+    assert job_fingerprint(quantized("nvfp4"), files).changed_components(fp8) == ["model"]
+
+
+def test_manifest_redaction_keeps_token_counts() -> None:
+    spec = {
+        "sampling": {"max_tokens": 8, "stop_token_ids": [1]},
+        "engine": {"max_num_tokens": 64, "kv_cache_tokens": 512},
+        "model": {"tokenizer": "t"},
+        "env": {"AWS_SESSION_TOKEN": "s", "auth_token": "a", "aws_secret_access_key": "k"},
+    }
+    assert redact(spec) == {
+        "sampling": {"max_tokens": 8, "stop_token_ids": [1]},
+        "engine": {"max_num_tokens": 64, "kv_cache_tokens": 512},
+        "model": {"tokenizer": "t"},
+        "env": {"AWS_SESSION_TOKEN": "***", "auth_token": "***", "aws_secret_access_key": "***"},
+    }
+
+
 def test_manifest_round_trip_and_redaction(tmp_path: Path) -> None:
     out = OutputDir(str(tmp_path), StorageSpec())
     assert read_manifest(out) is None
