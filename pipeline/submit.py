@@ -313,22 +313,47 @@ def _explicit_address() -> Iterator[None]:
         os.environ.update(saved)
 
 
-def connect(address: str, token: str | None) -> JobsClient:
-    """A JobSubmissionClient for `address`, sending the token as a bearer header if given."""
+# A head that is starting or restarting answers with connection errors for a few seconds;
+# a nightly submission should ride that out instead of failing the night.
+CONNECT_ATTEMPTS = 4
+CONNECT_BACKOFF_S = 2.0
+
+
+def _is_auth_failure(exc: Exception) -> bool:
+    text = str(exc).lower()
+    return "auth" in text or "401" in text or "403" in text
+
+
+def connect(
+    address: str,
+    token: str | None,
+    attempts: int = CONNECT_ATTEMPTS,
+    backoff_s: float = CONNECT_BACKOFF_S,
+) -> JobsClient:
+    """A JobSubmissionClient for `address`, sending the token as a bearer header if given.
+
+    Connection failures are retried (`attempts` tries, backoff doubling); an auth refusal is
+    final at once, since retrying cannot fix a wrong token.
+    """
     from ray.job_submission import JobSubmissionClient
 
     headers = {"Authorization": f"Bearer {token}"} if token else None
-    try:
-        with _explicit_address():
-            return JobSubmissionClient(address, headers=headers)
-    except Exception as exc:
-        hint = (
-            " The cluster uses token auth: pass --token-file, or set RAY_AUTH_TOKEN or "
-            "RAY_AUTH_TOKEN_PATH (see docs/operations.md)."
-            if "auth" in str(exc).lower() or "401" in str(exc) or "403" in str(exc)
-            else " Check that the head's dashboard port (8265) is reachable from here."
-        )
-        raise SubmitError(f"cannot reach the Ray Jobs API at {address}: {exc}.{hint}") from None
+    for attempt in range(1, attempts + 1):
+        try:
+            with _explicit_address():
+                return JobSubmissionClient(address, headers=headers)
+        except Exception as exc:
+            if not _is_auth_failure(exc) and attempt < attempts:
+                time.sleep(backoff_s * 2 ** (attempt - 1))
+                continue
+            hint = (
+                " The cluster uses token auth: pass --token-file, or set RAY_AUTH_TOKEN or "
+                "RAY_AUTH_TOKEN_PATH (see docs/operations.md)."
+                if _is_auth_failure(exc)
+                else " Check that the head's dashboard port (8265) is reachable from here."
+            )
+            raise SubmitError(f"cannot reach the Ray Jobs API at {address}: {exc}.{hint}") from None
+    raise AssertionError("unreachable")  # the loop returns or raises
 
 
 def existing_jobs(client: JobsClient) -> dict[str, str]:

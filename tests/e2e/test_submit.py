@@ -89,6 +89,13 @@ def _session_of(address: str, headers: dict[str, str]) -> str | None:
         return None
 
 
+def _jobs_api_up(address: str, headers: dict[str, str]) -> bool:
+    try:
+        return requests.get(f"{address}/api/jobs/", headers=headers, timeout=5).ok
+    except requests.RequestException:
+        return False
+
+
 def _session_dir_name(temp_dir: Path) -> str | None:
     latest = temp_dir / "session_latest"
     return latest.resolve().name if latest.exists() else None
@@ -142,8 +149,11 @@ def ray_head() -> Iterator[RayHead]:
         while True:
             if proc.poll() is not None:
                 pytest.fail(f"ray start exited {proc.returncode}: {(tmp / 'head.log').read_text()}")
-            # Up, and really ours: another local Ray could answer on a port picked as free.
-            if _session_of(address, headers) == _session_dir_name(tmp / "ray"):
+            # Up, and really ours: another local Ray could answer on a port picked as free;
+            # and its Jobs API answering, which comes a little after the version endpoint.
+            if _session_of(address, headers) == _session_dir_name(tmp / "ray") and _jobs_api_up(
+                address, headers
+            ):
                 break
             if time.monotonic() > deadline:
                 pytest.fail(f"Ray head not up in 90 s: {(tmp / 'head.log').read_text()[-3000:]}")

@@ -326,12 +326,16 @@ def test_cli_unreachable_cluster_exits_4(job_file: Path, monkeypatch: pytest.Mon
     from pipeline.cli import app
 
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    sleeps: list[float] = []
+    monkeypatch.setattr(sub.time, "sleep", sleeps.append)
     # Port 9 on loopback: nothing listens there, the connection is refused at once.
     result = CliRunner().invoke(
         app, ["submit", str(job_file), "--address", "http://127.0.0.1:9", "--date", "2026-11-28"]
     )
     assert result.exit_code == sub.EXIT_CLUSTER, result.output
     assert "cannot reach the Ray Jobs API" in result.output
+    # Retried with a growing backoff before giving up (a head may be restarting).
+    assert sleeps == [sub.CONNECT_BACKOFF_S * 2**i for i in range(sub.CONNECT_ATTEMPTS - 1)]
 
 
 # --- catching up -----------------------------------------------------------------------------
