@@ -130,6 +130,26 @@ class GenerationResult:
     def ok(self) -> bool:
         return self.finish_reason != "error"
 
+    @classmethod
+    def without_output(
+        cls,
+        request: GenerationRequest,
+        finish_reason: FinishReason,
+        error: str | None = None,
+        metrics: RequestMetrics | None = None,
+    ) -> GenerationResult:
+        """The result of a request that produced no token: refused, failed or cancelled."""
+        return cls(
+            request_id=request.request_id,
+            output_token_ids=[],
+            text="",
+            finish_reason=finish_reason,
+            prompt_tokens=len(request.prompt_token_ids),
+            completion_tokens=0,
+            error=error,
+            metrics=metrics,
+        )
+
 
 @dataclass(frozen=True)
 class StreamDelta:

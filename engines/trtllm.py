@@ -436,13 +436,9 @@ def _metrics(perf: Any, arrival: float) -> RequestMetrics:
 
 
 def _error_result(request: GenerationRequest, message: str, arrival: float) -> GenerationResult:
-    return GenerationResult(
-        request_id=request.request_id,
-        output_token_ids=[],
-        text="",
-        finish_reason="error",
-        prompt_tokens=len(request.prompt_token_ids),
-        completion_tokens=0,
+    return GenerationResult.without_output(
+        request,
+        "error",
         error=message,
         metrics=RequestMetrics(arrival_time=arrival, finish_time=time.monotonic()),
     )

@@ -376,14 +376,8 @@ class GenerateStage:
             logger.error("engine died (%s); exiting so the actor is restarted", exc)
             os._exit(70)
         except Exception as exc:
-            return GenerationResult(
-                request_id=request.request_id,
-                output_token_ids=[],
-                text="",
-                finish_reason="error",
-                prompt_tokens=len(request.prompt_token_ids),
-                completion_tokens=0,
-                error=f"{type(exc).__name__}: {exc}",
+            return GenerationResult.without_output(
+                request, "error", error=f"{type(exc).__name__}: {exc}"
             )
 
 

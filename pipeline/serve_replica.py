@@ -160,11 +160,4 @@ class EngineReplica:
 
 def _cancelled_result(request: GenerationRequest) -> GenerationResult:
     """What the cost meter needs to know of a request that left without a result."""
-    return GenerationResult(
-        request_id=request.request_id,
-        output_token_ids=[],
-        text="",
-        finish_reason="cancelled",
-        prompt_tokens=len(request.prompt_token_ids),
-        completion_tokens=0,
-    )
+    return GenerationResult.without_output(request, "cancelled")
