@@ -104,7 +104,7 @@ def parquet_job(
             "qid": ids,
             "question": [f"Tell me about item {i} and the river." for i in range(40)],
             "user": pa.array(range(40), pa.int64()),
-            "budget": pa.array([8 + i % 5 for i in range(40)], pa.int64()),
+            "budget": pa.array([40 + i % 5 for i in range(40)], pa.int64()),
         }
     )
     s3_server.put(f"s3://{bucket}/in/a.parquet", table_to_parquet(table.slice(0, 25)))
@@ -122,8 +122,9 @@ def parquet_job(
         s3_server,
         tiny_model_dir,
         resources={"num_actors": 2},
-        # ignore_eos: each row decodes exactly its budget, long enough for both actors to
-        # get work while the other is busy
+        # ignore_eos: each row decodes exactly its budget, long enough (40+ tokens) that a
+        # block is still in flight when the next is dispatched, so both actors get work even
+        # on an idle machine where the tiny model is very fast
         sampling={"overrides": {"max_tokens": "budget"}, "ignore_eos": True},
         output={"include_token_ids": True},
     )
@@ -148,7 +149,7 @@ def test_parquet_s3_two_actors_every_id_once_with_documented_schema(
     rows = {r["id"]: r for r in table.to_pylist()}
     for i, row_id in enumerate(ids):  # passthrough and the per-row max_tokens override
         assert rows[row_id]["user"] == i
-        assert rows[row_id]["completion_tokens"] == 8 + i % 5
+        assert rows[row_id]["completion_tokens"] == 40 + i % 5
         assert len(rows[row_id]["completion_token_ids"]) == rows[row_id]["completion_tokens"]
     assert min(table.column("gpu_seconds").to_pylist()) > 0
     assert min(table.column("list_price_usd").to_pylist()) > 0
