@@ -27,6 +27,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 MODES = ("reference", "hf-static", "hf-continuous")
 _DECODE_BATCH_FOR_FLOPS = 32  # decode steps at least this wide count for achieved FLOP/s
@@ -61,6 +62,29 @@ class ModeResult:
     decode_flops_per_s: float | None = None  # reference only: achieved in wide decode steps
     decode_steps_counted: int = 0
     error: str | None = None
+
+    @classmethod
+    def measured(
+        cls,
+        mode: str,
+        useful_tokens: int,
+        seconds: float,
+        ttfts: list[float],
+        load_s: float,
+        **extra: Any,
+    ) -> ModeResult:
+        """A finished mode's result; throughput and TTFT percentiles derived the same way for
+        every mode so the side-by-side numbers compare like with like."""
+        return cls(
+            mode=mode,
+            useful_tokens=useful_tokens,
+            seconds=seconds,
+            tokens_per_s=useful_tokens / seconds,
+            ttft_p50_s=_percentile(ttfts, 0.5),
+            ttft_p95_s=_percentile(ttfts, 0.95),
+            load_s=load_s,
+            **extra,
+        )
 
 
 @dataclass
@@ -208,14 +232,12 @@ def _run_reference(spec: dict) -> ModeResult:
             flops_tokens += len(rec.decode_tokens)
             steps += 1
     useful = sum(r.completion_tokens for r in results)
-    return ModeResult(
-        mode="reference",
-        useful_tokens=useful,
-        seconds=end - start,
-        tokens_per_s=useful / (end - start),
-        ttft_p50_s=_percentile([r.metrics.first_token_time - start for r in results], 0.5),
-        ttft_p95_s=_percentile([r.metrics.first_token_time - start for r in results], 0.95),
-        load_s=engine.info.load_seconds,
+    return ModeResult.measured(
+        "reference",
+        useful,
+        end - start,
+        [r.metrics.first_token_time - start for r in results],
+        engine.info.load_seconds,
         decode_flops_per_s=(2 * spec["matmul_params"] * flops_tokens / flops_time)
         if flops_time
         else None,
@@ -275,15 +297,7 @@ def _run_hf_static(spec: dict) -> ModeResult:
             ttft += [first.at - start] * len(batch)
     seconds = time.perf_counter() - start
     useful = sum(max_tokens)
-    return ModeResult(
-        mode="hf-static",
-        useful_tokens=useful,
-        seconds=seconds,
-        tokens_per_s=useful / seconds,
-        ttft_p50_s=_percentile(ttft, 0.5),
-        ttft_p95_s=_percentile(ttft, 0.95),
-        load_s=load_s,
-    )
+    return ModeResult.measured("hf-static", useful, seconds, ttft, load_s)
 
 
 def _run_hf_continuous(spec: dict) -> ModeResult:
@@ -342,15 +356,7 @@ def _run_hf_continuous(spec: dict) -> ModeResult:
         seconds = time.perf_counter() - start
     useful = sum(len(r.generated_tokens) for r in results.values())
     ttft = [r.timestamps[0] - start for r in results.values() if r.timestamps]
-    return ModeResult(
-        mode="hf-continuous",
-        useful_tokens=useful,
-        seconds=seconds,
-        tokens_per_s=useful / seconds,
-        ttft_p50_s=_percentile(ttft, 0.5),
-        ttft_p95_s=_percentile(ttft, 0.95),
-        load_s=load_s,
-    )
+    return ModeResult.measured("hf-continuous", useful, seconds, ttft, load_s)
 
 
 _RUNNERS = {

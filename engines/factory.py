@@ -24,3 +24,16 @@ def load_engine(kind: str, model: str, **settings: Any) -> Engine:
 
         return TrtllmEngine(model, **settings)
     raise EngineError(f"unknown engine kind {kind!r}; supported: {', '.join(ENGINE_KINDS)}")
+
+
+def accepted_settings(kind: str) -> tuple[str, ...]:
+    """The keyword settings engine `kind` accepts (its module's SETTINGS; no torch imported)."""
+    if kind == "reference":
+        from engines.reference.engine import SETTINGS
+
+        return SETTINGS
+    if kind == "trtllm":
+        from engines.trtllm import SETTINGS
+
+        return SETTINGS
+    raise EngineError(f"unknown engine kind {kind!r}; supported: {', '.join(ENGINE_KINDS)}")

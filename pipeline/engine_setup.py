@@ -9,39 +9,15 @@ from pathlib import Path
 from typing import Any
 
 from engines import Engine, load_engine
+from engines.factory import accepted_settings
 from pipeline.spec import EngineSpec, ModelSpec, StorageSpec
-
-# Settings each engine kind accepts, taken from EngineSpec (other fields belong to other kinds).
-_REFERENCE_FIELDS = (
-    "max_batch_size",
-    "max_num_tokens",
-    "kv_cache_tokens",
-    "kv_cache_memory_gb",
-    "enable_prefix_caching",
-    "enable_chunked_prefill",
-    "block_size",
-    "dtype",
-    "device",
-    "max_model_len",
-)
-_TRTLLM_FIELDS = (
-    "max_batch_size",
-    "max_num_tokens",
-    "kv_cache_tokens",
-    "kv_cache_memory_fraction",
-    "kv_cache_dtype",
-    "enable_prefix_caching",
-    "enable_chunked_prefill",
-    "dtype",
-    "max_model_len",
-    "scheduler_policy",
-)
 
 
 def engine_settings(engine: EngineSpec) -> dict[str, Any]:
-    """The keyword arguments `load_engine(engine.kind, ...)` takes for this spec."""
-    fields = _REFERENCE_FIELDS if engine.kind == "reference" else _TRTLLM_FIELDS
-    settings = {name: getattr(engine, name) for name in fields}
+    """The keyword arguments `load_engine(engine.kind, ...)` takes for this spec: the
+    EngineSpec fields the engine accepts (the others belong to the other kind)."""
+    accepted = accepted_settings(engine.kind)
+    settings = {name: getattr(engine, name) for name in EngineSpec.model_fields if name in accepted}
     settings.update(engine.extra)
     return settings
 
