@@ -373,14 +373,29 @@ class PromptStage:
         return batch
 
 
+def prompt_pool_size(spec: JobSpec) -> int:
+    """Tokenizer actors for a job: `resources.prompt_actors`, else one per four engine actors.
+
+    One actor tokenizes thousands of short prompts a second, far more than an engine generates;
+    more are for many engines with long prompts.
+    """
+    res = spec.resources
+    if res.prompt_actors is not None:
+        return res.prompt_actors
+    engines = res.num_actors or res.max_actors or 1
+    return max(1, math.ceil(engines / 4))
+
+
 def tokenize_dataset(ds: ray.data.Dataset, spec: JobSpec) -> ray.data.Dataset:
-    """`ds` (from pipeline.read) with the prompt stage applied by a small tokenizer pool."""
+    """`ds` (from pipeline.read) with the prompt stage applied by a fixed tokenizer pool."""
     import ray.data
 
     return ds.map_batches(
         PromptStage,
         fn_constructor_kwargs={"spec": spec},
-        compute=ray.data.ActorPoolStrategy(min_size=1, max_size=2),
+        # Fixed: an actor started mid-run spends seconds of CPU importing and loading the
+        # tokenizer, which on a small node is taken from the engines.
+        compute=ray.data.ActorPoolStrategy(size=prompt_pool_size(spec)),
         num_cpus=PROMPT_STAGE_CPUS,
         batch_size=spec.resources.batch_size,
         batch_format="pyarrow",

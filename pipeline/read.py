@@ -552,9 +552,9 @@ def read_dataset(spec: JobSpec, files: list[InputFile]) -> ray.data.Dataset:
     """The job's rows as a Ray Dataset (columns in the module docstring).
 
     Each file is read by one task with the reader above (JSON lines are parsed one by one, so a
-    bad line is an error row instead of a failed file), then blocks are cut to
-    `resources.batch_size` rows so every engine actor gets work even from one small file.
-    Row order across files is not guaranteed; ids are.
+    bad line is an error row instead of a failed file), and that same task cuts its rows into
+    blocks of `resources.batch_size` (`cut_blocks`), so every engine actor gets work even from
+    one small file. Row order across files is not guaranteed; ids are.
     """
     import ray.data
 
@@ -572,4 +572,19 @@ def read_dataset(spec: JobSpec, files: list[InputFile]) -> ray.data.Dataset:
         batch_format="pyarrow",
         num_cpus=READ_TASK_CPUS,
     )
-    return ds.repartition(target_num_rows_per_block=spec.resources.batch_size)
+    return cut_blocks(ds, spec.resources.batch_size, READ_TASK_CPUS)
+
+
+def cut_blocks(ds: ray.data.Dataset, rows: int, num_cpus: float) -> ray.data.Dataset:
+    """`ds` with blocks of at most `rows` rows, cut inside the tasks that made them.
+
+    Ray Data's `repartition(target_num_rows_per_block=...)` runs as its own operator with one
+    whole CPU and no argument to ask for less. Where a job gives its engine actors most of the
+    CPUs (a 2-CPU machine, or a GPU node whose CPUs are spoken for), that task cannot be
+    scheduled and the job hangs. Given the same remote arguments as the map before it, Ray
+    fuses the two, so the cutting runs in the read task at `num_cpus` (the operator's remote
+    arguments are the one thing set here that the public call does not expose).
+    """
+    cut = ds.repartition(target_num_rows_per_block=rows)
+    cut._logical_plan.dag.ray_remote_args["num_cpus"] = num_cpus
+    return cut

@@ -137,7 +137,24 @@ def ray_session() -> Iterator[None]:
         ray.shutdown()
 
 
-def configure_data_context() -> None:
+def backpressure_ratio(spec: JobSpec) -> float:
+    """How many times its consumer's in-flight bytes a stage's queued output may reach.
+
+    Ray's default (2) counts the driver, which takes one block at a time, as the generate
+    stage's consumer: when the batches of a few actors finish together the engines stop
+    getting rows until the driver has taken them all. The ratio covers every batch that can
+    finish at once; the read-ahead it allows upstream is that many blocks of a few rows.
+    """
+    from pipeline.generate import concurrent_tasks_per_actor
+
+    res = spec.resources
+    finishing_together = concurrent_tasks_per_actor(res.batch_size, res.max_in_flight) * (
+        res.num_actors or res.max_actors or 1
+    )
+    return float(max(10, 2 * finishing_together))
+
+
+def configure_data_context(spec: JobSpec) -> None:
     from ray.data import DataContext
 
     ctx = DataContext.get_current()
@@ -150,12 +167,15 @@ def configure_data_context() -> None:
     # takes every queued block and the others idle. Bounded, so a pool that cannot be
     # scheduled (too few CPUs/GPUs) is an error, not a hang.
     ctx.wait_for_min_actors_s = ACTOR_START_TIMEOUT_S
+    # Ray Data's reservation allocator splits CPUs and object store memory among operators and
+    # holds an operator's tasks back until its share covers them. With fractional CPUs and
+    # kilobyte blocks it held the engine pool at one batch until that batch had finished:
+    # each run started with 16 rows in an engine that could take 64. Off, the backpressure left
+    # is the downstream-capacity policy: a stage stops taking input while its queued output is
+    # over `ratio` times what its consumer has in flight.
+    ctx.op_resource_reservation_enabled = False
+    ctx.downstream_capacity_backpressure_ratio = backpressure_ratio(spec)
     ctx.enable_progress_bars = os.environ.get("RAY_DATA_DISABLE_PROGRESS_BARS") != "1"
-
-
-# Ray Data runs its repartition tasks (pipeline.read cuts blocks with one) with 1 CPU and
-# offers no setting; with fewer free CPUs the read stalls and the job hangs.
-REPARTITION_TASK_CPUS = 1.0
 
 
 def known_cluster_cpus() -> float | None:
@@ -172,14 +192,14 @@ def known_cluster_cpus() -> float | None:
 def check_cpu_headroom(spec: JobSpec, cluster_cpus: float | None) -> None:
     """Refuse a pool whose CPUs leave too little for the read and prompt stages (a silent
     hang otherwise). Raises ResourceError naming the fields to change."""
-    from pipeline.prompts import PROMPT_STAGE_CPUS
+    from pipeline.prompts import PROMPT_STAGE_CPUS, prompt_pool_size
     from pipeline.read import READ_TASK_CPUS
 
     if cluster_cpus is None:
         return
     res = spec.resources
     actors = res.num_actors or res.min_actors or 1
-    others = READ_TASK_CPUS + PROMPT_STAGE_CPUS + REPARTITION_TASK_CPUS
+    others = READ_TASK_CPUS + PROMPT_STAGE_CPUS * prompt_pool_size(spec)
     if actors * res.cpus_per_actor + others > cluster_cpus + 1e-9:
         fit = max(cluster_cpus - others, 0.0) / actors
         raise ResourceError(
@@ -333,7 +353,7 @@ def run_job(
 
     started = time.monotonic()
     with ray_session():
-        configure_data_context()
+        configure_data_context(spec)
         input_ids = read_input_ids(_read(spec, files))
         if retry_errors:
             todo = pc.filter(input_ids, pc.is_in(input_ids, value_set=state.error_ids))

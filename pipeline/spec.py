@@ -295,6 +295,14 @@ class ResourcesSpec(_Strict):
         description="Requests one actor keeps in its engine at once, across overlapping "
         "batches, so the engine never starves.",
     )
+    prompt_actors: int | None = Field(
+        None,
+        ge=1,
+        description="Tokenizer actors feeding the engine actors (chat template + tokenization, "
+        "1/4 CPU each). A fixed pool, started before any row is generated, so none starts "
+        "mid-run and takes CPU from the engines. Null: one per four engine actors (at least "
+        "one); raise it when long prompts make tokenizing the slower stage.",
+    )
     max_restarts: int = Field(3, ge=0, description="Restarts of a crashed engine actor.")
     max_task_retries: int = Field(3, ge=0, description="Retries of a batch whose actor died.")
 

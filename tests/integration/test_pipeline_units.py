@@ -17,8 +17,8 @@ from pipeline.generate import (
     outcomes_to_table,
     row_sampling,
 )
+from pipeline.prompts import prompt_pool_size
 from pipeline.run import (
-    REPARTITION_TASK_CPUS,
     ResourceError,
     RunResult,
     check_cpu_headroom,
@@ -57,11 +57,22 @@ def test_ray_address_in_env_connects_else_a_private_local_ray() -> None:
 
 
 def test_cpu_headroom_refuses_a_pool_that_would_starve_the_read() -> None:
-    check_cpu_headroom(_spec(num_actors=2, cpus_per_actor=0.25), 2.0)
+    # Besides the engines: one read task (1/4 CPU) and the tokenizer pool (1/4 CPU each).
+    check_cpu_headroom(_spec(num_actors=2, cpus_per_actor=0.75), 2.0)
+    check_cpu_headroom(_spec(num_actors=1, cpus_per_actor=1.5), 2.0)
     check_cpu_headroom(_spec(num_actors=8, cpus_per_actor=1), None)  # unknown: not checked
-    with pytest.raises(ResourceError, match=r"resources.cpus_per_actor <= 0.25"):
-        check_cpu_headroom(_spec(num_actors=2, cpus_per_actor=0.5), 2.0)
-    assert REPARTITION_TASK_CPUS == 1.0
+    with pytest.raises(ResourceError, match=r"resources.cpus_per_actor <= 0.75"):
+        check_cpu_headroom(_spec(num_actors=2, cpus_per_actor=0.8), 2.0)
+    with pytest.raises(ResourceError, match=r"resources.cpus_per_actor <= 0.50"):
+        check_cpu_headroom(_spec(num_actors=2, cpus_per_actor=0.75, prompt_actors=3), 2.0)
+
+
+def test_prompt_pool_is_one_tokenizer_per_four_engines_unless_set() -> None:
+    assert prompt_pool_size(_spec(num_actors=1)) == 1
+    assert prompt_pool_size(_spec(num_actors=4)) == 1
+    assert prompt_pool_size(_spec(num_actors=9)) == 3
+    assert prompt_pool_size(_spec(num_actors=None, min_actors=2, max_actors=16)) == 4
+    assert prompt_pool_size(_spec(num_actors=16, prompt_actors=2)) == 2
 
 
 def test_row_sampling_takes_row_columns_over_job_defaults() -> None:

@@ -321,3 +321,36 @@ def test_corrupt_parquet_fails_naming_the_file(tmp_path: Path) -> None:
     (file,) = list_input_files(spec)
     with pytest.raises(StorageError, match=rf"cannot read {path} as input.format parquet"):
         read_file(spec, file)
+
+
+def test_blocks_are_cut_inside_the_read_task_with_most_cpus_taken(
+    ray_local, s3_server: S3Server, bucket: str
+) -> None:
+    """Engines holding 1.5 of the 2 CPUs leave 0.5: a one-CPU repartition step would never be
+    scheduled (the read hangs); the cutting runs in the 1/4-CPU read task instead."""
+    body = "\n".join(json.dumps({"k": f"r{i}", "q": f"text {i}"}) for i in range(10))
+    s3_server.put(f"s3://{bucket}/in/one.jsonl", body)
+    spec = make_spec(
+        s3_server.storage_spec(),
+        {
+            "uri": f"s3://{bucket}/in/one.jsonl",
+            "format": "jsonl",
+            "id_column": "k",
+            "prompt_column": "q",
+        },
+    )
+
+    @ray_local.remote(num_cpus=1.5)
+    class Engines:
+        def ready(self) -> bool:
+            return True
+
+    engines = Engines.remote()
+    try:
+        ray_local.get(engines.ready.remote())
+        ds = read_dataset(spec, list_input_files(spec)).materialize()
+        assert sorted(r["id"] for r in ds.take_all()) == sorted(f"r{i}" for i in range(10))
+        assert ds.num_blocks() == 3  # batch_size 4: 4 + 4 + 2 rows, one file
+        assert "_read_units)->StreamingRepartition" in ds.stats()  # one fused task
+    finally:
+        ray_local.kill(engines)
