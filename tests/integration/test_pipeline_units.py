@@ -21,6 +21,7 @@ from pipeline.prompts import prompt_pool_size
 from pipeline.run import (
     ResourceError,
     RunResult,
+    backpressure_ratio,
     check_cpu_headroom,
     ray_init_kwargs,
 )
@@ -65,6 +66,15 @@ def test_cpu_headroom_refuses_a_pool_that_would_starve_the_read() -> None:
         check_cpu_headroom(_spec(num_actors=2, cpus_per_actor=0.8), 2.0)
     with pytest.raises(ResourceError, match=r"resources.cpus_per_actor <= 0.50"):
         check_cpu_headroom(_spec(num_actors=2, cpus_per_actor=0.75, prompt_actors=3), 2.0)
+
+
+def test_backpressure_ratio_covers_every_batch_that_can_finish_at_once() -> None:
+    # 64 in flight in batches of 16: 5 batches queued per actor
+    assert backpressure_ratio(_spec(num_actors=1, batch_size=16, max_in_flight=64)) == 10.0
+    assert backpressure_ratio(_spec(num_actors=8, batch_size=16, max_in_flight=64)) == 80.0
+    autoscaled = _spec(num_actors=None, min_actors=1, max_actors=4, batch_size=32)
+    assert backpressure_ratio(autoscaled) == 2 * 5 * 4  # 128 in flight / 32 + 1 = 5
+    assert backpressure_ratio(_spec(num_actors=1, batch_size=64, max_in_flight=8)) == 10.0
 
 
 def test_prompt_pool_is_one_tokenizer_per_four_engines_unless_set() -> None:
