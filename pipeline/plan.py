@@ -246,7 +246,7 @@ def build_plan(
     wall_s = None
     if tokens_per_s:
         cost = _cost_estimate(spec, total, est_prompt, est_output, tokens_per_s)
-        num_actors = spec.resources.num_actors or spec.resources.max_actors or 1
+        num_actors = spec.resources.peak_actors
         wall_s = est_output / (tokens_per_s * num_actors)
     return PlanReport(
         job=spec.name,

@@ -382,8 +382,7 @@ def prompt_pool_size(spec: JobSpec) -> int:
     res = spec.resources
     if res.prompt_actors is not None:
         return res.prompt_actors
-    engines = res.num_actors or res.max_actors or 1
-    return max(1, math.ceil(engines / 4))
+    return max(1, math.ceil(res.peak_actors / 4))
 
 
 def tokenize_dataset(ds: ray.data.Dataset, spec: JobSpec) -> ray.data.Dataset:

@@ -148,8 +148,8 @@ def backpressure_ratio(spec: JobSpec) -> float:
     from pipeline.generate import concurrent_tasks_per_actor
 
     res = spec.resources
-    finishing_together = concurrent_tasks_per_actor(res.batch_size, res.max_in_flight) * (
-        res.num_actors or res.max_actors or 1
+    finishing_together = (
+        concurrent_tasks_per_actor(res.batch_size, res.max_in_flight) * res.peak_actors
     )
     return float(max(10, 2 * finishing_together))
 

@@ -306,6 +306,11 @@ class ResourcesSpec(_Strict):
     max_restarts: int = Field(3, ge=0, description="Restarts of a crashed engine actor.")
     max_task_retries: int = Field(3, ge=0, description="Retries of a batch whose actor died.")
 
+    @property
+    def peak_actors(self) -> int:
+        """Most engine actors the job runs at once: the fixed pool, or the autoscaling maximum."""
+        return self.num_actors or self.max_actors or 1
+
     @model_validator(mode="after")
     def _pool_size(self) -> ResourcesSpec:
         if self.num_actors is None and (self.min_actors is None or self.max_actors is None):
