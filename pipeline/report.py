@@ -37,7 +37,7 @@ from pipeline.cost import (
 from pipeline.spec import CostSpec, ResourcesSpec, StorageSpec
 
 if TYPE_CHECKING:
-    from pipeline.write import OutputDir
+    from pipeline.batch.commit.parts import OutputDir
 
 REPORT_NAME = "report.md"
 PLOTS_DIR = "report"
@@ -72,7 +72,7 @@ class ReportInputs:
     """What the report is made from."""
 
     output_uri: str
-    manifest: dict[str, Any]  # _manifest.json as written by pipeline.manifest
+    manifest: dict[str, Any]  # _manifest.json as written by pipeline.batch.commit.manifest
     rows: pa.Table  # ROW_COLUMNS of every committed row (columns missing in old parts: null)
     accounts: list[ActorAccount]  # every actor incarnation of every run
 
@@ -85,7 +85,7 @@ def _accounts(manifest: dict[str, Any]) -> list[ActorAccount]:
 
 def load_report_inputs(out: OutputDir) -> ReportInputs:
     """Read the manifest and the report columns of every committed part."""
-    from pipeline.write import MANIFEST_NAME, iter_committed
+    from pipeline.batch.commit.parts import MANIFEST_NAME, iter_committed
 
     if not out.exists(MANIFEST_NAME):
         raise ReportError(
@@ -708,7 +708,7 @@ def build_report(out: OutputDir, plots: bool = True) -> tuple[ReportSummary, str
 
 def write_report(output_uri: str, storage: StorageSpec | None = None) -> ReportResult:
     """(Re)generate report.md and the plots beside the parts of `output_uri`."""
-    from pipeline.write import OutputDir
+    from pipeline.batch.commit.parts import OutputDir
 
     out = OutputDir(output_uri, storage or StorageSpec())
     summary, markdown, images = build_report(out)

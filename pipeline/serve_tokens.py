@@ -2,7 +2,7 @@
 
 The ingress tokenizes (not the engine replica) so it can count prompt tokens and reject an
 oversize prompt with a 400 before the request takes an engine slot. It uses
-`pipeline.prompts` (tokenizer loading, chat validation, chat template, raw completions), so a
+`pipeline.batch.prompts` (tokenizer loading, chat validation, chat template, raw completions), so a
 prompt served here and the same prompt in a nightly job reach the engine as identical ids.
 """
 
@@ -18,7 +18,7 @@ class PromptTokenizer:
     """One model's tokenizer, loaded once per ingress replica."""
 
     def __init__(self, model: ModelSpec, prompt: PromptSpec, storage: StorageSpec) -> None:
-        from pipeline.prompts import load_tokenizer
+        from pipeline.batch.prompts import load_tokenizer
 
         self._tokenizer = load_tokenizer(model, storage)
         self._prompt = prompt
@@ -27,7 +27,7 @@ class PromptTokenizer:
     def chat_ids(self, messages: list[dict[str, Any]]) -> list[int]:
         """A chat through the chat template (generation prompt on; the model's system_prompt
         first when the chat brings no system message)."""
-        from pipeline.prompts import PromptError, render_prompt
+        from pipeline.batch.prompts import PromptError, render_prompt
 
         try:
             return render_prompt(self._tokenizer, self._prompt, messages=messages)
@@ -36,7 +36,7 @@ class PromptTokenizer:
 
     def completion_ids(self, text: str) -> list[int]:
         """A /v1/completions prompt: a raw continuation, no chat template, no system prompt."""
-        from pipeline.prompts import RAW_COMPLETION, PromptError, render_prompt
+        from pipeline.batch.prompts import RAW_COMPLETION, PromptError, render_prompt
 
         try:
             return render_prompt(self._tokenizer, RAW_COMPLETION, text=text)

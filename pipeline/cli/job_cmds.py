@@ -15,7 +15,7 @@ import typer
 from pipeline.cli.app import app
 
 if TYPE_CHECKING:
-    from pipeline.run import RunResult
+    from pipeline.batch.run import RunResult
 
 EXIT_FAILED = 1
 
@@ -76,7 +76,7 @@ def print_summary(result: RunResult) -> None:
 
 def run_and_report(spec: Any, *, fresh: bool, retry_errors: bool) -> int:
     """Run the job, print progress and the summary; returns the exit code."""
-    from pipeline.run import ResourceError, ResumeRefused, run_job
+    from pipeline.batch.run import ResourceError, ResumeRefused, run_job
     from pipeline.spec import SpecError
     from pipeline.storage import StorageError
 
@@ -130,7 +130,7 @@ def demo_cmd(
     set_: list[str] = typer.Option([], "--set", help="Extra overrides for jobs/demo.yaml."),
 ) -> None:
     """Build a tiny model and a sample dataset, run jobs/demo.yaml, print the summary."""
-    from pipeline.demo import prepare_demo
+    from pipeline.batch.demo import prepare_demo
     from pipeline.spec import SpecError
 
     try:

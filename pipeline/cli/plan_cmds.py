@@ -38,7 +38,7 @@ def validate(
     try:
         spec = load_job_spec(job, overrides=set_, date=date)
         if check_storage:
-            from pipeline.plan import preflight
+            from pipeline.batch.plan import preflight
 
             files = preflight(spec)
             for file in files:
@@ -65,8 +65,8 @@ def plan(
     as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
 ) -> None:
     """Count rows, tokenize a sample, find error rows, estimate time and cost."""
-    from pipeline.plan import build_plan, format_plan
-    from pipeline.prompts import PromptError
+    from pipeline.batch.plan import build_plan, format_plan
+    from pipeline.batch.prompts import PromptError
     from pipeline.spec import SpecError, load_job_spec
     from pipeline.storage import StorageError
 

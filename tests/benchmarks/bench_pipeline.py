@@ -61,8 +61,8 @@ def job_dict(src: Path, model: Path, out: Path, args: argparse.Namespace) -> dic
 async def engine_alone(spec, rows: list[dict]) -> tuple[int, float]:
     """(output tokens, window seconds) for the rows through a bare engine."""
     from engines import GenerationRequest, SamplingParams
+    from pipeline.batch.prompts import PromptStage
     from pipeline.engine_setup import open_engine
-    from pipeline.prompts import PromptStage
 
     stage = PromptStage(spec)
     prompts = [
@@ -92,7 +92,7 @@ def pipeline(spec) -> tuple[int, float, float]:
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
-    from pipeline.run import run_job
+    from pipeline.batch.run import run_job
 
     start = time.monotonic()
     result = run_job(spec, fresh=True)

@@ -12,7 +12,7 @@ NUM_ROWS = 24
 
 
 def test_budget_stops_the_run_and_a_higher_budget_resumes(ray_local, tiny_model_dir, tmp_path):
-    from pipeline.run import run_job
+    from pipeline.batch.run import run_job
 
     prompts = write_prompts(tmp_path / "prompts.jsonl", NUM_ROWS)
     out = tmp_path / "out"

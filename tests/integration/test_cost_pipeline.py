@@ -86,7 +86,7 @@ def check_books(out: Path) -> dict[str, Any]:
 
 
 def test_books_balance_on_a_real_run(ray_local, tiny_model_dir, tmp_path):
-    from pipeline.run import run_job
+    from pipeline.batch.run import run_job
 
     prompts = write_prompts(tmp_path / "prompts.jsonl", NUM_ROWS)
     out = tmp_path / "out"

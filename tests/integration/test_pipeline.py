@@ -17,9 +17,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.run import ResumeRefused, RunResult, run_job
-from pipeline.spec import JobSpec, parse_job_spec
-from pipeline.write import (
+from pipeline.batch.commit.parts import (
     RESULT_FIELDS,
     TOKEN_IDS_FIELD,
     OutputDir,
@@ -27,6 +25,8 @@ from pipeline.write import (
     read_part,
     table_to_parquet,
 )
+from pipeline.batch.run import ResumeRefused, RunResult, run_job
+from pipeline.spec import JobSpec, parse_job_spec
 from tests.integration.s3_server import S3Server
 
 pytestmark = pytest.mark.timeout(300)
@@ -337,7 +337,7 @@ def test_openai_batch_on_s3(ray_local: Any, s3_server: S3Server, tiny_model_dir:
 def test_duplicate_input_ids_are_refused(ray_local: Any) -> None:
     import ray.data
 
-    from pipeline.run import read_input_ids
+    from pipeline.batch.run import read_input_ids
     from pipeline.spec import SpecError
 
     ids = read_input_ids(ray.data.from_items([{"id": "a"}, {"id": "b"}]))

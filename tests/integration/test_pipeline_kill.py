@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.run import RunResult, run_job
+from pipeline.batch.run import RunResult, run_job
 from pipeline.spec import parse_job_spec
 
 pytestmark = pytest.mark.timeout(300)

@@ -9,7 +9,8 @@ import pyarrow as pa
 import pytest
 
 from engines.api import GenerationResult, RequestMetrics
-from pipeline.generate import (
+from pipeline.batch.commit.parts import conform, output_schema
+from pipeline.batch.generate import (
     ACCOUNT_COLUMN,
     GenerateConfig,
     RowOutcome,
@@ -17,8 +18,8 @@ from pipeline.generate import (
     outcomes_to_table,
     row_sampling,
 )
-from pipeline.prompts import prompt_pool_size
-from pipeline.run import (
+from pipeline.batch.prompts import prompt_pool_size
+from pipeline.batch.run import (
     ResourceError,
     RunResult,
     backpressure_ratio,
@@ -26,7 +27,6 @@ from pipeline.run import (
     ray_init_kwargs,
 )
 from pipeline.spec import JobSpec, SamplingSpec, parse_job_spec
-from pipeline.write import conform, output_schema
 
 
 def _spec(**resources: object) -> JobSpec:
@@ -166,7 +166,7 @@ def test_exit_codes() -> None:
 
 
 def test_a_row_that_raises_becomes_that_rows_error() -> None:
-    from pipeline.generate import GenerateStage
+    from pipeline.batch.generate import GenerateStage
 
     outcome = GenerateStage._as_outcome({"id": "r", "prompt_tokens": 4}, KeyError("meter"))
     assert outcome.finish_reason == "error" and "KeyError" in (outcome.error or "")
@@ -176,7 +176,7 @@ def test_a_row_that_raises_becomes_that_rows_error() -> None:
 
 
 def test_demo_rows_vary_and_ids_are_unique() -> None:
-    from pipeline.demo import DEMO_JOB, sample_rows
+    from pipeline.batch.demo import DEMO_JOB, sample_rows
 
     rows = sample_rows(300)
     assert len({r["id"] for r in rows}) == 300

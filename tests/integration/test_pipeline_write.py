@@ -13,11 +13,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.fingerprint import COMPONENTS, Fingerprint, job_fingerprint
-from pipeline.manifest import Manifest, RunRecord, read_manifest, redact, write_manifest
-from pipeline.spec import JobSpec, StorageSpec, parse_job_spec
-from pipeline.storage import InputFile
-from pipeline.write import (
+from pipeline.batch.commit.fingerprint import COMPONENTS, Fingerprint, job_fingerprint
+from pipeline.batch.commit.manifest import (
+    Manifest,
+    RunRecord,
+    read_manifest,
+    redact,
+    write_manifest,
+)
+from pipeline.batch.commit.parts import (
     RESULT_FIELDS,
     OutputDir,
     PartName,
@@ -29,6 +33,8 @@ from pipeline.write import (
     output_schema,
     read_part,
 )
+from pipeline.spec import JobSpec, StorageSpec, parse_job_spec
+from pipeline.storage import InputFile
 
 
 def _rows(ids: list[str], errors: set[str] = frozenset()) -> pa.Table:

@@ -12,8 +12,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.plan import preflight
-from pipeline.read import derived_id, read_dataset
+from pipeline.batch.plan import preflight
+from pipeline.batch.read import derived_id, read_dataset
 from pipeline.spec import JobSpec, SpecError, StorageSpec, parse_job_spec
 from pipeline.storage import COMPLETE_MARKER, list_input_files, materialize_model
 from tests.integration.s3_server import S3Server
@@ -217,7 +217,7 @@ def test_materialize_model_downloads_once(
 
 
 def test_parquet_messages_and_gzip_jsonl_without_ray(s3_server: S3Server, bucket: str) -> None:
-    from pipeline.read import read_file
+    from pipeline.batch.read import read_file
 
     chats = [[{"role": "user", "content": f"hi {i}"}] for i in range(3)]
     s3_server.put(f"s3://{bucket}/chat.parquet", parquet_bytes(pa.table({"chat": chats})))
@@ -271,7 +271,7 @@ def test_concurrent_materialize_downloads_once(
 
 @pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
 def test_chunked_reading_keeps_row_indexes(tmp_path: Path, fmt: str) -> None:
-    from pipeline.read import iter_file
+    from pipeline.batch.read import iter_file
 
     path = tmp_path / f"in.{fmt}"
     questions = [f"q{i}" for i in range(5)]
@@ -291,7 +291,7 @@ def test_chunked_reading_keeps_row_indexes(tmp_path: Path, fmt: str) -> None:
 
 
 def test_override_values_that_do_not_fit_are_error_rows(tmp_path: Path) -> None:
-    from pipeline.read import read_file
+    from pipeline.batch.read import read_file
 
     path = tmp_path / "in.jsonl"
     lines = [{"q": "a", "s": 2**70}, {"q": "b", "s": 1.5}, {"q": "c", "s": 7}, {"q": "d"}]
@@ -312,7 +312,7 @@ def test_override_values_that_do_not_fit_are_error_rows(tmp_path: Path) -> None:
 
 
 def test_corrupt_parquet_fails_naming_the_file(tmp_path: Path) -> None:
-    from pipeline.read import read_file
+    from pipeline.batch.read import read_file
     from pipeline.storage import StorageError
 
     path = tmp_path / "broken.parquet"

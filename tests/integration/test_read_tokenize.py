@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pipeline.plan import build_plan, preflight
-from pipeline.prompts import PROMPT_TOKEN_IDS, PROMPT_TOKENS, TOO_LONG, tokenize_dataset
-from pipeline.read import read_dataset
+from pipeline.batch.plan import build_plan, preflight
+from pipeline.batch.prompts import PROMPT_TOKEN_IDS, PROMPT_TOKENS, TOO_LONG, tokenize_dataset
+from pipeline.batch.read import read_dataset
 from pipeline.spec import parse_job_spec
 from tests.integration.s3_server import S3Server
 

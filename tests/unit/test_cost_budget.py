@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.budget import BudgetGate, RowAdmission, RowSpend, prior_from_totals
+from pipeline.batch.budget import BudgetGate, RowAdmission, RowSpend, prior_from_totals
 
 
 def _rows(n: int, prompt: int = 10, max_tokens: int = 10, prefix: str = "r"):
@@ -98,7 +98,7 @@ def _spec(**engine):
 
 
 def test_gate_for_job_priors():
-    from pipeline.budget import gate_for_job
+    from pipeline.batch.budget import gate_for_job
 
     # Two GPUs at $3.60/h = $0.002/s per actor; 100 output tok/s → $0.00002 per token.
     gate = gate_for_job(_spec(expected_tokens_per_s=100.0), None)

@@ -1,4 +1,4 @@
-"""Interval-based cost on the batch actor's real code path: pipeline.generate.GenerateStage
+"""Interval-based cost on the batch actor's real code path: pipeline.batch.generate.GenerateStage
 serving rows through the TensorRT-LLM adapter (engines/trtllm.py) backed by the CPU stand-in
 package (tests/standins/tensorrt_llm). No Ray: the stage's coroutine is driven directly."""
 
@@ -24,7 +24,7 @@ STANDINS = Path(__file__).resolve().parents[1] / "standins"
 def trt_stage(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     import torch
 
-    import pipeline.generate as generate
+    import pipeline.batch.generate as generate
 
     monkeypatch.syspath_prepend(str(STANDINS))
     for name in [n for n in sys.modules if n.split(".")[0] == "tensorrt_llm"]:

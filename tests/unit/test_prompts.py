@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pipeline.prompts import (
+from pipeline.batch.prompts import (
     MAX_TOKENS,
     PROMPT_TOKEN_IDS,
     PROMPT_TOKENS,

@@ -1,5 +1,6 @@
 """The run report from a synthetic output prefix: parts written in the output schema, actor
-accounts from a real CostMeter, a manifest laid out like pipeline.manifest writes it."""
+accounts from a real CostMeter, a manifest laid out like pipeline.batch.commit.manifest writes
+it."""
 
 from __future__ import annotations
 
@@ -14,11 +15,11 @@ import pytest
 from typer.testing import CliRunner
 
 from engines.api import GenerationResult, RequestMetrics, StepRecord
+from pipeline.batch.commit.parts import OutputDir, output_schema
 from pipeline.cli import app
 from pipeline.cost import CostMeter, row_cost
 from pipeline.report import build_report, error_kind, write_report
 from pipeline.spec import CostSpec, StorageSpec
-from pipeline.write import OutputDir, output_schema
 
 COST = {
     "device_hour_usd": 3.5,

@@ -168,8 +168,8 @@ def test_template_columns_are_the_template_variables() -> None:
 
 
 def test_reserved_columns_cover_every_stage_column() -> None:
-    from pipeline.prompts import STAGE_COLUMNS
-    from pipeline.read import CORE_COLUMNS
+    from pipeline.batch.prompts import STAGE_COLUMNS
+    from pipeline.batch.read import CORE_COLUMNS
 
     assert set(CORE_COLUMNS) | set(STAGE_COLUMNS) <= RESERVED_COLUMNS
 

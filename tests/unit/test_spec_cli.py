@@ -146,7 +146,7 @@ def test_plan_measure_runs_the_engine(tmp_path: Path) -> None:
 def test_count_job_rows_estimates_big_jsonl_inputs(
     tmp_path: Path, model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from pipeline import plan as plan_module
+    from pipeline.batch import plan as plan_module
     from pipeline.spec import load_job_spec
     from pipeline.storage import list_input_files
 

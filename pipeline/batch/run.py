@@ -4,7 +4,7 @@
     → generate (engine actor pool) → write parts (driver) → completeness check → manifest
     → _SUCCESS → report
 
-The commit protocol that makes the output exactly-once is described in pipeline.write.
+The commit protocol that makes the output exactly-once is described in pipeline.batch.commit.parts.
 
 Ray: with RAY_ADDRESS set (as under `ray job submit -- tokenmill run job.yaml`) the job runs
 on that cluster; otherwise it starts a private local one (`address="local"`, never attaching
@@ -25,8 +25,8 @@ from typing import Any, Literal
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pipeline.fingerprint import Fingerprint, input_listing, job_fingerprint
-from pipeline.manifest import (
+from pipeline.batch.commit.fingerprint import Fingerprint, input_listing, job_fingerprint
+from pipeline.batch.commit.manifest import (
     Manifest,
     RunRecord,
     compute_totals,
@@ -36,9 +36,7 @@ from pipeline.manifest import (
     utc_now,
     write_manifest,
 )
-from pipeline.progress import Progress, ProgressPrinter
-from pipeline.spec import JobSpec, SpecError
-from pipeline.write import (
+from pipeline.batch.commit.parts import (
     SUCCESS_NAME,
     CommitStats,
     OutputDir,
@@ -50,6 +48,8 @@ from pipeline.write import (
     output_schema,
     read_part,
 )
+from pipeline.batch.progress import Progress, ProgressPrinter
+from pipeline.spec import JobSpec, SpecError
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +145,7 @@ def backpressure_ratio(spec: JobSpec) -> float:
     getting rows until the driver has taken them all. The ratio covers every batch that can
     finish at once; the read-ahead it allows upstream is that many blocks of a few rows.
     """
-    from pipeline.generate import concurrent_tasks_per_actor
+    from pipeline.batch.generate import concurrent_tasks_per_actor
 
     res = spec.resources
     finishing_together = (
@@ -192,8 +192,8 @@ def known_cluster_cpus() -> float | None:
 def check_cpu_headroom(spec: JobSpec, cluster_cpus: float | None) -> None:
     """Refuse a pool whose CPUs leave too little for the read and prompt stages (a silent
     hang otherwise). Raises ResourceError naming the fields to change."""
-    from pipeline.prompts import PROMPT_STAGE_CPUS, prompt_pool_size
-    from pipeline.read import READ_TASK_CPUS
+    from pipeline.batch.prompts import PROMPT_STAGE_CPUS, prompt_pool_size
+    from pipeline.batch.read import READ_TASK_CPUS
 
     if cluster_cpus is None:
         return
@@ -210,24 +210,24 @@ def check_cpu_headroom(spec: JobSpec, cluster_cpus: float | None) -> None:
         )
 
 
-# --- the front half (pipeline.read / pipeline.prompts) ---------------------------------------
+# --- the front half (pipeline.batch.read / pipeline.batch.prompts) ---------------------------
 
 
 def _preflight(spec: JobSpec) -> list[Any]:
-    """Inputs listed, model and output checked (pipeline.plan); SpecError names the field."""
-    from pipeline.plan import preflight
+    """Inputs listed, model and output checked (pipeline.batch.plan); SpecError names the field."""
+    from pipeline.batch.plan import preflight
 
     return list(preflight(spec))
 
 
 def _read(spec: JobSpec, files: list[Any]) -> Any:
-    from pipeline.read import read_dataset
+    from pipeline.batch.read import read_dataset
 
     return read_dataset(spec, files)
 
 
 def _add_prompt_stage(ds: Any, spec: JobSpec) -> Any:
-    from pipeline.prompts import tokenize_dataset
+    from pipeline.batch.prompts import tokenize_dataset
 
     return tokenize_dataset(ds, spec)
 
@@ -443,7 +443,7 @@ def _generate_and_write(
 ) -> tuple[CommitStats, list[dict[str, Any]]]:
     """Generate the `todo` ids and commit them as parts; returns the commit stats and the
     latest cost account of every actor incarnation."""
-    from pipeline.generate import ACCOUNT_COLUMN, add_generate_stage
+    from pipeline.batch.generate import ACCOUNT_COLUMN, add_generate_stage
 
     ds = _read(spec, files)
     # read_dataset already cuts blocks to resources.batch_size rows, so every actor gets work.
@@ -488,11 +488,11 @@ def _generate_and_write(
 
 
 def _start_budget(spec: JobSpec, previous: Manifest | None) -> Any:
-    """The run's shared budget actor (pipeline.budget), or None without cost.budget_usd.
+    """The run's shared budget actor (pipeline.batch.budget), or None without cost.budget_usd.
     Spend of earlier runs on this output counts against the budget."""
     if spec.cost.budget_usd is None:
         return None
-    from pipeline.budget import gate_for_job, start_budget_actor
+    from pipeline.batch.budget import gate_for_job, start_budget_actor
 
     return start_budget_actor(gate_for_job(spec, previous.totals if previous else None))
 

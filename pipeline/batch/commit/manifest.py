@@ -1,8 +1,8 @@
 """`_manifest.json`: what a job's output prefix holds, how it was made and what it cost.
 
-The manifest is bookkeeping beside the committed parts (pipeline.write), never their source of
-truth: totals are recomputed from the parts each time it is written, so they always equal the
-rows. It is written at the start of every run (status "running", with the fingerprint a resumed
+The manifest is bookkeeping beside the committed parts (pipeline.batch.commit.parts), never
+their source of truth: totals are recomputed from the parts each time it is written, so they
+always equal the rows. It is written at the start of every run (status "running", with the fingerprint a resumed
 run is compared against) and at the end ("complete" — then `_SUCCESS` follows —,
 "incomplete", or "stopped_at_budget" when cost.budget_usd stopped the admission of rows).
 """
@@ -21,8 +21,8 @@ from typing import Any, Literal
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from pipeline.batch.commit.parts import MANIFEST_NAME, OutputDir, iter_committed, list_parts
 from pipeline.spec import JobSpec
-from pipeline.write import MANIFEST_NAME, OutputDir, iter_committed, list_parts
 
 Status = Literal["running", "complete", "incomplete", "stopped_at_budget"]
 # Key names that hold secrets. "token" alone would also hide max_tokens, kv_cache_tokens and
@@ -97,14 +97,14 @@ class RunRecord:
 class Manifest:
     job: str
     status: Status
-    fingerprint: dict[str, Any]  # pipeline.fingerprint.Fingerprint.to_json()
+    fingerprint: dict[str, Any]  # pipeline.batch.commit.fingerprint.Fingerprint.to_json()
     spec: dict[str, Any]  # the normalized job spec, secrets redacted
     input_files: list[dict[str, Any]]
     runs: list[RunRecord]
     parts: list[dict[str, Any]] = field(default_factory=list)  # {name, rows}
     totals: dict[str, Any] = field(default_factory=dict)
     missing_ids: int = 0  # input ids not in committed parts (incomplete runs)
-    budget: dict[str, Any] | None = None  # pipeline.budget.BudgetState of the last run
+    budget: dict[str, Any] | None = None  # pipeline.batch.budget.BudgetState of the last run
     versions: dict[str, str] = field(default_factory=versions)
     updated_at: str = field(default_factory=utc_now)
 

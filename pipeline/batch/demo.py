@@ -14,7 +14,7 @@ from pathlib import Path
 
 from pipeline.spec import JobSpec, load_job_spec
 
-DEMO_JOB = Path(__file__).resolve().parent.parent / "jobs" / "demo.yaml"
+DEMO_JOB = Path(__file__).resolve().parents[2] / "jobs" / "demo.yaml"
 _TASKS = ("Summarize", "Explain", "Answer briefly", "Continue the story", "List three facts about")
 _TOPICS = ("storage", "engines", "rivers", "markets", "music", "weather")
 

@@ -5,7 +5,7 @@ The commit protocol
 Layout of an output prefix:
 
     part-<attempt:05d>-<seq:06d>.parquet   committed parts (the only rows that exist)
-    _manifest.json                         fingerprint, status, parts, totals (pipeline.manifest)
+    _manifest.json                         fingerprint, status, parts, totals (commit.manifest)
     _SUCCESS                               written last, only when the output is complete
 
 1. Every run is an *attempt*, numbered one above the highest attempt found in the part names

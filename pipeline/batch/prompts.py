@@ -1,6 +1,6 @@
 """Rows → prompt token ids and per-row sampling: the second stage of a job.
 
-`PromptStage` (run through `tokenize_dataset`) takes the columns `pipeline.read` produces and
+`PromptStage` (run through `tokenize_dataset`) takes the columns `pipeline.batch.read` produces and
 adds, per row (names are the constants below):
 
 - `prompt_token_ids` (list<int32>): the rendered prompt's tokens; empty on error rows.
@@ -34,7 +34,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from pipeline.read import ERROR, ID, MESSAGES, PROMPT, override_columns
+from pipeline.batch.read import ERROR, ID, MESSAGES, PROMPT, override_columns
 from pipeline.spec import JobSpec, ModelSpec, PromptSpec, StorageSpec
 
 if TYPE_CHECKING:
@@ -236,7 +236,7 @@ RAW_COMPLETION = PromptSpec(chat_template=False)
 
 
 def render_row(row: Mapping[str, Any], spec: JobSpec, tokenizer: Any) -> list[int]:
-    """Token ids for one dataset row (columns as produced by pipeline.read)."""
+    """Token ids for one dataset row (columns as produced by pipeline.batch.read)."""
     if row.get(MESSAGES) is not None:
         return render_prompt(tokenizer, spec.prompt, messages=row[MESSAGES])
     if spec.input.format == "openai_batch":
@@ -386,7 +386,7 @@ def prompt_pool_size(spec: JobSpec) -> int:
 
 
 def tokenize_dataset(ds: ray.data.Dataset, spec: JobSpec) -> ray.data.Dataset:
-    """`ds` (from pipeline.read) with the prompt stage applied by a fixed tokenizer pool."""
+    """`ds` (from pipeline.batch.read) with the prompt stage applied by a fixed tokenizer pool."""
     import ray.data
 
     return ds.map_batches(

@@ -13,8 +13,8 @@ exception while serving one row becomes that row's error, never a failed batch. 
 engine (EngineDeadError) ends the actor process, so that Ray restarts it
 (`resources.max_restarts`) and retries its unfinished batches (`resources.max_task_retries`).
 
-Output rows are in the schema of pipeline.write (input order within each batch), plus one
-`actor_account` column: the actor's cost account as JSON on the batch's last row (null on the
+Output rows are in the schema of pipeline.batch.commit.parts (input order within each batch), plus
+one `actor_account` column: the actor's cost account as JSON on the batch's last row (null on the
 others), which the driver collects for idle/load totals and strips before writing.
 """
 
@@ -56,7 +56,7 @@ class GenerateConfig:
     include_token_ids: bool  # also emit completion_token_ids
     max_in_flight: int  # requests in the engine at once, across batches
     devices: float  # devices per actor (0: a CPU actor)
-    budget: Any = None  # pipeline.budget actor shared by the run's actors; None: no budget
+    budget: Any = None  # pipeline.batch.budget actor shared by the run's actors; None: no budget
 
     @classmethod
     def from_spec(cls, spec: JobSpec) -> GenerateConfig:
@@ -89,7 +89,7 @@ def row_sampling(row: dict[str, Any], sampling: SamplingSpec) -> SamplingParams:
     # The prompt stage fills `seed`: the row's override, or one derived from (sampling.seed, id).
     seed = row.get("seed")
     if seed is None and sampling.seed is not None and "seed" not in row:
-        from pipeline.prompts import derive_seed
+        from pipeline.batch.prompts import derive_seed
 
         seed = derive_seed(sampling.seed, str(row["id"]))
     return SamplingParams(
@@ -109,7 +109,7 @@ def row_sampling(row: dict[str, Any], sampling: SamplingSpec) -> SamplingParams:
 
 @dataclass
 class RowOutcome:
-    """The result columns of one row (see pipeline.write.RESULT_FIELDS)."""
+    """The result columns of one row (see pipeline.batch.commit.parts.RESULT_FIELDS)."""
 
     text: str
     finish_reason: str
@@ -183,8 +183,8 @@ def outcomes_to_table(
     account_json: str | None,
 ) -> pa.Table:
     """The output table of one batch: id, passthrough columns, result columns, account."""
+    from pipeline.batch.commit.parts import RESULT_FIELDS, TOKEN_IDS_FIELD
     from pipeline.cost import row_cost
-    from pipeline.write import RESULT_FIELDS, TOKEN_IDS_FIELD
 
     costs = [
         row_cost(
@@ -287,7 +287,7 @@ class GenerateStage:
         return table
 
     async def _admit(self, rows: list[dict[str, Any]]) -> list[bool]:
-        from pipeline.budget import RowAdmission
+        from pipeline.batch.budget import RowAdmission
 
         asks = [
             RowAdmission(
@@ -302,7 +302,7 @@ class GenerateStage:
     def _report_spend(self, table: pa.Table, account: dict[str, Any]) -> None:
         """Tell the budget what this batch's rows cost and what this actor has cost so far
         (fire and forget: the budget actor applies calls in order)."""
-        from pipeline.budget import RowSpend
+        from pipeline.batch.budget import RowSpend
 
         spends = [
             RowSpend(row_id=str(rid), cost_usd=cost or 0.0, tokens=(p or 0) + (c or 0))

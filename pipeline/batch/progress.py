@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import TracebackType
 
-from pipeline.write import CommitStats
+from pipeline.batch.commit.parts import CommitStats
 
 
 @dataclass

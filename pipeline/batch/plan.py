@@ -18,7 +18,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from pipeline.prompts import (
+from pipeline.batch.prompts import (
     MAX_TOKENS,
     PROMPT_TOKEN_IDS,
     PROMPT_TOKENS,
@@ -26,7 +26,7 @@ from pipeline.prompts import (
     PromptStage,
     context_length,
 )
-from pipeline.read import ERROR, ID, count_rows, iter_lines, read_file
+from pipeline.batch.read import ERROR, ID, count_rows, iter_lines, read_file
 from pipeline.spec import JobSpec, SpecError
 from pipeline.storage import (
     InputFile,

@@ -1,0 +1,1 @@
+"""The commit protocol: parts, the manifest, the job fingerprint."""
