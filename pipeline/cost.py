@@ -458,6 +458,65 @@ class CostMeter:
 # --- job totals and estimates ----------------------------------------------------------------
 
 
+# Sums kept per part (the manifest's part records) and per job.
+SUM_FIELDS = (
+    "rows",
+    "errors",
+    "prompt_tokens",
+    "cached_prompt_tokens",
+    "completion_tokens",
+    "gpu_seconds",
+    "cost_usd",
+    "list_price_usd",
+)
+
+
+@dataclass
+class RowSums:
+    """Additive counts of a set of rows (one part, or the whole job)."""
+
+    rows: int = 0
+    errors: int = 0
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    completion_tokens: int = 0
+    gpu_seconds: float = 0.0
+    cost_usd: float = 0.0
+    list_price_usd: float = 0.0
+
+    def add(self, other: RowSums, sign: int = 1) -> None:
+        for name in SUM_FIELDS:
+            setattr(self, name, getattr(self, name) + sign * getattr(other, name))
+
+    def to_json(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in SUM_FIELDS}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> RowSums:
+        return cls(**{name: data.get(name, 0) for name in SUM_FIELDS})
+
+
+def row_sums(rows: pa.Table) -> RowSums:
+    """The sums of output rows (columns of pipeline.batch.schema.RESULT_FIELDS)."""
+    import pyarrow.compute as pc
+
+    if rows.num_rows == 0:
+        return RowSums()
+    errors = 0
+    if "finish_reason" in rows.column_names:
+        errors = int(pc.sum(pc.equal(rows.column("finish_reason"), "error")).as_py() or 0)
+    return RowSums(
+        rows=rows.num_rows,
+        errors=errors,
+        prompt_tokens=int(_column_sum(rows, "prompt_tokens")),
+        cached_prompt_tokens=int(_column_sum(rows, "cached_prompt_tokens")),
+        completion_tokens=int(_column_sum(rows, "completion_tokens")),
+        gpu_seconds=_column_sum(rows, "gpu_seconds"),
+        cost_usd=_column_sum(rows, "cost_usd"),
+        list_price_usd=_column_sum(rows, "list_price_usd"),
+    )
+
+
 @dataclass(frozen=True)
 class CostTotals:
     """Job-level cost figures for the manifest and the report. USD figures are all-in: they
@@ -503,33 +562,30 @@ def _per_million(usd: float, tokens: float) -> float | None:
     return usd / tokens * TOKENS_PER_MILLION if tokens > 0 else None
 
 
-def job_totals(rows: pa.Table, accounts: list[ActorAccount], cost_spec: CostSpec) -> CostTotals:
-    """Sum a job's rows (output Parquet columns) and actor accounts into its cost figures."""
+def job_totals(rows: RowSums, accounts: list[ActorAccount], cost_spec: CostSpec) -> CostTotals:
+    """A job's cost figures from the sums of its rows and its actors' accounts."""
     price = cost_spec.device_hour_usd / SECONDS_PER_HOUR  # USD per device-second
     paid_s = math.fsum(a.total_s for a in accounts)
     idle_s = math.fsum(a.idle_s for a in accounts)
     load_s = math.fsum(a.load_s for a in accounts)
     pending_s = math.fsum(a.pending_s for a in accounts)
     busy_s = math.fsum(a.attributed_s + a.pending_s for a in accounts)
-    prompt = int(_column_sum(rows, "prompt_tokens"))
-    cached = int(_column_sum(rows, "cached_prompt_tokens"))
-    completion = int(_column_sum(rows, "completion_tokens"))
+    prompt, completion = rows.prompt_tokens, rows.completion_tokens
     total_usd = paid_s * price
-    has_list = cost_spec.price_per_million is not None
-    list_usd = _column_sum(rows, "list_price_usd") if has_list else None
+    list_usd = rows.list_price_usd if cost_spec.price_per_million is not None else None
     return CostTotals(
-        num_rows=rows.num_rows,
+        num_rows=rows.rows,
         num_actors=len(accounts),
         prompt_tokens=prompt,
-        cached_prompt_tokens=cached,
+        cached_prompt_tokens=rows.cached_prompt_tokens,
         completion_tokens=completion,
         device_hours=paid_s / SECONDS_PER_HOUR,
         total_usd=total_usd,
-        rows_usd=_column_sum(rows, "cost_usd"),
+        rows_usd=rows.cost_usd,
         idle_usd=idle_s * price,
         load_usd=load_s * price,
         pending_usd=pending_s * price,
-        row_gpu_seconds=_column_sum(rows, "gpu_seconds"),
+        row_gpu_seconds=rows.gpu_seconds,
         idle_s=idle_s,
         load_s=load_s,
         pending_s=pending_s,

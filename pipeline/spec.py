@@ -66,8 +66,30 @@ class InputSpec(_Strict):
         "For openai_batch: top-level keys of each line. Names the pipeline writes itself "
         "(id, text, error, ...) are not allowed.",
     )
+    passthrough_types: dict[
+        str, Literal["string", "json", "int64", "float64", "bool", "timestamp", "date"]
+    ] = Field(
+        default_factory=dict,
+        description="Output type per passthrough column (string, json, int64, float64, bool, "
+        "timestamp, date). Unset: the Parquet files' own type, or for JSONL the type of the "
+        "values in the first lines (mixed values or objects: json text). The types are fixed "
+        "before the first row is generated; a later cell that does not fit is that row's error.",
+    )
     limit: int | None = Field(
         None, ge=1, description="Read at most this many rows (in input order); null reads all."
+    )
+    shard_rows: int | None = Field(
+        None,
+        ge=1,
+        description="Parquet: rows per shard, the unit of work and of commit (whole row groups; "
+        "a larger row group is a shard of its own). Null: about 256 shards per job, 64 to "
+        "20,000 rows each.",
+    )
+    shard_bytes: int | None = Field(
+        None,
+        ge=1024,
+        description="JSONL / openai_batch: bytes per shard (a byte range of a file; compressed "
+        "files are one shard). Null: about 256 shards per job, 64 to 20,000 lines each.",
     )
 
     @model_validator(mode="after")
@@ -83,6 +105,16 @@ class InputSpec(_Strict):
             raise ValueError(
                 "set only one of input.prompt_column or input.messages_column "
                 f"(format {self.format})"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _typed_columns_are_passed_through(self) -> InputSpec:
+        unknown = sorted(set(self.passthrough_types) - set(self.passthrough_columns))
+        if unknown:
+            raise ValueError(
+                f"input.passthrough_types names {unknown}, which are not in "
+                "input.passthrough_columns; add them there or remove their types"
             )
         return self
 
@@ -287,13 +319,21 @@ class ResourcesSpec(_Strict):
         "write tasks still get a CPU.",
     )
     batch_size: int = Field(
-        32, ge=1, description="Rows per Ray Data batch handed to an engine actor."
+        256,
+        ge=1,
+        description="Rows an engine actor takes from its shard at a time: asked of the budget "
+        "together and submitted to the engine together.",
     )
     max_in_flight: int = Field(
         128,
         ge=1,
-        description="Requests one actor keeps in its engine at once, across overlapping "
-        "batches, so the engine never starves.",
+        description="Requests one actor keeps in its engine at once, across the shards it "
+        "works on, so the engine never starves.",
+    )
+    actor_resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Custom Ray resources each engine actor asks for, e.g. {engine_slot: 1} to "
+        "place one actor per node that offers that resource.",
     )
     prompt_actors: int | None = Field(
         None,
@@ -304,7 +344,12 @@ class ResourcesSpec(_Strict):
         "one); raise it when long prompts make tokenizing the slower stage.",
     )
     max_restarts: int = Field(3, ge=0, description="Restarts of a crashed engine actor.")
-    max_task_retries: int = Field(3, ge=0, description="Retries of a batch whose actor died.")
+    max_task_retries: int = Field(
+        3,
+        ge=0,
+        description="Times one shard is handed out again after its actor died or its work "
+        "failed (its committed rows are kept) before the job fails.",
+    )
 
     @property
     def peak_actors(self) -> int:
@@ -332,6 +377,23 @@ class OutputSpec(_Strict):
         False, description="Also write completion_token_ids (list<int32>) per row."
     )
     report: bool = Field(True, description="Write report.md and plots beside the output.")
+    flush_interval_s: float = Field(
+        60.0,
+        gt=0,
+        description="An engine actor writes the finished rows of a shard as a part at least "
+        "this often (and when rows_per_file are finished), so a crash loses little work.",
+    )
+    commit_interval_s: float = Field(
+        10.0,
+        gt=0,
+        description="How often the driver records newly written parts in _manifest.json.",
+    )
+    lease_timeout_s: float = Field(
+        120.0,
+        ge=5,
+        description="A run holds a lease on its output prefix (_lease.json) and renews it every "
+        "third of this; another run takes the lease over only after this long without renewal.",
+    )
 
 
 class StorageSpec(_Strict):
@@ -342,6 +404,13 @@ class StorageSpec(_Strict):
     )
     region: str | None = Field(None, description="S3 region (e.g. eu-north1).")
     anonymous: bool = Field(False, description="Access public buckets without credentials.")
+    retry_s: float = Field(
+        600.0,
+        ge=0,
+        description="While a job runs, how long a failing write of a part, the manifest or the "
+        "lease is retried (exponential backoff with jitter) before the job fails. Pre-flight "
+        "checks fail fast instead.",
+    )
 
 
 class LimitsSpec(_Strict):
@@ -639,6 +708,11 @@ def load_job_spec(
         data = yaml.safe_load(rendered)
     except yaml.YAMLError as exc:
         raise SpecError(f"{path}: not valid YAML: {exc}") from None
+    if data is None:
+        raise SpecError(
+            f"{path}: the job file is empty; a job needs at least name, input, model and output "
+            "(see docs/job-spec.md or jobs/demo.yaml)"
+        )
     if not isinstance(data, dict):
         raise SpecError(f"{path}: expected a mapping at the top level")
     file_date = data.get("date")

@@ -1,21 +1,21 @@
-"""The generate stage: a pool of engine actors behind Ray Data's `map_batches`.
+"""The generate stage: engine actors that turn a shard's prepared rows into committed-ready parts.
 
-Each actor loads one engine once (`open_engine`; an s3:// model is downloaded once per node)
-and keeps it full: `__call__` is a coroutine, Ray Data runs it on the actor's event loop, and
-several batches are in flight per actor at once (`max_concurrent_calls_per_actor` tasks, each
-with a few batches), so the next batch's rows enter the engine while the last rows of the
-previous one are still decoding. A semaphore caps the requests in the engine at
-`resources.max_in_flight` across all of them.
+Each `EngineWorker` actor loads one engine once (`open_engine`; an s3:// model is downloaded
+once per node) and works on the shards the driver hands it (`run_unit`, a few at a time so the
+next shard's rows enter the engine while the last rows of the previous one still decode). A
+semaphore caps the requests in the engine at `resources.max_in_flight` across all of them.
+
+Per shard, rows are taken `resources.batch_size` at a time (asked of the budget together when
+`cost.budget_usd` is set), generated with in-flight batching, and the finished ones are
+written as a part (pipeline.batch.commit.parts) every `output.rows_per_file` rows, every
+`output.flush_interval_s` seconds, at the end of the shard, and at once when the driver asks
+the actor to stop. Each part's record streams back to the driver, which commits it.
 
 Per row: SamplingParams from the row's columns (set by the prompt stage) and the job's stop
 settings; a row that already carries an `error` (bad input, too long) skips the engine; an
-exception while serving one row becomes that row's error, never a failed batch. Only a dead
-engine (EngineDeadError) ends the actor process, so that Ray restarts it
-(`resources.max_restarts`) and retries its unfinished batches (`resources.max_task_retries`).
-
-Output rows are in the schema of pipeline.batch.commit.parts (input order within each batch), plus
-one `actor_account` column: the actor's cost account as JSON on the batch's last row (null on the
-others), which the driver collects for idle/load totals and strips before writing.
+exception while serving one row becomes that row's error, never a failed shard. Only a dead
+engine (EngineDeadError) ends the actor process, so that Ray restarts it and the driver hands
+its unfinished shards out again (their written parts are kept).
 """
 
 from __future__ import annotations
@@ -23,24 +23,27 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import datetime as dt
-import json
 import logging
-import math
 import os
 import time
 import uuid
-import warnings
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
 
 from engines.api import EngineDeadError, GenerationRequest, GenerationResult, SamplingParams
+from pipeline.batch.commit.parts import REPLACEMENT_DISPATCH, PartName, PartRecord, write_part
+from pipeline.batch.read import ROW
+from pipeline.batch.units import PartWritten, UnitEnd, WorkUnit
 from pipeline.spec import CostSpec, EngineSpec, JobSpec, ModelSpec, SamplingSpec, StorageSpec
+from pipeline.storage import OutputDir, RetryPolicy
 
 logger = logging.getLogger(__name__)
 
-ACCOUNT_COLUMN = "actor_account"  # JSON of the actor's cost account; not an output column
+# After the driver asks an actor to stop, rows already in its engine get this long to finish.
+STOP_GRACE_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -52,23 +55,33 @@ class GenerateConfig:
     storage: StorageSpec
     sampling: SamplingSpec
     cost: CostSpec
+    output_uri: str  # where parts are written
+    schema: pa.Schema  # the job's output schema (pipeline.batch.schema)
     passthrough: tuple[str, ...]  # input columns copied to the output
     include_token_ids: bool  # also emit completion_token_ids
-    max_in_flight: int  # requests in the engine at once, across batches
+    max_in_flight: int  # requests in the engine at once, across shards
+    batch_size: int  # rows taken from a shard at a time
+    rows_per_file: int  # a part holds at most this many rows
+    flush_interval_s: float  # finished rows wait at most this long for their part
     devices: float  # devices per actor (0: a CPU actor)
     budget: Any = None  # pipeline.batch.budget actor shared by the run's actors; None: no budget
 
     @classmethod
-    def from_spec(cls, spec: JobSpec) -> GenerateConfig:
+    def from_spec(cls, spec: JobSpec, schema: pa.Schema) -> GenerateConfig:
         return cls(
             model=spec.model,
             engine=spec.engine,
             storage=spec.storage,
             sampling=spec.sampling,
             cost=spec.cost,
+            output_uri=spec.output.uri,
+            schema=schema,
             passthrough=tuple(spec.input.passthrough_columns),
             include_token_ids=spec.output.include_token_ids,
             max_in_flight=spec.resources.max_in_flight,
+            batch_size=spec.resources.batch_size,
+            rows_per_file=spec.output.rows_per_file,
+            flush_interval_s=spec.output.flush_interval_s,
             devices=spec.resources.devices_per_actor,
         )
 
@@ -180,10 +193,10 @@ def outcomes_to_table(
     config: GenerateConfig,
     actor_id: str,
     engine_kind: str,
-    account_json: str | None,
 ) -> pa.Table:
-    """The output table of one batch: id, passthrough columns, result columns, account."""
-    from pipeline.batch.commit.parts import RESULT_FIELDS, TOKEN_IDS_FIELD
+    """Output rows for `batch` (prepared rows) and their outcomes: `_row`, id, passthrough
+    columns and the result columns of pipeline.batch.schema."""
+    from pipeline.batch.schema import RESULT_FIELDS, TOKEN_IDS_FIELD
     from pipeline.cost import row_cost
 
     costs = [
@@ -216,7 +229,10 @@ def outcomes_to_table(
         "actor_id": [actor_id if o.served else None for o in outcomes],
         "finished_at": [o.finished_at for o in outcomes],
     }
-    columns: dict[str, pa.Array | pa.ChunkedArray] = {"id": batch.column("id").cast(pa.string())}
+    columns: dict[str, pa.Array | pa.ChunkedArray] = {
+        ROW: batch.column(ROW),
+        "id": batch.column("id").cast(pa.string()),
+    }
     for name in config.passthrough:
         columns[name] = batch.column(name)
     for f in RESULT_FIELDS:
@@ -225,18 +241,22 @@ def outcomes_to_table(
         columns[TOKEN_IDS_FIELD.name] = pa.array(
             [o.completion_token_ids for o in outcomes], type=TOKEN_IDS_FIELD.type
         )
-    accounts = [None] * n
-    if n:
-        accounts[-1] = account_json
-    columns[ACCOUNT_COLUMN] = pa.array(accounts, type=pa.string())
     return pa.table(columns)
 
 
 # --- the actor -------------------------------------------------------------------------------
 
 
-class GenerateStage:
-    """Ray Data callable class: one engine per actor, many requests in flight."""
+@dataclass
+class _Finished:
+    """A row that left the engine, waiting for its part."""
+
+    position: int  # the row's position in the unit's prepared table
+    outcome: RowOutcome
+
+
+class EngineWorker:
+    """Ray actor: one engine, many requests in flight across the shards it works on."""
 
     def __init__(self, config: GenerateConfig):
         from pipeline.cost import CostMeter
@@ -255,38 +275,143 @@ class GenerateStage:
         self.meter.record_load(started, time.monotonic())
         self.actor_id = _actor_id()
         self.incarnation = uuid.uuid4().hex[:12]  # a restarted actor keeps its actor id
-        # asyncio primitives bind to the loop that first uses them: made lazily in __call__,
-        # which Ray Data runs on the actor's one UDF event loop.
+        self.out = OutputDir(config.output_uri, config.storage, RetryPolicy(config.storage.retry_s))
+        # asyncio primitives bind to the loop that first uses them: made on first use, on the
+        # actor's event loop.
         self._slots: asyncio.Semaphore | None = None
         self._finished: asyncio.Condition | None = None
+        self._stopping: asyncio.Event | None = None
 
-    async def __call__(self, batch: pa.Table) -> pa.Table:
+    def _loop_state(self) -> tuple[asyncio.Semaphore, asyncio.Condition, asyncio.Event]:
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.config.max_in_flight)
             self._finished = asyncio.Condition()
-        rows = batch.to_pylist()
-        if self.config.budget is not None:
-            # Rows refused by the budget are left out of the output, so a rerun generates them.
-            admitted = await self._admit(rows)
-            if not all(admitted):
-                batch = batch.filter(pa.array(admitted, pa.bool_()))
-                rows = [row for row, ok in zip(rows, admitted, strict=True) if ok]
-        results = await asyncio.gather(*(self._serve(row) for row in rows), return_exceptions=True)
-        outcomes = [self._as_outcome(row, r) for row, r in zip(rows, results, strict=True)]
-        account = self._account()
-        table = outcomes_to_table(
-            batch,
-            outcomes,
-            self.config,
-            self.actor_id,
-            self.engine.info.kind,
-            json.dumps(account),
-        )
-        if self.config.budget is not None:
-            self._report_spend(table, account)
-        return table
+            self._stopping = asyncio.Event()
+        assert self._finished is not None and self._stopping is not None
+        return self._slots, self._finished, self._stopping
+
+    # --- calls from the driver ---------------------------------------------------------------
+
+    def ready(self) -> dict[str, Any]:
+        """Answers once the engine is loaded: who and where this actor is."""
+        import ray
+
+        return {
+            "actor_id": self.actor_id,
+            "incarnation": self.incarnation,
+            "node_id": ray.get_runtime_context().get_node_id() if ray.is_initialized() else "",
+            "pid": os.getpid(),
+        }
+
+    def stop(self) -> None:
+        """Stop taking rows; write what is finished; end every unit soon (see run_unit)."""
+        self._loop_state()[2].set()
+
+    def account(self) -> dict[str, Any]:
+        account = self.meter.account(time.monotonic())
+        account.actor_id = self.actor_id
+        return {**account.to_dict(), "incarnation": self.incarnation}
+
+    async def run_unit(self, unit: WorkUnit, rows: pa.Table) -> AsyncIterator[Any]:
+        """Generate the prepared rows of one shard; yields PartWritten per part, then UnitEnd.
+
+        Call with `.options(num_returns="streaming")`."""
+        slots, _, stopping = self._loop_state()
+        finished: asyncio.Queue[_Finished] = asyncio.Queue()
+        in_flight: set[asyncio.Task[None]] = set()
+        records = rows.to_pylist()
+        refused = 0
+        flushed: list[PartRecord] = []
+        buffer: list[_Finished] = []
+        seq = 0
+        last_flush = time.monotonic()
+
+        async def serve(position: int, row: dict[str, Any]) -> None:
+            try:
+                outcome = await self._serve(row)
+            except Exception as exc:
+                outcome = self._row_failure(row, exc)
+            finally:
+                slots.release()
+            finished.put_nowait(_Finished(position, outcome))
+
+        async def feed() -> None:
+            nonlocal refused
+            size = self.config.batch_size
+            for start in range(0, len(records), size):
+                chunk = list(range(start, min(start + size, len(records))))
+                if stopping.is_set():
+                    refused += len(records) - start
+                    return
+                admitted = await self._admit([records[i] for i in chunk])
+                for position, ok in zip(chunk, admitted, strict=True):
+                    if not ok:
+                        refused += 1
+                        continue
+                    await slots.acquire()
+                    task = asyncio.ensure_future(serve(position, records[position]))
+                    in_flight.add(task)
+                    task.add_done_callback(in_flight.discard)
+                if not all(admitted):  # the budget closed: nothing more from this shard
+                    refused += len(records) - chunk[-1] - 1
+                    return
+
+        feeder = asyncio.ensure_future(feed())
+        stop_deadline: float | None = None
+        try:
+            while True:
+                done = feeder.done() and not in_flight and finished.empty()
+                wait_s = max(self.config.flush_interval_s - (time.monotonic() - last_flush), 0.0)
+                if stopping.is_set():
+                    stop_deadline = stop_deadline or time.monotonic() + STOP_GRACE_S
+                    wait_s = min(wait_s, 0.2)
+                if not done:
+                    try:
+                        item = await asyncio.wait_for(finished.get(), timeout=max(wait_s, 0.01))
+                        buffer.append(item)
+                        while not finished.empty() and len(buffer) < self.config.rows_per_file:
+                            buffer.append(finished.get_nowait())
+                    except asyncio.TimeoutError:
+                        pass
+                if stop_deadline is not None and time.monotonic() > stop_deadline and in_flight:
+                    for task in list(in_flight):  # past the grace: leave them for a rerun
+                        task.cancel()
+                    refused += len(in_flight)
+                    in_flight.clear()
+                due = time.monotonic() - last_flush >= self.config.flush_interval_s
+                full = len(buffer) >= self.config.rows_per_file
+                done = feeder.done() and not in_flight and finished.empty()
+                if buffer and (full or due or done or stopping.is_set()) and not unit.replace_parts:
+                    record = await self._write(unit, rows, buffer, seq)
+                    seq += 1
+                    flushed.append(record)
+                    buffer = []
+                    last_flush = time.monotonic()
+                    yield PartWritten(record, self.account())
+                if done:
+                    break
+            feeder.result()  # surface an admission failure
+            if unit.replace_parts:
+                async for event in self._replace(unit, rows, buffer):
+                    flushed.append(event.record)
+                    yield event
+            yield UnitEnd(
+                shard=unit.shard.index,
+                rows_written=sum(r.sums.rows for r in flushed),
+                rows_refused=refused,
+                stopped=stopping.is_set(),
+                account=self.account(),
+            )
+        finally:
+            feeder.cancel()
+            for task in in_flight:
+                task.cancel()
+
+    # --- rows --------------------------------------------------------------------------------
 
     async def _admit(self, rows: list[dict[str, Any]]) -> list[bool]:
+        if self.config.budget is None:
+            return [True] * len(rows)
         from pipeline.batch.budget import RowAdmission
 
         asks = [
@@ -299,9 +424,11 @@ class GenerateStage:
         ]
         return await self.config.budget.admit.remote(asks)
 
-    def _report_spend(self, table: pa.Table, account: dict[str, Any]) -> None:
-        """Tell the budget what this batch's rows cost and what this actor has cost so far
-        (fire and forget: the budget actor applies calls in order)."""
+    def _report_spend(self, table: pa.Table) -> None:
+        """Tell the budget what these rows cost and what this actor has cost so far (fire and
+        forget: the budget actor applies calls in order)."""
+        if self.config.budget is None:
+            return
         from pipeline.batch.budget import RowSpend
 
         spends = [
@@ -314,27 +441,78 @@ class GenerateStage:
                 strict=True,
             )
         ]
+        account = self.account()
         paid_usd = account["devices"] * account["lifetime_s"] * self.config.cost.device_hour_usd
         self.config.budget.finish.remote(spends)
         self.config.budget.report_spend.remote(
             f"{self.actor_id}/{self.incarnation}", paid_usd / 3600.0
         )
 
-    @staticmethod
-    def _as_outcome(row: dict[str, Any], result: RowOutcome | BaseException) -> RowOutcome:
-        """A row whose serving raised is that row's error; the rest of the batch stands."""
-        if isinstance(result, RowOutcome):
-            return result
-        if not isinstance(result, Exception):  # cancellation, interpreter exit: not a row's
-            raise result
-        logger.exception("row %r failed", row.get("id"), exc_info=result)
-        message = f"internal error serving the row: {type(result).__name__}: {result}"
-        return RowOutcome.failed(message, _prompt_tokens_of(row), served=True)
+    def _output(self, rows: pa.Table, items: list[_Finished]) -> pa.Table:
+        positions = pa.array([item.position for item in items], type=pa.int64())
+        return outcomes_to_table(
+            rows.take(positions),
+            [item.outcome for item in items],
+            self.config,
+            self.actor_id,
+            self.engine.info.kind,
+        )
 
-    def _account(self) -> dict[str, Any]:
-        account = self.meter.account(time.monotonic())
-        account.actor_id = self.actor_id
-        return {**account.to_dict(), "incarnation": self.incarnation}
+    async def _write(
+        self, unit: WorkUnit, rows: pa.Table, items: list[_Finished], seq: int
+    ) -> PartRecord:
+        table = self._output(rows, items)
+        self._report_spend(table)
+        part = PartName(unit.shard.index, unit.run, unit.dispatch, seq)
+        return await asyncio.to_thread(
+            write_part, self.out, part, table, self.config.schema, self.actor_id
+        )
+
+    async def _replace(
+        self, unit: WorkUnit, rows: pa.Table, items: list[_Finished]
+    ) -> AsyncIterator[PartWritten]:
+        """--retry-errors: write each listed part again with its regenerated rows in place."""
+        from pipeline.batch.commit.parts import read_part, read_part_record
+        from pipeline.batch.commit.stats import RowStats
+        from pipeline.batch.schema import conform
+
+        new = self._output(rows, items)
+        self._report_spend(new)
+        by_row = {r: i for i, r in enumerate(new.column(ROW).to_pylist())}
+        for seq, name in enumerate(unit.replace_parts):
+            old_record = await asyncio.to_thread(read_part_record, self.out, name)
+            old = await asyncio.to_thread(read_part, self.out, name)
+            if old_record is None:
+                raise RuntimeError(f"{self.out.uri}/{name} has no tokenmill record in its footer")
+            shard_rows = list(old_record.rows)
+            old = old.append_column(ROW, pa.array(shard_rows, type=pa.int64()))
+            take_new = [by_row.get(r) for r in shard_rows]
+            keep_old = pa.array([i for i, n in enumerate(take_new) if n is None], pa.int64())
+            fresh = pa.array([n for n in take_new if n is not None], pa.int64())
+            merged = pa.concat_tables(
+                [
+                    conform(old.take(keep_old), _with_row(self.config.schema)),
+                    conform(new.take(fresh), _with_row(self.config.schema)),
+                ]
+            )
+            part = PartName(
+                unit.shard.index, unit.run, REPLACEMENT_DISPATCH, _replacement_seq(unit, seq)
+            )
+            record = await asyncio.to_thread(
+                write_part, self.out, part, merged, self.config.schema, self.actor_id, name
+            )
+            replaced = old_record.stats or RowStats.of_table(conform(old, self.config.schema))
+            record = dataclasses.replace(record, replaced_stats=replaced, new_rows=len(fresh))
+            yield PartWritten(record, self.account())
+
+    @staticmethod
+    def _row_failure(row: dict[str, Any], exc: BaseException) -> RowOutcome:
+        """A row whose serving raised is that row's error; the rest of the shard stands."""
+        if not isinstance(exc, Exception):  # cancellation, interpreter exit: not a row's
+            raise exc
+        logger.exception("row %r failed", row.get("id"), exc_info=exc)
+        message = f"internal error serving the row: {type(exc).__name__}: {exc}"
+        return RowOutcome.failed(message, _prompt_tokens_of(row), served=True)
 
     async def _serve(self, row: dict[str, Any]) -> RowOutcome:
         prompt_tokens = _prompt_tokens_of(row)
@@ -353,32 +531,43 @@ class GenerateStage:
             # Unique even if an input repeats an id: the engine keys requests by this.
             request_id=f"{row['id']}#{uuid.uuid4().hex[:8]}",
         )
-        assert self._slots is not None and self._finished is not None
-        async with self._slots:
-            self.meter.on_submit(request.request_id, time.monotonic())
-            result = await self._generate(request)
+        _, finished, _ = self._loop_state()
+        self.meter.on_submit(request.request_id, time.monotonic())
+        result = await self._generate(request)
         self.meter.add_steps(self.engine.drain_step_records())
         self.meter.on_finish(result)
-        async with self._finished:
-            self._finished.notify_all()
+        async with finished:
+            finished.notify_all()
             # Interval-only engines: a row's share is final once every earlier-arrived request
             # has finished too.
-            await self._finished.wait_for(lambda: self.meter.is_final(request.request_id))
+            await finished.wait_for(lambda: self.meter.is_final(request.request_id))
         gpu_seconds = self.meter.pop_row_seconds(request.request_id)
         return RowOutcome.from_result(result, gpu_seconds)
 
     async def _generate(self, request: GenerationRequest) -> GenerationResult:
         try:
             return await self.engine.generate(request)
+        except asyncio.CancelledError:
+            self.engine.abort(request.request_id)
+            raise
         except EngineDeadError as exc:
             # Nothing more can be served here. Ending the process (not raising) makes Ray
-            # restart the actor and retry this batch; a raised error would fail the job.
+            # restart the actor; the driver hands this actor's shards out again.
             logger.error("engine died (%s); exiting so the actor is restarted", exc)
             os._exit(70)
         except Exception as exc:
             return GenerationResult.without_output(
                 request, "error", error=f"{type(exc).__name__}: {exc}"
             )
+
+
+def _with_row(schema: pa.Schema) -> pa.Schema:
+    return schema.insert(0, pa.field(ROW, pa.int64()))
+
+
+def _replacement_seq(unit: WorkUnit, index: int) -> int:
+    # Replacement parts of one shard and run must not collide across dispatches of that shard.
+    return unit.dispatch * 100 + index
 
 
 def _actor_id() -> str:
@@ -390,48 +579,3 @@ def _actor_id() -> str:
         if actor_id:
             return actor_id
     return f"pid-{os.getpid()}"
-
-
-# --- wiring into a dataset -------------------------------------------------------------------
-
-
-def concurrent_tasks_per_actor(batch_size: int, max_in_flight: int) -> int:
-    """Blocks handed to one actor at once: enough batches to fill max_in_flight, plus one so
-    the next block is already waiting when one ends."""
-    return max(2, math.ceil(max_in_flight / batch_size) + 1)
-
-
-def add_generate_stage(ds: Any, spec: JobSpec, budget: Any = None) -> Any:
-    """`ds.map_batches(GenerateStage, ...)` with the pool, resources and retry limits."""
-    import ray.data
-
-    res = spec.resources
-    tasks = concurrent_tasks_per_actor(res.batch_size, res.max_in_flight)
-    if res.num_actors is not None:
-        pool: dict[str, int] = {"size": res.num_actors}
-    else:
-        pool = {"min_size": res.min_actors or 1, "max_size": res.max_actors or 1}
-    compute = ray.data.ActorPoolStrategy(
-        **pool, max_tasks_in_flight_per_actor=tasks, max_concurrent_calls_per_actor=tasks
-    )
-    remote_args: dict[str, Any] = {
-        # Ray's defaults are infinite: a batch that kills its actor would loop forever.
-        "max_restarts": res.max_restarts,
-        "max_task_retries": res.max_task_retries,
-    }
-    with warnings.catch_warnings():
-        # Ray 2.60 deprecates **ray_remote_args but offers no named max_restarts yet.
-        warnings.simplefilter("ignore", DeprecationWarning)
-        return ds.map_batches(
-            GenerateStage,
-            fn_constructor_kwargs={
-                "config": dataclasses.replace(GenerateConfig.from_spec(spec), budget=budget)
-            },
-            batch_size=res.batch_size,
-            batch_format="pyarrow",
-            zero_copy_batch=True,
-            compute=compute,
-            num_cpus=res.cpus_per_actor,
-            num_gpus=res.devices_per_actor or None,
-            **remote_args,
-        )

@@ -26,7 +26,8 @@ from pipeline.batch.prompts import (
     PromptStage,
     context_length,
 )
-from pipeline.batch.read import ERROR, ID, count_rows, iter_lines, read_file
+from pipeline.batch.read import ERROR, ID, sample_rows
+from pipeline.batch.shards import bytes_per_line, count_lines, parquet_footer, plan_shards
 from pipeline.spec import JobSpec, SpecError
 from pipeline.storage import (
     InputFile,
@@ -41,7 +42,6 @@ from pipeline.storage import (
 DEFAULT_SAMPLE_ROWS = 200
 # JSONL bytes read to count rows exactly; larger inputs are estimated from bytes per line.
 EXACT_COUNT_BYTES = 256 * 1024**2
-BYTES_PER_ROW_LINES = 1000
 # --measure: a few prompts, short outputs; enough for a steady-state rate on a small model.
 MEASURE_PROMPTS = 8
 MEASURE_MAX_TOKENS = 32
@@ -113,16 +113,6 @@ class PlanReport:
         return asdict(self)
 
 
-def _bytes_per_row(spec: JobSpec, file: InputFile) -> float | None:
-    """Average bytes of the first lines of a JSONL file (None if it has none)."""
-    lengths = []
-    for _, line in iter_lines(spec, file):
-        lengths.append(len(line))
-        if len(lengths) >= BYTES_PER_ROW_LINES:
-            break
-    return sum(lengths) / len(lengths) if lengths else None
-
-
 def count_job_rows(spec: JobSpec, files: list[InputFile]) -> tuple[int, bool]:
     """(rows the run would read, whether the count is exact).
 
@@ -133,7 +123,7 @@ def count_job_rows(spec: JobSpec, files: list[InputFile]) -> tuple[int, bool]:
     """
     limit = spec.input.limit
     if spec.input.format == "parquet":
-        total = sum(count_rows(spec, f) for f in files)
+        total = sum(sum(parquet_footer(spec, f)[0]) for f in files)
         return (total if limit is None else min(total, limit)), True
     counted_rows, counted_bytes = 0, 0
     rest: list[InputFile] = []
@@ -141,33 +131,23 @@ def count_job_rows(spec: JobSpec, files: list[InputFile]) -> tuple[int, bool]:
         if limit is not None and counted_rows >= limit:
             return limit, True
         if counted_bytes + file.size <= EXACT_COUNT_BYTES:
-            counted_rows += count_rows(spec, file)
+            counted_rows += count_lines(spec, file)
             counted_bytes += file.size
         else:
             rest.append(file)
     if not rest:
         return (counted_rows if limit is None else min(counted_rows, limit)), True
-    per_row = counted_bytes / counted_rows if counted_rows else _bytes_per_row(spec, rest[0])
+    per_row = counted_bytes / counted_rows if counted_rows else bytes_per_line(spec, rest[0])
     estimated = counted_rows + round(sum(f.size for f in rest) / per_row) if per_row else 0
     return (estimated if limit is None else min(estimated, limit)), False
 
 
 def read_sample(spec: JobSpec, files: list[InputFile], num_rows: int) -> Any:
     """The first `num_rows` rows of the job (input order) through read and prompts, in process."""
-    import pyarrow as pa
-
-    tables = []
-    left = num_rows
-    for file in files:
-        if left <= 0:
-            break
-        table = read_file(spec, file, max_rows=left)
-        tables.append(table)
-        left -= table.num_rows
-    if not tables:
+    if num_rows <= 0:
         return None
-    sample = pa.concat_tables(tables, promote_options="default")
-    return PromptStage(spec)(sample)
+    sample = sample_rows(spec, plan_shards(spec, files), num_rows)
+    return PromptStage(spec)(sample) if sample.num_rows else None
 
 
 def measure_tokens_per_s(spec: JobSpec, prompts: list[list[int]], max_tokens: int) -> float:

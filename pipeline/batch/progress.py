@@ -13,32 +13,33 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import TracebackType
 
-from pipeline.batch.commit.parts import CommitStats
+from pipeline.batch.commit.parts import PartRecord
 
 
 @dataclass
 class Progress:
-    """Counts of the rows the driver has committed this run; `line()` formats them."""
+    """Counts of the rows this run has written in parts; `line()` formats them."""
 
-    total: int  # rows this run has to generate
+    total: int  # rows this run has to generate (0: not known before the shards are read)
     rows: int = 0
     error_rows: int = 0
     completion_tokens: int = 0
     parts: int = 0
     started: float = field(default_factory=time.monotonic)
 
-    def update(self, stats: CommitStats) -> None:
-        """Take the counts of what has been committed so far."""
-        self.rows = stats.rows
-        self.error_rows = stats.error_rows
-        self.completion_tokens = stats.completion_tokens
-        self.parts = len(stats.parts)
+    def add(self, record: PartRecord) -> None:
+        """Count one part an engine actor wrote."""
+        self.rows += record.sums.rows
+        self.error_rows += record.sums.errors
+        self.completion_tokens += record.sums.completion_tokens
+        self.parts += 1
 
     def line(self, now: float | None = None) -> str:
         elapsed = max((now or time.monotonic()) - self.started, 1e-9)
         pct = f" ({100 * self.rows / self.total:.0f}%)" if self.total else ""
+        total = self.total or "?"
         return (
-            f"rows {self.rows}/{self.total}{pct} | {self.completion_tokens / elapsed:.1f} tok/s"
+            f"rows {self.rows}/{total}{pct} | {self.completion_tokens / elapsed:.1f} tok/s"
             f" | errors {self.error_rows} | parts {self.parts} | {elapsed:.0f}s"
         )
 

@@ -1,7 +1,7 @@
 """Rows → prompt token ids and per-row sampling: the second stage of a job.
 
-`PromptStage` (run through `tokenize_dataset`) takes the columns `pipeline.batch.read` produces and
-adds, per row (names are the constants below):
+`PromptStage` (run by `PromptWorker` actors, one shard at a time) takes the columns
+`pipeline.batch.read` produces and adds, per row (names are the constants below):
 
 - `prompt_token_ids` (list<int32>): the rendered prompt's tokens; empty on error rows.
 - `prompt_tokens` (int32): len(prompt_token_ids).
@@ -12,8 +12,8 @@ adds, per row (names are the constants below):
   `derive_seed(sampling.seed, id)` so a row samples the same whatever its batch; else null.
 - `error` (string, null): set when the row cannot be generated: invalid messages, an empty
   prompt, a template error, an invalid override value, or prompt_tokens + max_tokens above the
-  context length. Rows that arrive with `error` pass through untouched (empty token ids,
-  default sampling values).
+  context length, or an id that repeats an earlier row of the shard. Rows that arrive with
+  `error` pass through untouched (empty token ids, default sampling values).
 
 Every other column (`id`, `prompt`, `messages`, passthrough, ...) is kept as it is.
 
@@ -35,11 +35,12 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from pipeline.batch.read import ERROR, ID, MESSAGES, PROMPT, override_columns
+from pipeline.batch.shards import RowRanges, RowSelection
+from pipeline.batch.units import PreparedInfo, WorkUnit
 from pipeline.spec import JobSpec, ModelSpec, PromptSpec, StorageSpec
 
 if TYPE_CHECKING:
     import pyarrow as pa
-    import ray.data
 
 PROMPT_TOKEN_IDS = "prompt_token_ids"
 PROMPT_TOKENS = "prompt_tokens"
@@ -310,11 +311,8 @@ def resolve_sampling(
 
 
 class PromptStage:
-    """Callable for `ds.map_batches(PromptStage, fn_constructor_kwargs={"spec": spec}, ...)`.
-
-    Loads the tokenizer once per worker; each call maps a pyarrow batch to the same rows with
-    the stage columns added (see the module docstring).
-    """
+    """Renders read rows into prompts: loads the tokenizer once; each call maps a table of read
+    rows to the same rows with the stage columns added (see the module docstring)."""
 
     def __init__(self, spec: JobSpec) -> None:
         self.spec = spec
@@ -385,17 +383,72 @@ def prompt_pool_size(spec: JobSpec) -> int:
     return max(1, math.ceil(res.peak_actors / 4))
 
 
-def tokenize_dataset(ds: ray.data.Dataset, spec: JobSpec) -> ray.data.Dataset:
-    """`ds` (from pipeline.batch.read) with the prompt stage applied by a fixed tokenizer pool."""
-    import ray.data
+def mark_duplicate_ids(table: pa.Table, where: str) -> pa.Table:
+    """Rows whose id repeats an earlier row of the same table become error rows (the first
+    occurrence stays): an id must name one row, or reruns and joins on it break."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
 
-    return ds.map_batches(
-        PromptStage,
-        fn_constructor_kwargs={"spec": spec},
-        # Fixed: an actor started mid-run spends seconds of CPU importing and loading the
-        # tokenizer, which on a small node is taken from the engines.
-        compute=ray.data.ActorPoolStrategy(size=prompt_pool_size(spec)),
-        num_cpus=PROMPT_STAGE_CPUS,
-        batch_size=spec.resources.batch_size,
-        batch_format="pyarrow",
-    )
+    ids = table.column(ID)
+    if pc.count_distinct(ids).as_py() == table.num_rows:
+        return table
+    seen: set[str] = set()
+    errors = table.column(ERROR).to_pylist()
+    for i, row_id in enumerate(ids.to_pylist()):
+        if row_id in seen and errors[i] is None:
+            errors[i] = (
+                f"duplicate id {row_id!r}: an earlier row of {where} has the same id; every row "
+                "needs a unique id (fix the input, or set input.id_column to null to derive ids)"
+            )
+        seen.add(row_id)
+    return table.set_column(table.column_names.index(ERROR), ERROR, pa.array(errors, pa.string()))
+
+
+class PromptWorker:
+    """Ray actor of the prompt stage: reads one shard's rows and renders their prompts.
+
+    `prepare(unit)` returns (PreparedInfo, rows): the rows go to an engine actor through the
+    object store, the info (counts only) to the driver. Call it with `num_returns=2`.
+    """
+
+    def __init__(self, arguments: tuple[JobSpec, list[pa.Field]]) -> None:
+        self.spec, self.passthrough = arguments  # (job spec, passthrough fields)
+        self.stage = PromptStage(self.spec)
+
+    def ready(self) -> bool:
+        return True
+
+    def prepare(self, unit: WorkUnit) -> tuple[PreparedInfo, pa.Table]:
+        from pipeline.batch.read import read_shard
+
+        selection = unit.selection
+        if unit.replace_parts:
+            selection = RowSelection(only=self._error_rows(unit))
+        shard_rows = read_shard(self.spec, unit.shard, selection, self.passthrough)
+        read_errors = shard_rows.table.num_rows - shard_rows.table.column(ERROR).null_count
+        table = self.stage(mark_duplicate_ids(shard_rows.table, unit.shard.describe()))
+        info = PreparedInfo(
+            shard=unit.shard.index,
+            num_rows=shard_rows.num_rows,
+            num_selected=table.num_rows,
+            num_read_errors=int(read_errors),
+        )
+        return info, table
+
+    def _error_rows(self, unit: WorkUnit) -> RowRanges:
+        """Shard rows whose committed row is an error, in the parts `unit` replaces."""
+        import pyarrow.compute as pc
+
+        from pipeline.batch.commit.parts import read_part, read_part_record
+        from pipeline.storage import OutputDir
+
+        out = OutputDir(self.spec.output.uri, self.spec.storage)
+        rows: list[int] = []
+        for name in unit.replace_parts:
+            record = read_part_record(out, name)
+            if record is None:
+                raise RuntimeError(f"{out.uri}/{name} has no tokenmill record in its footer")
+            reasons = read_part(out, name, columns=["finish_reason"]).column("finish_reason")
+            is_error = pc.fill_null(pc.equal(reasons, "error"), False).to_pylist()
+            rows += [row for row, bad in zip(record.rows, is_error, strict=True) if bad]
+        return RowRanges.from_indexes(rows)

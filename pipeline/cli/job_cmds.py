@@ -66,8 +66,8 @@ def print_summary(result: RunResult) -> None:
         ("USD per 1M output tokens", _fmt(t.get("usd_per_million_output"))),
         ("list price USD", _fmt(t.get("list_price_usd"))),
     ]
-    if result.missing_ids:
-        rows.append(("missing rows", f"{result.missing_ids} (rerun to resume)"))
+    if result.missing_rows:
+        rows.append(("missing rows", f"{result.missing_rows} (rerun to resume)"))
     for name, value in rows:
         table.add_row(name, value)
     Console(soft_wrap=True).print(table)
@@ -76,14 +76,24 @@ def print_summary(result: RunResult) -> None:
 
 def run_and_report(spec: Any, *, fresh: bool, retry_errors: bool) -> int:
     """Run the job, print progress and the summary; returns the exit code."""
-    from pipeline.batch.run import ResourceError, ResumeRefused, run_job
+    from pipeline.batch.run import (
+        JobFailed,
+        LeaseHeld,
+        LeaseLost,
+        ResourceError,
+        ResumeRefused,
+        run_job,
+    )
     from pipeline.spec import SpecError
     from pipeline.storage import StorageError
 
     try:
         result = run_job(spec, fresh=fresh, retry_errors=retry_errors, emit=_err)
-    except (SpecError, ResumeRefused, ResourceError, StorageError) as exc:
+    except (SpecError, ResumeRefused, ResourceError, StorageError, LeaseHeld) as exc:
         _err(f"error: {exc}")
+        return EXIT_FAILED
+    except (JobFailed, LeaseLost) as exc:
+        _err(f"error: {exc}; committed rows are kept, rerun the same command to resume")
         return EXIT_FAILED
     print_summary(result)
     if result.exit_code == 3:

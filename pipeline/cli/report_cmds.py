@@ -29,7 +29,6 @@ def report_cmd(
     from rich.console import Console
     from rich.table import Table
 
-    from pipeline.batch.commit.parts import OutputDir
     from pipeline.report import (
         ReportError,
         build_report,
@@ -38,7 +37,7 @@ def report_cmd(
         write_report,
     )
     from pipeline.spec import StorageSpec
-    from pipeline.storage import StorageError
+    from pipeline.storage import OutputDir, StorageError
 
     storage = StorageSpec(endpoint_url=endpoint_url, region=region, anonymous=anonymous)
     err = Console(stderr=True)

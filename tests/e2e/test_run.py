@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -75,6 +76,22 @@ def base_job(tmp_path: Path, model: Path, rows: int = 12) -> dict[str, Any]:
     }
 
 
+def kill_tree(pid: int) -> None:
+    """SIGKILL a driver and every process it started (its local Ray: raylet, workers), at once,
+    as when the machine or pod running it dies."""
+    import psutil
+
+    try:
+        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for proc in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
+
+
 def committed(out: Path) -> pa.Table:
     return pa.concat_tables(pq.read_table(p) for p in sorted(out.glob("part-*.parquet")))
 
@@ -139,7 +156,7 @@ def test_driver_killed_mid_run_then_rerun_every_id_once(tmp_path: Path, model_di
             assert time.monotonic() < deadline, "no part committed in time"
             time.sleep(0.2)
     finally:
-        os.killpg(first.pid, signal.SIGKILL)
+        kill_tree(first.pid)
         first.wait(timeout=30)
     before = committed(out).column("id").to_pylist()
     assert 0 < len(before) < 61
@@ -158,7 +175,7 @@ def test_driver_killed_mid_run_then_rerun_every_id_once(tmp_path: Path, model_di
     assert [r["attempt"] for r in manifest["runs"]] == [1, 2]
     assert manifest["runs"][0]["interrupted"] and manifest["runs"][0]["rows"] == len(before)
     assert manifest["totals"]["rows"] == 61 and manifest["totals"]["rows_error"] == 1
-    attempts = {p.name.split("-")[1] for p in out.glob("part-*.parquet")}
+    attempts = {p.name.split("-")[2] for p in out.glob("part-*.parquet")}  # part-<shard>-<run>-
     assert attempts == {"00001", "00002"}
 
     names = sorted(p.name for p in out.iterdir())

@@ -6,8 +6,8 @@
 - `bucket` (function): a fresh, empty bucket name on that server.
 - `s3_storage` (session): the job `storage` section (StorageSpec) pointing at the server.
 - `tiny_model_dir` (session): a tiny random Llama with a chat-template tokenizer (engines.tiny).
-- `ray_local` (session): `ray.init(address="local", num_cpus=2, ...)` with a no-progress guard,
-  shut down at the end of the session. Never attaches to another cluster on this machine.
+- `ray_local` (session): `ray.init(address="local", num_cpus=2, ...)`, shut down at the end
+  of the session. Never attaches to another cluster on this machine.
 """
 
 from __future__ import annotations
@@ -19,9 +19,6 @@ from typing import Any
 import pytest
 
 from tests.integration.s3_server import S3Server, dummy_aws_env, running_s3_server
-
-# A Ray Data pipeline that makes no progress for this long raises instead of hanging the suite.
-RAY_DATA_NO_PROGRESS_TIMEOUT_S = 120
 
 
 @pytest.fixture(scope="session")
@@ -57,7 +54,6 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def ray_local(aws_env: dict[str, str]) -> Iterator[Any]:
     """A private local Ray instance for the session (2 CPUs, small object store)."""
     import ray
-    from ray.data import DataContext
 
     if ray.is_initialized():
         ray.shutdown()
@@ -69,9 +65,6 @@ def ray_local(aws_env: dict[str, str]) -> Iterator[Any]:
         log_to_driver=False,
         runtime_env={"env_vars": dict(aws_env)},
     )
-    ctx = DataContext.get_current()
-    ctx.execution_no_progress_timeout_s = RAY_DATA_NO_PROGRESS_TIMEOUT_S
-    ctx.enable_progress_bars = False
     try:
         yield ray
     finally:

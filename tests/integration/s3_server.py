@@ -1,8 +1,16 @@
-"""A real S3 HTTP endpoint for tests: moto's ThreadedMotoServer on 127.0.0.1, a free port.
+"""A real S3 HTTP endpoint for tests: moto's S3 app behind a threaded WSGI server on
+127.0.0.1, a free port.
 
 Ray workers are separate processes, so in-process mocking (`mock_aws`) cannot reach them; a
 server on a local port can. Credentials are dummies set in the environment *before* Ray starts,
 so every worker inherits them.
+
+Two things sit between the client and moto (`S3Gate`):
+- conditional writes (If-None-Match / If-Match) are served one at a time: moto checks the
+  condition and then writes without a lock, where S3 does both atomically, so two racing
+  conditional PUTs could both succeed on moto but never on S3;
+- injected failures: `s3.fail_next("PUT", "part-", times=2)` answers the next two matching
+  requests with 503 SlowDown, as a throttled S3 would.
 
     with running_s3_server() as s3:            # or the `s3_server` fixture in conftest.py
         bucket = s3.make_bucket()              # fresh, unique bucket per test
@@ -14,10 +22,11 @@ so every worker inherits them.
 from __future__ import annotations
 
 import os
+import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 # Dummy credentials: moto accepts anything, botocore only needs something to sign with.
@@ -56,11 +65,70 @@ def _split(uri: str) -> tuple[str, str]:
     return bucket, key
 
 
-@dataclass(frozen=True)
+@dataclass
+class _Fault:
+    method: str
+    key_contains: str
+    left: int
+    status: int
+    code: str
+    served: int = 0
+
+
+class S3Gate:
+    """WSGI middleware in front of moto: serialized conditional writes, injected failures."""
+
+    def __init__(self, app: Any):
+        self.app = app
+        self._conditional = threading.Lock()
+        self._faults_lock = threading.Lock()
+        self.faults: list[_Fault] = []
+
+    def _fault_for(self, method: str, path: str) -> _Fault | None:
+        with self._faults_lock:
+            for fault in self.faults:
+                if fault.left > 0 and fault.method == method and fault.key_contains in path:
+                    fault.left -= 1
+                    fault.served += 1
+                    return fault
+        return None
+
+    def __call__(self, environ: dict[str, Any], start_response: Any) -> Iterable[bytes]:
+        fault = self._fault_for(environ["REQUEST_METHOD"], environ.get("PATH_INFO", ""))
+        if fault is not None:
+            body = (
+                f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{fault.code}</Code>'
+                f"<Message>injected by the test</Message></Error>"
+            ).encode()
+            environ["wsgi.input"].read(int(environ.get("CONTENT_LENGTH") or 0))
+            start_response(
+                f"{fault.status} Injected",
+                [("Content-Type", "application/xml"), ("Content-Length", str(len(body)))],
+            )
+            return [body]
+        if environ.get("HTTP_IF_NONE_MATCH") or environ.get("HTTP_IF_MATCH"):
+            with self._conditional:
+                return list(self.app(environ, start_response))
+        return self.app(environ, start_response)
+
+
+@dataclass
 class S3Server:
     """Handle on a running test S3 endpoint, with a few boto3 helpers for arranging data."""
 
     endpoint_url: str  # e.g. "http://127.0.0.1:41234"
+    gate: S3Gate | None = field(default=None, repr=False, compare=False)
+
+    def fail_next(
+        self, method: str, key_contains: str, times: int, status: int = 503, code: str = "SlowDown"
+    ) -> _Fault:
+        """Answer the next `times` requests of `method` whose path contains `key_contains` with
+        an S3 error (503 SlowDown by default); returns the fault, whose `served` counts them."""
+        assert self.gate is not None
+        fault = _Fault(method, key_contains, times, status, code)
+        with self.gate._faults_lock:
+            self.gate.faults.append(fault)
+        return fault
 
     def client(self) -> Any:
         import boto3
@@ -122,25 +190,34 @@ class S3Server:
 
 @contextmanager
 def running_s3_server(set_env: bool = True) -> Iterator[S3Server]:
-    """Start moto's S3 server on 127.0.0.1 with a free port; stop it on exit.
+    """Start moto's S3 app (behind S3Gate) on 127.0.0.1 with a free port; stop it on exit.
 
     `set_env` also sets the dummy AWS variables for the block (needed by code that takes
     credentials from the environment, i.e. all of tokenmill).
     """
     import logging
 
-    from moto.server import ThreadedMotoServer
+    from moto.moto_server.werkzeug_app import (
+        DomainDispatcherApplication,
+        MotoRequestHandler,
+        create_backend_app,
+    )
+    from werkzeug.serving import make_server
 
     # werkzeug logs every request at INFO; test output should show failures, not traffic.
     logging.getLogger("werkzeug").setLevel(logging.WARNING)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
+    gate = S3Gate(DomainDispatcherApplication(create_backend_app))
+    server = make_server("127.0.0.1", 0, gate, threaded=True, request_handler=MotoRequestHandler)
+    thread = threading.Thread(target=server.serve_forever, name="s3-server", daemon=True)
+    thread.start()
+    host, port = server.server_address[:2]
+    handle = S3Server(endpoint_url=f"http://{host}:{port}", gate=gate)
     try:
         if set_env:
             with dummy_aws_env():
-                yield S3Server(endpoint_url=f"http://{host}:{port}")
+                yield handle
         else:
-            yield S3Server(endpoint_url=f"http://{host}:{port}")
+            yield handle
     finally:
-        server.stop()
+        server.shutdown()
+        thread.join()

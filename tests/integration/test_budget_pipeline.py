@@ -32,7 +32,7 @@ def test_budget_stops_the_run_and_a_higher_budget_resumes(ray_local, tiny_model_
     assert not (out / "_SUCCESS").exists()
     first = read_rows(out).column("id").to_pylist()
     assert 0 < len(first) < NUM_ROWS
-    assert manifest["missing_ids"] == NUM_ROWS - len(first)
+    assert manifest["missing_rows"] == NUM_ROWS - len(first)
     check_books(out)
     report = (out / "report.md").read_text()
     assert "stopped_at_budget" in report and "stopped admitting rows" in report

@@ -17,16 +17,11 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.batch.commit.parts import (
-    RESULT_FIELDS,
-    TOKEN_IDS_FIELD,
-    OutputDir,
-    list_parts,
-    read_part,
-    table_to_parquet,
-)
+from pipeline.batch.commit.parts import list_part_names, read_part, table_to_parquet
 from pipeline.batch.run import ResumeRefused, RunResult, run_job
+from pipeline.batch.schema import RESULT_FIELDS, TOKEN_IDS_FIELD
 from pipeline.spec import JobSpec, parse_job_spec
+from pipeline.storage import OutputDir
 from tests.integration.s3_server import S3Server
 
 pytestmark = pytest.mark.timeout(300)
@@ -154,8 +149,9 @@ def test_parquet_s3_two_actors_every_id_once_with_documented_schema(
     assert min(table.column("gpu_seconds").to_pylist()) > 0
     assert min(table.column("list_price_usd").to_pylist()) > 0
     assert len(set(table.column("actor_id").to_pylist())) == 2, "both actors served rows"
-    for part in list_parts(OutputDir(spec.output.uri, spec.storage)):
-        assert read_part(OutputDir(spec.output.uri, spec.storage), part).num_rows <= 7
+    out = OutputDir(spec.output.uri, spec.storage)
+    for name in list_part_names(out):
+        assert read_part(out, name).num_rows <= 7
 
     manifest = manifest_of(s3_server, spec.output.uri)
     assert manifest["status"] == "complete"
@@ -243,31 +239,53 @@ def test_bad_rows_become_error_rows_and_exit_code_3(
     assert_totals_match(manifest_of(s3_server, spec.output.uri), table)
 
 
+def mark_rows_failed(out: OutputDir, ids: set[str]) -> None:
+    """Turn committed rows into error rows, as a transient failure would have left them: the
+    part files and their records in the manifest (the commit record) are rewritten together."""
+    from pipeline.batch.commit.parts import PartRecord, read_part_record
+    from pipeline.batch.commit.stats import RowStats
+
+    manifest = json.loads(out.read("_manifest.json"))
+    for entry in manifest["parts"]:
+        table = read_part(out, entry["name"])
+        hit = pc.is_in(table.column("id"), value_set=pa.array(sorted(ids)))
+        if not pc.any(hit).as_py():
+            continue
+        reason = pc.if_else(hit, "error", table.column("finish_reason"))
+        table = table.set_column(
+            table.schema.get_field_index("finish_reason"), "finish_reason", reason
+        )
+        error = pc.if_else(hit, "transient failure", table.column("error"))
+        table = table.set_column(table.schema.get_field_index("error"), "error", error)
+        footer = read_part_record(out, entry["name"])
+        assert footer is not None
+        stats = RowStats.of_table(table)
+        record = PartRecord.from_json({**footer.to_json(), **stats.sums.to_json()})
+        meta = {b"tokenmill.part": json.dumps(record.to_json(with_stats=True)).encode()}
+        data = table_to_parquet(table, meta)
+        out.put(entry["name"], data)
+        entry.update(stats.sums.to_json())
+        entry["size_bytes"], entry["version"] = out.stat(entry["name"])
+    out.put("_manifest.json", json.dumps(manifest).encode())
+
+
 def test_retry_errors_supersedes_old_error_rows(
     jsonl_job: tuple[JobSpec, RunResult, list[str]], s3_server: S3Server
 ) -> None:
     spec, _, good_ids = jsonl_job
     out = OutputDir(spec.output.uri, spec.storage)
-    # Turn two good rows into errors, as a transient failure would have left them.
     flaky = set(good_ids[:2])
-    for part in list_parts(out):
-        table = read_part(out, part)
-        hit = pc.is_in(table.column("id"), value_set=pa.array(sorted(flaky)))
-        if pc.any(hit).as_py():
-            reason = pc.if_else(hit, "error", table.column("finish_reason"))
-            table = table.set_column(
-                table.schema.get_field_index("finish_reason"), "finish_reason", reason
-            )
-            out.put_atomic(part.name, table_to_parquet(table))
-    parts_before = {p.name for p in list_parts(out)}
+    mark_rows_failed(out, flaky)
+    parts_before = set(list_part_names(out))
 
     result = run_job(spec, retry_errors=True)
     assert result.status == "complete"
     assert result.rows_written == 5  # 2 flaky + 3 that fail again
-    assert {p.split("-")[1] for p in result.parts_written} == {"00002"}
+    assert {p.split("-")[2] for p in result.parts_written} == {"00002"}
     assert result.superseded_parts and set(result.superseded_parts) <= parts_before
     table, names = read_output(s3_server, spec.output.uri)
     assert "_SUCCESS" in names
+    assert not set(result.superseded_parts) & {n for n in names}, "replaced parts are gone"
     ids = table.column("id").to_pylist()
     assert len(ids) == len(set(ids)) == 13
     rows = {r["id"]: r for r in table.to_pylist()}
@@ -334,13 +352,31 @@ def test_openai_batch_on_s3(ray_local: Any, s3_server: S3Server, tiny_model_dir:
     assert manifest["spec"]["sampling"]["stop"] == ["."]
 
 
-def test_duplicate_input_ids_are_refused(ray_local: Any) -> None:
-    import ray.data
-
-    from pipeline.batch.run import read_input_ids
-    from pipeline.spec import SpecError
-
-    ids = read_input_ids(ray.data.from_items([{"id": "a"}, {"id": "b"}]))
-    assert ids.to_pylist() == ["a", "b"]
-    with pytest.raises(SpecError, match=r"1 duplicate id\(s\), e.g. \['a'\].*input.id_column"):
-        read_input_ids(ray.data.from_items([{"id": "a"}, {"id": "b"}, {"id": "a"}]))
+def test_duplicate_ids_in_a_shard_become_error_rows(
+    ray_local: Any, s3_server: S3Server, tiny_model_dir: Path
+) -> None:
+    bucket = s3_server.make_bucket()
+    lines = [{"id": f"d{i % 4}", "text": f"Count {i} boats."} for i in range(6)]
+    s3_server.put(f"s3://{bucket}/in/dup.jsonl", "".join(json.dumps(x) + "\n" for x in lines))
+    spec = make_spec(
+        "dup-job",
+        {
+            "uri": f"s3://{bucket}/in/dup.jsonl",
+            "format": "jsonl",
+            "id_column": "id",
+            "prompt_column": "text",
+        },
+        f"s3://{bucket}/out/",
+        s3_server,
+        tiny_model_dir,
+        limits={"max_error_fraction": 0.5},
+    )
+    result = run_job(spec)
+    assert result.status == "complete"
+    table, _ = read_output(s3_server, spec.output.uri)
+    assert table.num_rows == 6, "every input row is in the output once"
+    errors = [r for r in table.to_pylist() if r["finish_reason"] == "error"]
+    assert sorted(r["id"] for r in errors) == ["d0", "d1"]  # the later copies
+    assert all("duplicate id" in r["error"] for r in errors)
+    firsts = [r for r in table.to_pylist() if r["finish_reason"] != "error"]
+    assert sorted(r["id"] for r in firsts) == ["d0", "d1", "d2", "d3"]

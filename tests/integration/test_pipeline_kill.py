@@ -20,7 +20,7 @@ from pipeline.batch.run import RunResult, run_job
 from pipeline.spec import parse_job_spec
 
 pytestmark = pytest.mark.timeout(300)
-ACTOR_TITLE = "MapBatches(GenerateStage)"
+ACTOR_TITLE = "EngineWorker"
 
 
 def engine_actor_pids() -> list[int]:

@@ -1,5 +1,5 @@
 """Pure pieces of the run and generate stages, without Ray: the Ray connection choice, the CPU
-headroom check, per-row sampling, output rows of one batch, the actor pool's concurrency."""
+headroom check, per-row sampling, output rows of one shard's rows, exit codes."""
 
 from __future__ import annotations
 
@@ -9,23 +9,17 @@ import pyarrow as pa
 import pytest
 
 from engines.api import GenerationResult, RequestMetrics
-from pipeline.batch.commit.parts import conform, output_schema
+from pipeline.batch.cluster import ResourceError, check_cpu_headroom, ray_init_kwargs
 from pipeline.batch.generate import (
-    ACCOUNT_COLUMN,
+    EngineWorker,
     GenerateConfig,
     RowOutcome,
-    concurrent_tasks_per_actor,
     outcomes_to_table,
     row_sampling,
 )
 from pipeline.batch.prompts import prompt_pool_size
-from pipeline.batch.run import (
-    ResourceError,
-    RunResult,
-    backpressure_ratio,
-    check_cpu_headroom,
-    ray_init_kwargs,
-)
+from pipeline.batch.run import RunResult
+from pipeline.batch.schema import conform, output_schema
 from pipeline.spec import JobSpec, SamplingSpec, parse_job_spec
 
 
@@ -57,24 +51,15 @@ def test_ray_address_in_env_connects_else_a_private_local_ray() -> None:
     assert ray_init_kwargs({"RAY_ADDRESS": "  "}, cpu_count=2)["address"] == "local"
 
 
-def test_cpu_headroom_refuses_a_pool_that_would_starve_the_read() -> None:
-    # Besides the engines: one read task (1/4 CPU) and the tokenizer pool (1/4 CPU each).
-    check_cpu_headroom(_spec(num_actors=2, cpus_per_actor=0.75), 2.0)
-    check_cpu_headroom(_spec(num_actors=1, cpus_per_actor=1.5), 2.0)
+def test_cpu_headroom_refuses_a_pool_that_would_starve_the_prompt_actors() -> None:
+    # Besides the engines: the prompt actors (1/4 CPU each).
+    check_cpu_headroom(_spec(num_actors=2, cpus_per_actor=0.85), 2.0)
+    check_cpu_headroom(_spec(num_actors=1, cpus_per_actor=1.75), 2.0)
     check_cpu_headroom(_spec(num_actors=8, cpus_per_actor=1), None)  # unknown: not checked
-    with pytest.raises(ResourceError, match=r"resources.cpus_per_actor <= 0.75"):
-        check_cpu_headroom(_spec(num_actors=2, cpus_per_actor=0.8), 2.0)
-    with pytest.raises(ResourceError, match=r"resources.cpus_per_actor <= 0.50"):
+    with pytest.raises(ResourceError, match=r"resources.cpus_per_actor <= 0.88"):
+        check_cpu_headroom(_spec(num_actors=2, cpus_per_actor=0.9), 2.0)
+    with pytest.raises(ResourceError, match=r"resources.cpus_per_actor <= 0.62"):
         check_cpu_headroom(_spec(num_actors=2, cpus_per_actor=0.75, prompt_actors=3), 2.0)
-
-
-def test_backpressure_ratio_covers_every_batch_that_can_finish_at_once() -> None:
-    # 64 in flight in batches of 16: 5 batches queued per actor
-    assert backpressure_ratio(_spec(num_actors=1, batch_size=16, max_in_flight=64)) == 10.0
-    assert backpressure_ratio(_spec(num_actors=8, batch_size=16, max_in_flight=64)) == 80.0
-    autoscaled = _spec(num_actors=None, min_actors=1, max_actors=4, batch_size=32)
-    assert backpressure_ratio(autoscaled) == 2 * 5 * 4  # 128 in flight / 32 + 1 = 5
-    assert backpressure_ratio(_spec(num_actors=1, batch_size=64, max_in_flight=8)) == 10.0
 
 
 def test_prompt_pool_is_one_tokenizer_per_four_engines_unless_set() -> None:
@@ -102,8 +87,16 @@ def test_row_sampling_takes_row_columns_over_job_defaults() -> None:
 
 def test_outcomes_table_keeps_order_and_fits_the_output_schema() -> None:
     spec = _spec()
-    config = GenerateConfig.from_spec(spec)
-    batch = pa.table({"id": ["x", "y"], "user": pa.array([7, 8], pa.int64()), "p": ["a", "b"]})
+    schema = output_schema([pa.field("user", pa.int64())], include_token_ids=True)
+    config = GenerateConfig.from_spec(spec, schema)
+    batch = pa.table(
+        {
+            "_row": pa.array([4, 9], pa.int64()),
+            "id": ["x", "y"],
+            "user": pa.array([7, 8], pa.int64()),
+            "p": ["a", "b"],
+        }
+    )
     metrics = RequestMetrics(
         arrival_time=1.0, first_scheduled_time=1.5, first_token_time=2.0, finish_time=4.0
     )
@@ -121,9 +114,10 @@ def test_outcomes_table_keeps_order_and_fits_the_output_schema() -> None:
         gpu_seconds=2.0,
     )
     bad = RowOutcome.failed("empty prompt", prompt_tokens=0, served=False)
-    table = outcomes_to_table(batch, [ok, bad], config, "actor-1", "reference", '{"a": 1}')
+    table = outcomes_to_table(batch, [ok, bad], config, "actor-1", "reference")
     rows = table.to_pylist()
     assert [r["id"] for r in rows] == ["x", "y"] and [r["user"] for r in rows] == [7, 8]
+    assert [r["_row"] for r in rows] == [4, 9]  # the shard rows, for the part's record
     assert (rows[0]["queue_s"], rows[0]["ttft_s"], rows[0]["decode_s"], rows[0]["latency_s"]) == (
         0.5,
         1.0,
@@ -135,15 +129,8 @@ def test_outcomes_table_keeps_order_and_fits_the_output_schema() -> None:
     assert rows[0]["completion_token_ids"] == [5, 6] and rows[0]["actor_id"] == "actor-1"
     assert rows[1]["finish_reason"] == "error" and rows[1]["error"] == "empty prompt"
     assert rows[1]["actor_id"] is None and rows[1]["gpu_seconds"] == 0.0
-    assert [r[ACCOUNT_COLUMN] for r in rows] == [None, '{"a": 1}']  # once per batch
     assert isinstance(rows[1]["finished_at"], dt.datetime)
-    schema = output_schema([pa.field("user", pa.int64())], include_token_ids=True)
     assert conform(table, schema).schema == schema
-
-
-def test_enough_concurrent_batches_to_fill_max_in_flight() -> None:
-    assert concurrent_tasks_per_actor(batch_size=32, max_in_flight=128) == 5
-    assert concurrent_tasks_per_actor(batch_size=64, max_in_flight=8) == 2
 
 
 def test_exit_codes() -> None:
@@ -166,13 +153,11 @@ def test_exit_codes() -> None:
 
 
 def test_a_row_that_raises_becomes_that_rows_error() -> None:
-    from pipeline.batch.generate import GenerateStage
-
-    outcome = GenerateStage._as_outcome({"id": "r", "prompt_tokens": 4}, KeyError("meter"))
+    outcome = EngineWorker._row_failure({"id": "r", "prompt_tokens": 4}, KeyError("meter"))
     assert outcome.finish_reason == "error" and "KeyError" in (outcome.error or "")
     assert outcome.prompt_tokens == 4
     with pytest.raises(KeyboardInterrupt):
-        GenerateStage._as_outcome({"id": "r"}, KeyboardInterrupt())
+        EngineWorker._row_failure({"id": "r"}, KeyboardInterrupt())
 
 
 def test_demo_rows_vary_and_ids_are_unique() -> None:

@@ -1,4 +1,5 @@
-"""Reading inputs from S3 (moto over real HTTP) into rows with ids, columns and error rows."""
+"""Reading inputs from S3 (moto over real HTTP) and local files: shards, and rows with ids,
+columns and error rows."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.batch.plan import preflight
-from pipeline.batch.read import derived_id, read_dataset
+from pipeline.batch.read import derived_id, read_shard
+from pipeline.batch.run import plan_input
+from pipeline.batch.shards import plan_shards
 from pipeline.spec import JobSpec, SpecError, StorageSpec, parse_job_spec
 from pipeline.storage import COMPLETE_MARKER, list_input_files, materialize_model
 from tests.integration.s3_server import S3Server
@@ -33,8 +36,27 @@ def make_spec(storage: StorageSpec, input_section: dict[str, Any], **sections: A
 
 
 def collect(spec: JobSpec) -> tuple[list[dict[str, Any]], int]:
-    ds = read_dataset(spec, list_input_files(spec)).materialize()
-    return ds.take_all(), ds.num_blocks()
+    """Every row of the job's input (through its shards) and the number of shards."""
+    plan, passthrough = plan_input(spec, list_input_files(spec))
+    rows = [
+        r for s in plan.shards for r in read_shard(spec, s, None, passthrough).table.to_pylist()
+    ]
+    return rows, len(plan)
+
+
+def read_all(spec: JobSpec) -> pa.Table:
+    """The rows of a job's input as one table, in input order."""
+    plan, passthrough = plan_input(spec, list_input_files(spec))
+    return pa.concat_tables(read_shard(spec, s, None, passthrough).table for s in plan.shards)
+
+
+def offsets(lines: list[str]) -> list[int]:
+    """Byte offset of each line of a file written as "\n".join(lines)."""
+    out, at = [], 0
+    for line in lines:
+        out.append(at)
+        at += len(line.encode()) + 1
+    return out
 
 
 def parquet_bytes(table: pa.Table) -> bytes:
@@ -43,7 +65,7 @@ def parquet_bytes(table: pa.Table) -> bytes:
     return sink.getvalue()
 
 
-def test_parquet_ids_columns_and_overrides(ray_local, s3_server: S3Server, bucket: str) -> None:
+def test_parquet_ids_columns_and_overrides(s3_server: S3Server, bucket: str) -> None:
     uri = f"s3://{bucket}/in/prompts.parquet"
     table = pa.table(
         {
@@ -54,7 +76,9 @@ def test_parquet_ids_columns_and_overrides(ray_local, s3_server: S3Server, bucke
             "ignored": ["x"] * 10,
         }
     )
-    s3_server.put(uri, parquet_bytes(table))
+    sink = io.BytesIO()
+    pq.write_table(table, sink, row_group_size=4)
+    s3_server.put(uri, sink.getvalue())
     spec = make_spec(
         s3_server.storage_spec(),
         {
@@ -63,10 +87,11 @@ def test_parquet_ids_columns_and_overrides(ray_local, s3_server: S3Server, bucke
             "id_column": "qid",
             "prompt_column": "question",
             "passthrough_columns": ["user"],
+            "shard_rows": 4,
         },
         sampling={"overrides": {"max_tokens": "budget"}},
     )
-    rows, num_blocks = collect(spec)
+    rows, num_shards = collect(spec)
     by_id = {r["id"]: r for r in rows}
     assert sorted(by_id) == sorted(f"q{i}" for i in range(10))
     assert by_id["q3"]["prompt"] == "question number 3"
@@ -74,11 +99,11 @@ def test_parquet_ids_columns_and_overrides(ray_local, s3_server: S3Server, bucke
     assert by_id["q0"]["budget"] == 8 and by_id["q1"]["budget"] is None
     assert all(r["error"] is None and r["messages"] is None for r in rows)
     assert "ignored" not in rows[0]
-    # 10 rows with batch_size 4: several blocks, so two engine actors would both get work.
-    assert num_blocks >= 2
+    # Three row groups (4 + 4 + 2 rows) of at most shard_rows: one shard each.
+    assert num_shards == 3
 
 
-def test_jsonl_malformed_line_is_an_error_row(ray_local, s3_server: S3Server, bucket: str) -> None:
+def test_jsonl_malformed_line_is_an_error_row(s3_server: S3Server, bucket: str) -> None:
     uri = f"s3://{bucket}/in/chat.jsonl"
     lines = [
         json.dumps({"messages": [{"role": "user", "content": "hello"}], "tag": "a"}),
@@ -100,20 +125,21 @@ def test_jsonl_malformed_line_is_an_error_row(ray_local, s3_server: S3Server, bu
     )
     rows, _ = collect(spec)
     by_id = {r["id"]: r for r in rows}
-    # Nothing dropped: 5 non-blank lines, ids from the 0-based line number.
-    assert sorted(by_id) == sorted(derived_id(uri, i) for i in (0, 1, 3, 4, 5))
-    first = by_id[derived_id(uri, 0)]
+    at = offsets(lines)
+    # Nothing dropped: 5 non-blank lines, ids from the line's byte offset.
+    assert sorted(by_id) == sorted(derived_id(uri, at[i]) for i in (0, 1, 3, 4, 5))
+    first = by_id[derived_id(uri, at[0])]
     assert first["error"] is None and first["tag"] == "a"
     assert json.loads(first["messages"]) == [{"role": "user", "content": "hello"}]
-    bad_json = by_id[derived_id(uri, 1)]["error"]
+    bad_json = by_id[derived_id(uri, at[1])]["error"]
     assert bad_json.startswith(f"{uri} line 2: not valid JSON")
     # A chat given as JSON text is kept as text; prompts validates its content later.
-    assert by_id[derived_id(uri, 3)]["messages"] == "[]"
-    assert "missing field(s) ['messages']" in by_id[derived_id(uri, 4)]["error"]
-    assert "line 6: expected a JSON object" in by_id[derived_id(uri, 5)]["error"]
+    assert by_id[derived_id(uri, at[3])]["messages"] == "[]"
+    assert "missing field(s) ['messages']" in by_id[derived_id(uri, at[4])]["error"]
+    assert "line 6: expected a JSON object" in by_id[derived_id(uri, at[5])]["error"]
 
 
-def test_openai_batch_lines(ray_local, s3_server: S3Server, bucket: str) -> None:
+def test_openai_batch_lines(s3_server: S3Server, bucket: str) -> None:
     uri = f"s3://{bucket}/batch/requests.jsonl"
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 12, "temperature": 0.7}
     requests = [
@@ -128,12 +154,13 @@ def test_openai_batch_lines(ray_local, s3_server: S3Server, bucket: str) -> None
             "body": {"messages": chat["messages"], "max_completion_tokens": 3},
         },
     ]
-    text = "\n".join(json.dumps(r) for r in requests) + "\n{truncated\n"
-    s3_server.put(uri, text)
+    lines = [json.dumps(r) for r in requests] + ["{truncated"]
+    s3_server.put(uri, "\n".join(lines) + "\n")
+    broken = derived_id(uri, offsets(lines)[6])
     spec = make_spec(s3_server.storage_spec(), {"uri": uri, "format": "openai_batch"})
     rows, _ = collect(spec)
     by_id = {r["id"]: r for r in rows}
-    assert set(by_id) == {"chat-1", "comp-1", "emb-1", "n-1", "nobody", "mct", derived_id(uri, 6)}
+    assert set(by_id) == {"chat-1", "comp-1", "emb-1", "n-1", "nobody", "mct", broken}
     ok = by_id["chat-1"]
     assert ok["error"] is None and ok["max_tokens"] == 12 and ok["temperature"] == 0.7
     assert json.loads(ok["messages"])[0]["content"] == "hi"
@@ -143,10 +170,10 @@ def test_openai_batch_lines(ray_local, s3_server: S3Server, bucket: str) -> None
     assert "unsupported body parameter n=3" in by_id["n-1"]["error"]
     assert "missing body" in by_id["nobody"]["error"]
     assert by_id["mct"]["max_tokens"] == 3
-    assert "line 7: not valid JSON" in by_id[derived_id(uri, 6)]["error"]
+    assert "line 7: not valid JSON" in by_id[broken]["error"]
 
 
-def test_glob_across_files_and_limit(ray_local, s3_server: S3Server, bucket: str) -> None:
+def test_glob_across_files_and_limit(s3_server: S3Server, bucket: str) -> None:
     for part in range(3):
         body = "\n".join(json.dumps({"k": f"p{part}-{i}", "q": f"text {i}"}) for i in range(5))
         s3_server.put(f"s3://{bucket}/in/part-{part}.jsonl", body)
@@ -217,16 +244,13 @@ def test_materialize_model_downloads_once(
 
 
 def test_parquet_messages_and_gzip_jsonl_without_ray(s3_server: S3Server, bucket: str) -> None:
-    from pipeline.batch.read import read_file
-
     chats = [[{"role": "user", "content": f"hi {i}"}] for i in range(3)]
     s3_server.put(f"s3://{bucket}/chat.parquet", parquet_bytes(pa.table({"chat": chats})))
     spec = make_spec(
         s3_server.storage_spec(),
         {"uri": f"s3://{bucket}/chat.parquet", "format": "parquet", "messages_column": "chat"},
     )
-    (file,) = list_input_files(spec)
-    table = read_file(spec, file)
+    table = read_all(spec)
     assert [json.loads(m) for m in table.column("messages").to_pylist()] == chats
     assert table.column("error").to_pylist() == [None] * 3
 
@@ -238,8 +262,8 @@ def test_parquet_messages_and_gzip_jsonl_without_ray(s3_server: S3Server, bucket
         s3_server.storage_spec(),
         {"uri": f"s3://{bucket}/in.jsonl.gz", "format": "jsonl", "prompt_column": "q"},
     )
-    (file,) = list_input_files(spec)
-    assert read_file(spec, file).column("prompt").to_pylist() == [f"question {i}" for i in range(4)]
+    assert plan_shards(spec, list_input_files(spec)).shards[0].kind == "whole_file"
+    assert read_all(spec).column("prompt").to_pylist() == [f"question {i}" for i in range(4)]
 
 
 def test_concurrent_materialize_downloads_once(
@@ -270,29 +294,32 @@ def test_concurrent_materialize_downloads_once(
 
 
 @pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
-def test_chunked_reading_keeps_row_indexes(tmp_path: Path, fmt: str) -> None:
-    from pipeline.batch.read import iter_file
-
+def test_shards_split_one_file_and_keep_ids(tmp_path: Path, fmt: str) -> None:
     path = tmp_path / f"in.{fmt}"
     questions = [f"q{i}" for i in range(5)]
+    lines = [json.dumps({"q": q}) for q in questions]
     if fmt == "parquet":
-        pq.write_table(pa.table({"q": questions}), path, row_group_size=3)
+        pq.write_table(pa.table({"q": questions}), path, row_group_size=2)
+        size = {"shard_rows": 2}
     else:
-        path.write_text("\n".join(json.dumps({"q": q}) for q in questions))
-    spec = make_spec(StorageSpec(), {"uri": str(path), "format": fmt, "prompt_column": "q"})
+        path.write_text("\n".join(lines))
+        size = {"shard_bytes": 1024}
+        path.write_text("\n".join(lines) + "\n" + "\n" * 2000)  # blank tail: more bytes
+    spec = make_spec(StorageSpec(), {"uri": str(path), "format": fmt, "prompt_column": "q", **size})
     (file,) = list_input_files(spec)
-    chunks = list(iter_file(spec, file, chunk_rows=2))
-    assert len(chunks) >= 3 and all(0 < t.num_rows <= 2 for t in chunks)
-    ids = [i for t in chunks for i in t.column("id").to_pylist()]
-    assert ids == [derived_id(file.uri, i) for i in range(5)]
-    assert [p for t in chunks for p in t.column("prompt").to_pylist()] == questions
-    capped = list(iter_file(spec, file, max_rows=3, chunk_rows=2))
-    assert [p for t in capped for p in t.column("prompt").to_pylist()] == questions[:3]
+    plan = plan_shards(spec, [file])
+    assert len(plan) >= 2, "one file feeds several shards"
+    table = read_all(spec)
+    assert table.column("prompt").to_pylist() == questions
+    positions = list(range(5)) if fmt == "parquet" else offsets(lines)
+    assert table.column("id").to_pylist() == [derived_id(file.uri, p) for p in positions]
+    limited = make_spec(
+        StorageSpec(), {"uri": str(path), "format": fmt, "prompt_column": "q", "limit": 3, **size}
+    )
+    assert read_all(limited).column("prompt").to_pylist() == questions[:3]
 
 
 def test_override_values_that_do_not_fit_are_error_rows(tmp_path: Path) -> None:
-    from pipeline.batch.read import read_file
-
     path = tmp_path / "in.jsonl"
     lines = [{"q": "a", "s": 2**70}, {"q": "b", "s": 1.5}, {"q": "c", "s": 7}, {"q": "d"}]
     path.write_text("\n".join(json.dumps(x) for x in lines))
@@ -301,8 +328,7 @@ def test_override_values_that_do_not_fit_are_error_rows(tmp_path: Path) -> None:
         {"uri": str(path), "format": "jsonl", "prompt_column": "q"},
         sampling={"overrides": {"seed": "s"}},
     )
-    (file,) = list_input_files(spec)
-    table = read_file(spec, file)
+    table = read_all(spec)
     errors = table.column("error").to_pylist()
     assert "line 1: column 's' (sampling.overrides.seed)" in errors[0]
     assert "does not fit in a 64-bit integer" in errors[0]
@@ -312,45 +338,72 @@ def test_override_values_that_do_not_fit_are_error_rows(tmp_path: Path) -> None:
 
 
 def test_corrupt_parquet_fails_naming_the_file(tmp_path: Path) -> None:
-    from pipeline.batch.read import read_file
     from pipeline.storage import StorageError
 
     path = tmp_path / "broken.parquet"
     path.write_bytes(b"this is not parquet")
     spec = make_spec(StorageSpec(), {"uri": str(path), "format": "parquet", "prompt_column": "q"})
-    (file,) = list_input_files(spec)
     with pytest.raises(StorageError, match=rf"cannot read {path} as input.format parquet"):
-        read_file(spec, file)
+        read_all(spec)
 
 
-def test_blocks_are_cut_inside_the_read_task_with_most_cpus_taken(
-    ray_local, s3_server: S3Server, bucket: str
+def test_passthrough_types_are_fixed_up_front_and_cells_that_do_not_fit_are_errors(
+    tmp_path: Path,
 ) -> None:
-    """Engines holding 1.5 of the 2 CPUs leave 0.5: a one-CPU repartition step would never be
-    scheduled (the read hangs); the cutting runs in the 1/4-CPU read task instead."""
-    body = "\n".join(json.dumps({"k": f"r{i}", "q": f"text {i}"}) for i in range(10))
-    s3_server.put(f"s3://{bucket}/in/one.jsonl", body)
+    path = tmp_path / "mixed.jsonl"
+    values: list[Any] = [i for i in range(1200)] + ["twelve hundred", 1201, {"nested": 1}]
+    path.write_text("\n".join(json.dumps({"q": f"q{i}", "n": v}) for i, v in enumerate(values)))
     spec = make_spec(
-        s3_server.storage_spec(),
+        StorageSpec(),
         {
-            "uri": f"s3://{bucket}/in/one.jsonl",
+            "uri": str(path),
             "format": "jsonl",
-            "id_column": "k",
             "prompt_column": "q",
+            "passthrough_columns": ["n"],
+            "shard_bytes": 4096,
         },
     )
+    plan, passthrough = plan_input(spec, list_input_files(spec))
+    assert passthrough == [pa.field("n", pa.int64())]  # from the first 1,000 lines
+    assert len(plan) > 3
+    table = read_all(spec)
+    assert table.schema.field("n").type == pa.int64()
+    prompts, messages = table.column("prompt").to_pylist(), table.column("error").to_pylist()
+    errors = dict(zip(prompts, messages, strict=True))
+    assert errors["q1201"] is None and errors["q5"] is None
+    for bad in ("q1200", "q1202"):
+        assert "column 'n'" in errors[bad] and "int64" in errors[bad], errors[bad]
+        assert "input.passthrough_types.n" in errors[bad]
+    declared = make_spec(
+        StorageSpec(),
+        {
+            "uri": str(path),
+            "format": "jsonl",
+            "prompt_column": "q",
+            "passthrough_columns": ["n"],
+            "passthrough_types": {"n": "json"},
+        },
+    )
+    table = read_all(declared)
+    assert table.column("error").null_count == table.num_rows  # json keeps every value
+    # Text stays text; numbers, objects and lists become their JSON text.
+    assert table.column("n").to_pylist()[1200:] == ["twelve hundred", "1201", '{"nested": 1}']
 
-    @ray_local.remote(num_cpus=1.5)
-    class Engines:
-        def ready(self) -> bool:
-            return True
 
-    engines = Engines.remote()
-    try:
-        ray_local.get(engines.ready.remote())
-        ds = read_dataset(spec, list_input_files(spec)).materialize()
-        assert sorted(r["id"] for r in ds.take_all()) == sorted(f"r{i}" for i in range(10))
-        assert ds.num_blocks() == 3  # batch_size 4: 4 + 4 + 2 rows, one file
-        assert "_read_units)->StreamingRepartition" in ds.stats()  # one fused task
-    finally:
-        ray_local.kill(engines)
+def test_parquet_passthrough_types_unify_across_files(tmp_path: Path) -> None:
+    pq.write_table(pa.table({"q": ["a"], "u": pa.array([1], pa.int32())}), tmp_path / "a.parquet")
+    pq.write_table(
+        pa.table({"q": ["b"], "u": pa.array([2**40], pa.int64())}), tmp_path / "b.parquet"
+    )
+    spec = make_spec(
+        StorageSpec(),
+        {
+            "uri": str(tmp_path),
+            "format": "parquet",
+            "prompt_column": "q",
+            "passthrough_columns": ["u"],
+        },
+    )
+    _, passthrough = plan_input(spec, list_input_files(spec))
+    assert passthrough == [pa.field("u", pa.int64())]
+    assert read_all(spec).column("u").to_pylist() == [1, 2**40]

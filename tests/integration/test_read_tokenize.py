@@ -1,13 +1,17 @@
-"""Read + prompt stage on local Ray, with inputs and the model on S3 (moto over HTTP)."""
+"""Read + prompt stage on a local Ray prompt actor, with inputs and the model on S3 (moto over
+HTTP); and `tokenmill plan` over the same input without Ray."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+from pipeline.batch.cluster import start_prompters
 from pipeline.batch.plan import build_plan, preflight
-from pipeline.batch.prompts import PROMPT_TOKEN_IDS, PROMPT_TOKENS, TOO_LONG, tokenize_dataset
-from pipeline.batch.read import read_dataset
+from pipeline.batch.prompts import PROMPT_TOKEN_IDS, PROMPT_TOKENS, TOO_LONG
+from pipeline.batch.run import plan_input
+from pipeline.batch.shards import RowSelection
+from pipeline.batch.units import WorkUnit
 from pipeline.spec import parse_job_spec
 from tests.integration.s3_server import S3Server
 
@@ -39,7 +43,15 @@ def test_tokenize_s3_inputs_with_s3_model(
         }
     )
     files = preflight(spec)
-    rows = tokenize_dataset(read_dataset(spec, files), spec).take_all()
+    plan, passthrough = plan_input(spec, files)
+    (prompter,) = start_prompters(spec, passthrough).handles
+    rows = []
+    for shard in plan.shards:
+        unit = WorkUnit(shard, run=1, dispatch=1, selection=RowSelection())
+        info_ref, rows_ref = prompter.prepare.options(num_returns=2).remote(unit)
+        info = ray_local.get(info_ref)
+        assert info.num_rows == info.num_selected
+        rows += ray_local.get(rows_ref).to_pylist()
 
     by_id = {r["id"]: r for r in rows}
     assert set(by_id) == {*(f"r{i}" for i in range(9)), "long", "empty"}

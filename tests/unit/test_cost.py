@@ -17,6 +17,7 @@ from pipeline.cost import (
     job_totals,
     list_price_usd,
     row_cost,
+    row_sums,
     split_intervals,
     split_steps,
 )
@@ -144,7 +145,7 @@ def test_job_totals_include_idle_and_load_and_compare_with_list_prices():
             num_rows=2,
         )
     ]
-    totals = job_totals(rows, accounts, spec)
+    totals = job_totals(row_sums(rows), accounts, spec)
     assert totals.device_hours == pytest.approx(120 / 3600)
     assert totals.total_usd == pytest.approx(0.12)
     assert totals.rows_usd == pytest.approx(0.08)
@@ -156,7 +157,7 @@ def test_job_totals_include_idle_and_load_and_compare_with_list_prices():
     assert totals.output_tokens_per_s_per_device == pytest.approx(100 / 120)
     assert totals.list_price_usd == pytest.approx(0.0014)
     assert totals.list_price_ratio == pytest.approx(0.12 / 0.0014)
-    assert job_totals(rows, accounts, CostSpec()).list_price_usd is None
+    assert job_totals(row_sums(rows), accounts, CostSpec()).list_price_usd is None
 
 
 def _job(**cost) -> dict:

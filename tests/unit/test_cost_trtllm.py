@@ -1,6 +1,6 @@
-"""Interval-based cost on the batch actor's real code path: pipeline.batch.generate.GenerateStage
-serving rows through the TensorRT-LLM adapter (engines/trtllm.py) backed by the CPU stand-in
-package (tests/standins/tensorrt_llm). No Ray: the stage's coroutine is driven directly."""
+"""Interval-based cost on the batch actor's real code path: pipeline.batch.generate.EngineWorker
+serving shards through the TensorRT-LLM adapter (engines/trtllm.py) backed by the CPU stand-in
+package (tests/standins/tensorrt_llm). No Ray: the actor's coroutines are driven directly."""
 
 from __future__ import annotations
 
@@ -51,7 +51,10 @@ def trt_stage(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
             "cost": {"device_hour_usd": 3.5},
         }
     )
-    stage = generate.GenerateStage(generate.GenerateConfig.from_spec(spec))
+    from pipeline.batch.schema import output_schema
+
+    config = generate.GenerateConfig.from_spec(spec, output_schema())
+    stage = generate.EngineWorker(config)
     yield stage
     stage.engine.shutdown()
     for name in [n for n in sys.modules if n.split(".")[0] == "tensorrt_llm"]:
@@ -61,6 +64,7 @@ def trt_stage(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
 def _batch(start: int, n: int) -> pa.Table:
     rows = [
         {
+            "_row": i - start,
             "id": f"r{i}",
             "prompt_token_ids": [10 + (i * 3 + k) % 40 for k in range(4 + i % 5)],
             "prompt_tokens": 4 + i % 5,
@@ -76,18 +80,29 @@ def test_interval_engine_rows_are_final_and_books_balance(trt_stage):
     stage = trt_stage
     assert not stage.engine.info.has_step_records
 
-    async def serve():
-        # Three overlapping batches, more rows than max_in_flight: requests queue, overlap and
-        # finish out of order, so rows wait on the finality rule before they are priced.
-        return await asyncio.gather(*(stage(_batch(k * 7, 7)) for k in range(3)))
+    async def run(k: int) -> list:
+        from pipeline.batch.shards import RowSelection, Shard
+        from pipeline.batch.units import WorkUnit
 
-    tables = asyncio.run(serve())
-    rows = pa.concat_tables(tables).to_pylist()
+        shard = Shard(k, "unused.jsonl", 0, "", "byte_range", 0, 0)
+        unit = WorkUnit(shard, run=1, dispatch=1, selection=RowSelection())
+        return [event async for event in stage.run_unit(unit, _batch(k * 7, 7))]
+
+    async def serve():
+        # Three overlapping shards, more rows than max_in_flight: requests queue, overlap and
+        # finish out of order, so rows wait on the finality rule before they are priced.
+        return await asyncio.gather(*(run(k) for k in range(3)))
+
+    from pipeline.batch.commit.parts import read_part
+    from pipeline.batch.units import PartWritten
+
+    events = [e for unit in asyncio.run(serve()) for e in unit]
+    names = [e.record.name for e in events if isinstance(e, PartWritten)]
+    rows = pa.concat_tables(read_part(stage.out, n) for n in names).to_pylist()
     assert sorted(r["id"] for r in rows) == sorted(f"r{i}" for i in range(21))
     assert all(r["finish_reason"] != "error" for r in rows), rows
     assert all(r["gpu_seconds"] >= 0 and math.isfinite(r["gpu_seconds"]) for r in rows)
-    accounts = [json.loads(a) for a in (r["actor_account"] for r in rows) if a is not None]
-    last = max(accounts, key=lambda a: a["lifetime_s"])
+    last = max((e.account for e in events), key=lambda a: a["lifetime_s"])
     assert last["devices"] == 2 and last["has_step_records"] is False
     assert last["pending_s"] == pytest.approx(0.0, abs=1e-9)
     assert last["num_rows"] == 21

@@ -10,16 +10,18 @@ import math
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
 from engines.api import GenerationResult, RequestMetrics, StepRecord
-from pipeline.batch.commit.parts import OutputDir, output_schema
+from pipeline.batch.commit.parts import PartName, write_part
+from pipeline.batch.commit.stats import RowStats
+from pipeline.batch.schema import output_schema
 from pipeline.cli import app
 from pipeline.cost import CostMeter, row_cost
 from pipeline.report import build_report, error_kind, write_report
 from pipeline.spec import CostSpec, StorageSpec
+from pipeline.storage import OutputDir
 
 COST = {
     "device_hour_usd": 3.5,
@@ -104,9 +106,18 @@ def make_output_dir(root: Path) -> Path:
     rows_a, acc_a = _actor_rows("actor-aaaa", 6, 1e9, errors=2)
     rows_b, acc_b = _actor_rows("actor-bbbb", 4, 1e9 + 3)
     schema = output_schema()
-    pq.write_table(pa.Table.from_pylist(rows_a, schema=schema), root / "part-00001-000000.parquet")
-    pq.write_table(pa.Table.from_pylist(rows_b, schema=schema), root / "part-00001-000001.parquet")
+    out = OutputDir(str(root), StorageSpec())
+    records = []
+    for shard, (rows, actor) in enumerate([(rows_a, "actor-aaaa"), (rows_b, "actor-bbbb")]):
+        table = pa.Table.from_pylist(rows, schema=schema)
+        table = table.append_column("_row", pa.array(range(len(rows)), pa.int64()))
+        records.append(write_part(out, PartName(shard, 1, 1, 0), table, schema, actor))
+    stats = RowStats()
+    for record in records:
+        assert record.stats is not None
+        stats.merge(record.stats)
     manifest = {
+        "protocol": 2,
         "job": "unit-report",
         "status": "complete",
         "fingerprint": {},
@@ -126,7 +137,9 @@ def make_output_dir(root: Path) -> Path:
                 "actors": [acc_a, acc_b],
             }
         ],
-        "missing_ids": 0,
+        "parts": [r.to_json() for r in records],
+        "stats": stats.to_json(),
+        "missing_rows": 0,
         "updated_at": "2026-01-01T00:00:00+00:00",
     }
     (root / "_manifest.json").write_text(json.dumps(manifest))

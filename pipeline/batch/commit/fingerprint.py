@@ -8,7 +8,11 @@ their rows the same way. The fingerprint hashes, per component:
 - engine:   the engine kind and the settings passed to the engine,
 - sampling: the whole sampling section (defaults, stops, per-row override columns),
 - prompt:   template, system prompt, chat-template flag, and the input columns read,
-- input:    the listing of input files (uri, size, version / etag / mtime when known).
+- input:    the listing of input files (uri, size, version / etag / mtime when known), the row
+            limit and the shard plan (rows are tracked per shard, so a rerun must cut the same
+            shards),
+- output:   the output schema (passthrough columns with their types) and whether token ids
+            are written: parts of one output share one schema.
 
 Resources, limits, output layout and prices are left out on purpose: changing the actor count
 or the price of an hour does not change what a row says.
@@ -27,7 +31,7 @@ from typing import Any
 
 from pipeline.spec import JobSpec, StorageSpec
 
-COMPONENTS = ("model", "engine", "sampling", "prompt", "input")
+COMPONENTS = ("model", "engine", "sampling", "prompt", "input", "output")
 
 
 @dataclass(frozen=True)
@@ -100,9 +104,15 @@ def model_content(path: str, storage: StorageSpec) -> dict[str, Any]:
 
 
 def job_fingerprint(
-    spec: JobSpec, files: Iterable[Any], model_info: dict[str, Any] | None = None
+    spec: JobSpec,
+    files: Iterable[Any],
+    model_info: dict[str, Any] | None = None,
+    *,
+    shard_plan: str = "",
+    schema: list[list[str]] | None = None,
 ) -> Fingerprint:
-    """Fingerprint a job from its spec, its pre-flight listing and the model's content."""
+    """Fingerprint a job from its spec, its pre-flight listing, the model's content, the shard
+    plan's digest and the output schema (pipeline.batch.schema.schema_to_json)."""
     from pipeline.engine_setup import engine_settings
 
     if model_info is None:
@@ -127,7 +137,16 @@ def job_fingerprint(
             "prompt_column": spec.input.prompt_column,
             "messages_column": spec.input.messages_column,
         },
-        "input": {"files": input_listing(files), "limit": spec.input.limit},
+        "input": {
+            "files": input_listing(files),
+            "limit": spec.input.limit,
+            "shard_plan": shard_plan,
+        },
+        "output": {
+            "schema": schema,
+            "passthrough_columns": spec.input.passthrough_columns,
+            "include_token_ids": spec.output.include_token_ids,
+        },
     }
     components = {name: canonical_hash(parts[name]) for name in COMPONENTS}
     value = canonical_hash([components[name] for name in COMPONENTS])

@@ -1,30 +1,38 @@
-"""`_manifest.json`: what a job's output prefix holds, how it was made and what it cost.
+"""`_manifest.json`: the commit record of an output prefix.
 
-The manifest is bookkeeping beside the committed parts (pipeline.batch.commit.parts), never
-their source of truth: totals are recomputed from the parts each time it is written, so they
-always equal the rows. It is written at the start of every run (status "running", with the fingerprint a resumed
-run is compared against) and at the end ("complete" — then `_SUCCESS` follows —,
-"incomplete", or "stopped_at_budget" when cost.budget_usd stopped the admission of rows).
+A part is committed when, and only when, the manifest lists it. The manifest holds:
+
+- how the output was made: job name, fingerprint, the redacted spec, the input listing, the
+  output schema, the shard plan;
+- what it holds: per shard its row count (once known) and whether every row is committed;
+  per part its shard, the rows it holds (`RowRanges` of shard row indexes), sums, size and
+  version; the merged row statistics of all parts (histograms, timeline, errors by kind);
+- how it went: every run (attempt, host, start/end, rows, actor cost accounts, events such as
+  a lost actor), the budget state, the totals and the status.
+
+It is replaced by compare-and-swap (`ManifestStore.write` names the version it last read or
+wrote): a run whose lease was taken over fails to write it and stops. Its size grows with
+shards and parts, never with rows.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import json
-import math
 import platform
 import re
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from typing import Any, Literal
 
-import pyarrow as pa
-import pyarrow.compute as pc
-
-from pipeline.batch.commit.parts import MANIFEST_NAME, OutputDir, iter_committed, list_parts
+from pipeline.batch.commit.parts import MANIFEST_NAME, PartRecord
 from pipeline.spec import JobSpec
+from pipeline.storage import OutputDir, PreconditionFailed
 
-Status = Literal["running", "complete", "incomplete", "stopped_at_budget"]
+# Version of the commit protocol; outputs of another version are not resumed.
+PROTOCOL = 2
+
+Status = Literal["running", "complete", "incomplete", "stopped_at_budget", "failed"]
 # Key names that hold secrets. "token" alone would also hide max_tokens, kv_cache_tokens and
 # friends, so only token names that are credentials match (auth_token, session_token, ...).
 _SECRET_KEY = re.compile(
@@ -34,18 +42,10 @@ _SECRET_KEY = re.compile(
 )
 _URI_USERINFO = re.compile(r"(?<=://)[^/@\s]+@")
 REDACTED = "***"
-# Columns the totals need (a part's text is not read back for them).
-_TOTALS_COLUMNS = [
-    "finish_reason",
-    "prompt_tokens",
-    "cached_prompt_tokens",
-    "completion_tokens",
-    "gpu_seconds",
-    "cost_usd",
-    "list_price_usd",
-    "latency_s",
-    "ttft_s",
-]
+
+
+class ManifestConflict(RuntimeError):
+    """The manifest changed under this run: another run holds the output now."""
 
 
 def redact(value: Any) -> Any:
@@ -76,21 +76,29 @@ def utc_now() -> str:
     return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
 
 
+def spec_snapshot(spec: JobSpec) -> dict[str, Any]:
+    return redact(spec.model_dump(mode="json"))
+
+
 @dataclass
 class RunRecord:
     """One attempt (one `tokenmill run`) on this output prefix."""
 
-    attempt: int  # part names of this run start with part-<attempt>
+    attempt: int  # part names of this run carry it
     started_at: str  # UTC ISO time
     mode: str  # "run" | "retry-errors"
+    run_id: str = ""  # the lease holder's id
+    host: str = ""
+    pid: int = 0
     finished_at: str | None = None
-    wall_s: float = 0.0  # driver wall time from start to the last part
-    rows: int = 0  # rows committed by this attempt
+    wall_s: float = 0.0  # driver wall time from start to the last commit
+    rows: int = 0  # rows in parts this run wrote (including parts adopted after it died)
     error_rows: int = 0
     completion_tokens: int = 0
-    parts: list[str] = field(default_factory=list)
+    parts: int = 0  # parts this run wrote
     actors: list[dict[str, Any]] = field(default_factory=list)  # pipeline.cost.ActorAccount
-    interrupted: bool = False  # the driver died before finishing; rows/parts from the listing
+    events: list[dict[str, Any]] = field(default_factory=list)  # lost actors, adoptions, ...
+    interrupted: bool = False  # the driver died before finishing; rows/parts from the parts
 
 
 @dataclass
@@ -100,16 +108,21 @@ class Manifest:
     fingerprint: dict[str, Any]  # pipeline.batch.commit.fingerprint.Fingerprint.to_json()
     spec: dict[str, Any]  # the normalized job spec, secrets redacted
     input_files: list[dict[str, Any]]
+    schema: list[list[str]]  # [[column, type], ...] of every part
+    shards: list[dict[str, Any]]  # Shard.to_json() + num_rows (known) + complete
     runs: list[RunRecord]
-    parts: list[dict[str, Any]] = field(default_factory=list)  # {name, rows}
+    parts: list[dict[str, Any]] = field(default_factory=list)  # PartRecord.to_json()
+    stats: dict[str, Any] = field(default_factory=dict)  # merged RowStats of the parts
     totals: dict[str, Any] = field(default_factory=dict)
-    missing_ids: int = 0  # input ids not in committed parts (incomplete runs)
+    missing_rows: int | None = None  # input rows without a committed row (None: not known)
     budget: dict[str, Any] | None = None  # pipeline.batch.budget.BudgetState of the last run
+    fenced: bool = True  # the store honours conditional writes (two drivers are fenced)
+    protocol: int = PROTOCOL
     versions: dict[str, str] = field(default_factory=versions)
     updated_at: str = field(default_factory=utc_now)
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2, sort_keys=False, default=str)
+        return json.dumps(asdict(self), separators=(",", ":"), default=str)
 
     @classmethod
     def from_json(cls, text: str) -> Manifest:
@@ -118,64 +131,60 @@ class Manifest:
         known = set(cls.__dataclass_fields__)
         return cls(**{k: v for k, v in data.items() if k in known})
 
+    def part_records(self) -> list[PartRecord]:
+        return [PartRecord.from_json(p) for p in self.parts]
+
+
+def manifest_protocol(text: str) -> int | None:
+    """The protocol of a manifest's text (1 for manifests written before it was recorded)."""
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return None
+    return int(data.get("protocol", 1)) if isinstance(data, dict) else None
+
+
+class ManifestStore:
+    """Reads and compare-and-swap writes of one prefix's manifest."""
+
+    def __init__(self, out: OutputDir):
+        self.out = out
+        self.version: str | None = None  # what this store last read or wrote; None: absent
+
+    def read(self) -> Manifest | None:
+        """The manifest (None if absent or unparseable); remembers its version."""
+        current = self.out.read_versioned(MANIFEST_NAME)
+        if current is None:
+            self.version = None
+            return None
+        self.version = current.version
+        try:
+            return Manifest.from_json(current.data.decode())
+        except (ValueError, TypeError, KeyError):
+            return None
+
+    def read_text(self) -> str | None:
+        current = self.out.read_versioned(MANIFEST_NAME)
+        self.version = None if current is None else current.version
+        return None if current is None else current.data.decode(errors="replace")
+
+    def write(self, manifest: Manifest) -> None:
+        """Replace the manifest if it is still the version this store knows; raises
+        ManifestConflict if another run wrote it since."""
+        manifest.updated_at = utc_now()
+        data = manifest.to_json().encode()
+        try:
+            if self.version is None:
+                self.version = self.out.create(MANIFEST_NAME, data)
+            else:
+                self.version = self.out.replace(MANIFEST_NAME, data, self.version)
+        except PreconditionFailed as exc:
+            raise ManifestConflict(
+                f"{self.out.uri}/{MANIFEST_NAME} was changed by another run; this run no "
+                "longer holds the output and stops"
+            ) from exc
+
 
 def read_manifest(out: OutputDir) -> Manifest | None:
     """The manifest under the prefix, or None if there is none (or it cannot be parsed)."""
-    if not out.exists(MANIFEST_NAME):
-        return None
-    try:
-        return Manifest.from_json(out.read(MANIFEST_NAME).decode())
-    except (ValueError, TypeError, KeyError):
-        return None
-
-
-def write_manifest(out: OutputDir, manifest: Manifest) -> None:
-    manifest.updated_at = utc_now()
-    out.put_atomic(MANIFEST_NAME, manifest.to_json().encode())
-
-
-def spec_snapshot(spec: JobSpec) -> dict[str, Any]:
-    return redact(spec.model_dump(mode="json"))
-
-
-def _quantile(values: pa.Array, q: float) -> float | None:
-    values = values.drop_null()
-    if len(values) == 0:
-        return None
-    return float(pc.quantile(values, q=q, interpolation="linear")[0].as_py())
-
-
-def compute_totals(out: OutputDir, spec: JobSpec, runs: list[RunRecord]) -> dict[str, Any]:
-    """Totals over every committed row, plus idle/load from every run's actor accounts."""
-    from pipeline.cost import ActorAccount, job_totals
-
-    tables = list(iter_committed(out, columns=_TOTALS_COLUMNS))
-    rows = pa.concat_tables(tables) if tables else pa.table({c: [] for c in _TOTALS_COLUMNS})
-    accounts = [ActorAccount.from_dict(a) for run in runs for a in run.actors]
-    cost = job_totals(rows, accounts, spec.cost)
-    num_errors = int(pc.sum(pc.equal(rows.column("finish_reason"), "error")).as_py() or 0)
-    wall_s = math.fsum(run.wall_s for run in runs)
-    return {
-        "rows": rows.num_rows,
-        "rows_ok": rows.num_rows - num_errors,
-        "rows_error": num_errors,
-        "error_fraction": num_errors / rows.num_rows if rows.num_rows else 0.0,
-        "wall_s": wall_s,
-        "output_tokens_per_s": cost.completion_tokens / wall_s if wall_s > 0 else None,
-        "latency_p50_s": _quantile(rows.column("latency_s"), 0.5),
-        "latency_p95_s": _quantile(rows.column("latency_s"), 0.95),
-        "ttft_p50_s": _quantile(rows.column("ttft_s"), 0.5),
-        "ttft_p95_s": _quantile(rows.column("ttft_s"), 0.95),
-        **cost.to_dict(),
-    }
-
-
-def part_listing(out: OutputDir) -> list[dict[str, Any]]:
-    """{name, rows} per committed part (row counts from the Parquet footers)."""
-    import pyarrow.parquet as pq
-
-    listing = []
-    for part in list_parts(out):
-        with out.fs.open(out.path(part.name), "rb") as fh:  # reads the footer only
-            listing.append({"name": part.name, "rows": pq.ParquetFile(fh).metadata.num_rows})
-    return listing
+    return ManifestStore(out).read()

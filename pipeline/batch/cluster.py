@@ -1,0 +1,136 @@
+"""Ray for a batch run: which cluster, whether the actors fit, and the two actor pools.
+
+With RAY_ADDRESS set (as under `ray job submit -- tokenmill run job.yaml`) the job runs on
+that cluster; otherwise it starts a private local one (`address="local"`, never attaching to
+a cluster someone else started on this machine) sized to this machine.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+
+from pipeline.batch.generate import EngineWorker, GenerateConfig
+from pipeline.batch.prompts import PROMPT_STAGE_CPUS, PromptWorker, prompt_pool_size
+from pipeline.spec import JobSpec
+
+# Object store cap for a local Ray: rows are small, and the rest of the memory is the engine's.
+LOCAL_OBJECT_STORE_BYTES = 1 * 1024**3
+
+
+class ResourceError(RuntimeError):
+    """The job's actors cannot fit beside the other stages on the cluster."""
+
+
+def ray_init_kwargs(env: Mapping[str, str], cpu_count: int | None = None) -> dict[str, Any]:
+    """Arguments for ray.init: the cluster at RAY_ADDRESS, or a private local one."""
+    address = env.get("RAY_ADDRESS", "").strip()
+    if address:
+        return {"address": address}
+    return {
+        "address": "local",
+        "num_cpus": cpu_count or os.cpu_count() or 1,
+        "object_store_memory": LOCAL_OBJECT_STORE_BYTES,
+        "include_dashboard": False,
+    }
+
+
+@contextmanager
+def ray_session() -> Iterator[None]:
+    """Use the Ray already initialized in this process, or init one and shut it down after."""
+    import ray
+
+    if ray.is_initialized():
+        yield
+        return
+    ray.init(**ray_init_kwargs(os.environ), log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def known_cluster_cpus() -> float | None:
+    """CPUs of the cluster the job will run on, when known before it starts (None: unknown,
+    e.g. an autoscaling cluster at RAY_ADDRESS)."""
+    import ray
+
+    if ray.is_initialized():
+        return float(ray.cluster_resources().get("CPU", 0.0))
+    kwargs = ray_init_kwargs(os.environ)
+    return float(kwargs["num_cpus"]) if "num_cpus" in kwargs else None
+
+
+def check_cpu_headroom(spec: JobSpec, cluster_cpus: float | None) -> None:
+    """Refuse a pool whose CPUs leave too little for the prompt actors (they would never be
+    scheduled). Raises ResourceError naming the fields to change."""
+    if cluster_cpus is None:
+        return
+    res = spec.resources
+    actors = res.num_actors or res.min_actors or 1
+    others = PROMPT_STAGE_CPUS * prompt_pool_size(spec)
+    if actors * res.cpus_per_actor + others > cluster_cpus + 1e-9:
+        fit = max(cluster_cpus - others, 0.0) / actors
+        raise ResourceError(
+            f"resources: {actors} engine actor(s) x cpus_per_actor {res.cpus_per_actor} plus "
+            f"{others:g} CPU for reading and tokenizing exceed the cluster's {cluster_cpus:g} "
+            f"CPUs; set resources.cpus_per_actor <= {fit:.2f} (fractions are fine) or use "
+            "fewer actors"
+        )
+
+
+@dataclass
+class Pool:
+    """Actor handles, and the object holding their constructor arguments: kept referenced for
+    the whole run, since Ray needs it again to restart an actor."""
+
+    handles: list[Any]
+    arguments: Any  # ObjectRef
+
+    def stop(self) -> None:
+        import ray
+
+        for handle in self.handles:
+            ray.kill(handle, no_restart=True)
+
+
+def start_engines(spec: JobSpec, schema: pa.Schema, budget: Any) -> Pool:
+    """The engine actors (not waited for: each answers `ready` once its engine is loaded).
+
+    An autoscaling pool starts max_actors: those the cluster cannot place yet stay pending
+    (and ask a Ray autoscaler for nodes) and get work once they are up.
+    """
+    import dataclasses
+
+    import ray
+
+    res = spec.resources
+    config = dataclasses.replace(GenerateConfig.from_spec(spec, schema), budget=budget)
+    actor = ray.remote(EngineWorker).options(
+        num_cpus=res.cpus_per_actor,
+        num_gpus=res.devices_per_actor or None,
+        resources=dict(res.actor_resources) or None,
+        # Ray restarts a dead engine actor; the scheduler hands its shards out again itself,
+        # so Ray must not retry the calls (that would run a shard twice).
+        max_restarts=res.max_restarts,
+        max_task_retries=0,
+    )
+    arguments = ray.put(config)
+    return Pool([actor.remote(arguments) for _ in range(res.peak_actors)], arguments)
+
+
+def start_prompters(spec: JobSpec, passthrough: list[pa.Field]) -> Pool:
+    """The prompt actors: a fixed pool started with the engines, so none starts mid-run and
+    takes CPU from them."""
+    import ray
+
+    actor = ray.remote(PromptWorker).options(
+        num_cpus=PROMPT_STAGE_CPUS, max_restarts=-1, max_task_retries=0
+    )
+    arguments = ray.put((spec, passthrough))
+    return Pool([actor.remote(arguments) for _ in range(prompt_pool_size(spec))], arguments)

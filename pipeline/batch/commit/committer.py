@@ -1,0 +1,315 @@
+"""The driver's side of the commit protocol for one run on one output prefix.
+
+    open    read the manifest (refuse another job's output, or another protocol's), adopt
+            the parts a crashed run wrote but did not record, number this run, record it
+    commit  every part an engine actor reports goes through the ledger; accepted parts are
+            written into the manifest at least every `output.commit_interval_s`
+    finish  record the run, delete part files the manifest does not list (refused
+            duplicates, a crashed run's unreadable leftovers, a fenced-off run's late parts),
+            compute the totals from the manifest alone, write the status, then `_SUCCESS`
+            when every input row of every shard is committed
+
+Every manifest write is a compare-and-swap under the run's lease, so nothing here can commit
+after another run took the output over.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from pipeline.batch.commit.fingerprint import Fingerprint
+from pipeline.batch.commit.ledger import CommitLedger, Decision
+from pipeline.batch.commit.manifest import (
+    PROTOCOL,
+    Manifest,
+    ManifestStore,
+    RunRecord,
+    Status,
+    manifest_protocol,
+    spec_snapshot,
+    utc_now,
+)
+from pipeline.batch.commit.parts import (
+    MANIFEST_NAME,
+    SUCCESS_NAME,
+    PartName,
+    list_part_names,
+    read_part_record,
+)
+from pipeline.batch.commit.stats import RowStats
+from pipeline.batch.shards import ShardPlan
+from pipeline.batch.units import PartWritten
+from pipeline.spec import JobSpec
+from pipeline.storage import OutputDir
+
+logger = logging.getLogger(__name__)
+
+# Files `--fresh` deletes besides the parts (the report is rewritten by every run anyway).
+JOB_FILES = (MANIFEST_NAME, SUCCESS_NAME)
+
+
+class ResumeRefused(RuntimeError):
+    """The output prefix holds rows made differently (or unknown rows); nothing was changed."""
+
+
+@dataclass
+class OpenedOutput:
+    """What `Committer.open` found: the previous manifest and whether it says complete."""
+
+    previous: Manifest | None
+    already_complete: bool
+
+
+class Committer:
+    """See the module docstring. One per run; the caller holds the lease."""
+
+    def __init__(
+        self,
+        out: OutputDir,
+        spec: JobSpec,
+        plan: ShardPlan,
+        fingerprint: Fingerprint,
+        schema: list[list[str]],
+        input_files: list[dict[str, Any]],
+        fenced: bool,
+    ):
+        self.out = out
+        self.spec = spec
+        self.plan = plan
+        self.fingerprint = fingerprint
+        self.schema = schema
+        self.input_files = input_files
+        self.fenced = fenced
+        self.store = ManifestStore(out)
+        self.ledger = CommitLedger(plan)
+        self.manifest: Manifest | None = None
+        self.run: RunRecord | None = None
+        self.rows_committed = 0  # by this run
+        self.parts_committed = 0
+        self.completion_tokens = 0
+        self.error_rows = 0
+        self.refused: list[str] = []  # part files the ledger refused (deleted at finish)
+        self._last_save = 0.0
+
+    # --- open --------------------------------------------------------------------------------
+
+    def clear(self) -> None:
+        """--fresh: delete this job's parts, manifest and marker; other files stay."""
+        for name in [*list_part_names(self.out), *JOB_FILES]:
+            self.out.delete(name)
+
+    def open(self) -> OpenedOutput:
+        """Check the prefix against this job (ResumeRefused if it holds another's rows) and
+        load what it has committed."""
+        text = self.store.read_text()
+        parts_on_disk = list_part_names(self.out)
+        if text is None:
+            if parts_on_disk:
+                raise ResumeRefused(
+                    f"{self.out.uri} holds part files but no _manifest.json, so they cannot be "
+                    "checked against this job; rerun with --fresh to replace them, or use "
+                    "another output.uri"
+                )
+            return OpenedOutput(None, False)
+        protocol = manifest_protocol(text)
+        if protocol != PROTOCOL:
+            raise ResumeRefused(
+                f"{self.out.uri} was written by another version of tokenmill (commit protocol "
+                f"{protocol}, this one writes {PROTOCOL}); rerun with --fresh to start over, or "
+                "set output.uri to a new prefix"
+            )
+        previous = self.store.read()
+        if previous is None:
+            raise ResumeRefused(f"{self.out.uri}/{MANIFEST_NAME} cannot be parsed; use --fresh")
+        before = Fingerprint.from_json(previous.fingerprint)
+        if before.value != self.fingerprint.value:
+            changed = self.fingerprint.changed_components(before)
+            raise ResumeRefused(
+                f"{self.out.uri} was written by a different job: {', '.join(changed)} changed "
+                f"since (job {previous.job!r}, {len(previous.runs)} run(s)). Mixing the rows "
+                "would make the output inconsistent; rerun with --fresh to start over (deletes "
+                "its parts), or set output.uri to a new prefix"
+            )
+        self.ledger = CommitLedger(self.plan, RowStats.from_json(previous.stats))
+        counts = {
+            int(s["index"]): int(s["num_rows"])
+            for s in previous.shards
+            if s.get("num_rows") is not None
+        }
+        self.ledger.restore(previous.part_records(), counts)
+        self.manifest = previous
+        complete = previous.status == "complete" and self.out.exists(SUCCESS_NAME)
+        return OpenedOutput(previous, complete)
+
+    def adopt_orphans(self) -> list[str]:
+        """Record the parts an earlier run wrote but did not get into the manifest (its driver
+        died between the two), from their footers; delete part files that cannot be adopted.
+        Called once, before this run writes any part."""
+        listed = set(self.ledger.parts)
+        earlier = {r.attempt for r in (self.manifest.runs if self.manifest else [])}
+        adopted = []
+        for name in list_part_names(self.out):
+            if name in listed:
+                continue
+            part = PartName.parse(name)
+            record = read_part_record(self.out, name)
+            ok = (
+                part is not None
+                and record is not None
+                and record.name == name
+                and record.replaces is None
+                and part.run in earlier
+            )
+            if ok and record is not None:
+                size, version = self.out.stat(name)
+                record = dataclasses.replace(record, size_bytes=size, version=version)
+                if self.ledger.accept(record) is Decision.ACCEPTED:
+                    adopted.append(name)
+                    continue
+            logger.warning("%s/%s is not a committed part; deleting it", self.out.uri, name)
+            self.out.delete(name)
+        return adopted
+
+    def begin(self, mode: str, run_id: str, host: str, pid: int) -> RunRecord:
+        """Number this run, record it in the manifest (status running) and drop `_SUCCESS`."""
+        earlier = [r.attempt for r in self.manifest.runs] if self.manifest else []
+        seen = [p.run for p in (PartName.parse(n) for n in list_part_names(self.out)) if p]
+        attempt = max([0, *earlier, *seen]) + 1  # never reuse a number, even a crashed run's
+        self.run = RunRecord(
+            attempt=attempt, started_at=utc_now(), mode=mode, run_id=run_id, host=host, pid=pid
+        )
+        runs = [*(self.manifest.runs if self.manifest else []), self.run]
+        for record in runs[:-1]:
+            if record.finished_at is None:
+                record.interrupted = True  # its driver died: it never recorded its end
+        self.manifest = Manifest(
+            job=self.spec.name,
+            status="running",
+            fingerprint=self.fingerprint.to_json(),
+            spec=spec_snapshot(self.spec),
+            input_files=self.input_files,
+            schema=self.schema,
+            shards=[],
+            runs=runs,
+            budget=self.manifest.budget if self.manifest else None,
+            fenced=self.fenced,
+        )
+        self.out.delete(SUCCESS_NAME)  # the parts may change from here on
+        self.save(force=True)
+        return self.run
+
+    # --- commit ------------------------------------------------------------------------------
+
+    def on_part(self, event: PartWritten) -> None:
+        """A part an engine actor wrote: commit it (in the next manifest save) or refuse it."""
+        record = event.record
+        if record.replaces is not None:
+            decision = self.ledger.replace(record)
+        else:
+            decision = self.ledger.accept(record)
+        if decision is not Decision.ACCEPTED:
+            logger.warning("part %s refused (%s); it will be deleted", record.name, decision.value)
+            self.refused.append(record.name)
+            return
+        if record.replaces is not None:
+            self.refused.append(record.replaces)  # the replaced file goes once recorded
+        self.rows_committed += record.generated_rows
+        self.parts_committed += 1
+        self.completion_tokens += record.sums.completion_tokens
+        self.error_rows += record.sums.errors
+
+    def save(self, force: bool = False) -> None:
+        """Write the manifest if parts were committed since the last write and the commit
+        interval has passed (or `force`)."""
+        now = time.monotonic()
+        if not force and (
+            self.ledger.changes == 0 or now - self._last_save < self.spec.output.commit_interval_s
+        ):
+            return
+        assert self.manifest is not None
+        self._fill(self.manifest)
+        self.store.write(self.manifest)  # ManifestConflict if the lease was lost
+        self.ledger.mark_saved()
+        self._last_save = now
+
+    def _fill(self, manifest: Manifest) -> None:
+        ledger = self.ledger
+        manifest.shards = [
+            {**s.shard.to_json(), "num_rows": s.num_rows, "complete": s.is_complete}
+            for s in ledger.shards
+        ]
+        manifest.parts = [r.to_json() for r in ledger.records()]
+        manifest.stats = ledger.stats.to_json()
+        manifest.missing_rows = ledger.missing_rows()
+        if self.run is not None:
+            self.run.rows = self.rows_committed
+            self.run.parts = self.parts_committed
+            self.run.completion_tokens = self.completion_tokens
+            self.run.error_rows = self.error_rows
+
+    # --- finish ------------------------------------------------------------------------------
+
+    def finish(
+        self,
+        status: Status,
+        wall_s: float,
+        accounts: list[dict[str, Any]],
+        events: list[dict[str, Any]],
+        budget: dict[str, Any] | None,
+    ) -> Manifest:
+        """Record the run's end and the totals; `_SUCCESS` last, when complete."""
+        assert self.manifest is not None and self.run is not None
+        for name in self.refused:
+            self.out.delete(name)
+        committed = set(self.ledger.parts)
+        for name in list_part_names(self.out):
+            if name not in committed:  # a fenced-off run's late part, or a leftover
+                self.out.delete(name)
+        self.run.wall_s = wall_s
+        self.run.finished_at = utc_now()
+        self.run.actors = accounts
+        self.run.events = events
+        if budget is not None:
+            self.manifest.budget = budget
+        for run in self.manifest.runs:  # runs that died: what their parts hold
+            if run.interrupted:
+                mine = [r for r in self.ledger.parts.values() if r.run == run.attempt]
+                run.rows = sum(r.sums.rows for r in mine)
+                run.parts = len(mine)
+        self.manifest.status = status
+        self._fill(self.manifest)
+        self.manifest.totals = compute_totals(self.ledger, self.manifest.runs, self.spec)
+        self.store.write(self.manifest)
+        if status == "complete":
+            self.out.put(SUCCESS_NAME, b"")  # last: marks the output complete
+        return self.manifest
+
+
+def compute_totals(ledger: CommitLedger, runs: list[RunRecord], spec: JobSpec) -> dict[str, Any]:
+    """Totals over every committed row, from the part records and the merged stats (O(parts)),
+    plus idle and load from every run's actor accounts."""
+    from pipeline.cost import ActorAccount, job_totals
+
+    sums = ledger.sums()
+    stats = ledger.stats
+    accounts = [ActorAccount.from_dict(a) for run in runs for a in run.actors]
+    cost = job_totals(sums, accounts, spec.cost)
+    wall_s = math.fsum(run.wall_s for run in runs)
+    return {
+        "rows": sums.rows,
+        "rows_ok": sums.rows - sums.errors,
+        "rows_error": sums.errors,
+        "error_fraction": sums.errors / sums.rows if sums.rows else 0.0,
+        "wall_s": wall_s,
+        "output_tokens_per_s": cost.completion_tokens / wall_s if wall_s > 0 else None,
+        "latency_p50_s": stats.latency_s.quantile(0.5),
+        "latency_p95_s": stats.latency_s.quantile(0.95),
+        "ttft_p50_s": stats.ttft_s.quantile(0.5),
+        "ttft_p95_s": stats.ttft_s.quantile(0.95),
+        **cost.to_dict(),
+    }

@@ -1,0 +1,120 @@
+"""OpenAI Batch API lines (`input.format: openai_batch`): one request per line, by custom_id.
+
+`parse_batch_request` turns one line's JSON object into the prompt or chat, the per-request
+sampling values and an error for what the pipeline cannot serve (another endpoint, n > 1,
+tools, ...): such a request becomes an error row naming the parameter, never a silent skip.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pipeline.batch.read.columns import (
+    BATCH_OVERRIDE_COLUMNS,
+    ERROR,
+    ID,
+    MESSAGES,
+    PROMPT,
+    apply_overrides,
+    coerce_override,
+    json_cell,
+)
+from pipeline.spec import JobSpec
+
+SUPPORTED_BATCH_URLS = ("/v1/chat/completions", "/v1/completions")
+# openai_batch: sampling field -> the column its per-request value lands in.
+# Request body parameters that would change results and that the pipeline does not implement:
+# name -> predicate on the value saying "this value needs the feature".
+UNSUPPORTED_BODY: dict[str, Any] = {
+    "n": lambda v: v not in (None, 1),
+    "best_of": lambda v: v not in (None, 1),
+    "logprobs": lambda v: bool(v),
+    "top_logprobs": lambda v: v is not None,
+    "echo": lambda v: bool(v),
+    "suffix": lambda v: bool(v),
+    "stream": lambda v: bool(v),
+    "tools": lambda v: bool(v),
+    "tool_choice": lambda v: v not in (None, "none"),
+    "functions": lambda v: bool(v),
+    "function_call": lambda v: v not in (None, "none"),
+    "response_format": lambda v: v not in (None, {"type": "text"}),
+    "logit_bias": lambda v: bool(v),
+    "presence_penalty": lambda v: v not in (None, 0, 0.0),
+    "frequency_penalty": lambda v: v not in (None, 0, 0.0),
+    "stop": lambda v: bool(v),
+}
+
+
+def parse_batch_request(obj: dict[str, Any]) -> dict[str, Any]:
+    """One OpenAI Batch API line → custom_id, prompt/messages, override values, or an error.
+
+    Returns a dict with keys `custom_id` (may be None), `prompt`, `messages` (JSON text),
+    the BATCH_OVERRIDE_COLUMNS and `error`.
+    """
+    out: dict[str, Any] = {"custom_id": None, PROMPT: None, MESSAGES: None, ERROR: None}
+    custom_id = obj.get("custom_id")
+    if custom_id is None or custom_id == "":
+        out[ERROR] = "missing custom_id"
+        return out
+    out["custom_id"] = str(custom_id)
+    url = obj.get("url")
+    if url not in SUPPORTED_BATCH_URLS:
+        out[ERROR] = f"unsupported url {url!r}; supported: {', '.join(SUPPORTED_BATCH_URLS)}"
+        return out
+    method = obj.get("method", "POST")
+    if str(method).upper() != "POST":
+        out[ERROR] = f"unsupported method {method!r}; batch requests are POST"
+        return out
+    body = obj.get("body")
+    if not isinstance(body, dict):
+        out[ERROR] = "missing body (an object with messages or prompt)"
+        return out
+    for name, needs_feature in UNSUPPORTED_BODY.items():
+        if name in body and needs_feature(body[name]):
+            out[ERROR] = f"unsupported body parameter {name}={body[name]!r}"
+            return out
+    if url == "/v1/chat/completions":
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            out[ERROR] = "body.messages must be a non-empty list for /v1/chat/completions"
+            return out
+        out[MESSAGES] = json.dumps(messages)
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if not isinstance(prompt, str):
+            out[ERROR] = "body.prompt must be one string for /v1/completions"
+            return out
+        out[PROMPT] = prompt
+    values = {
+        "max_tokens": body.get("max_completion_tokens", body.get("max_tokens")),
+        "temperature": body.get("temperature"),
+        "top_p": body.get("top_p"),
+        "seed": body.get("seed"),
+    }
+    for field, value in values.items():
+        column = BATCH_OVERRIDE_COLUMNS[field]
+        coerced, problem = coerce_override(field, column, value, label=f"body.{field}")
+        out[column] = coerced
+        if problem:
+            out[ERROR] = problem
+            return out
+    return out
+
+
+def batch_row(spec: JobSpec, obj: dict[str, Any], row: dict[str, Any], where: str) -> None:
+    parsed = parse_batch_request(obj)
+    if parsed["custom_id"] is not None:
+        row[ID] = parsed["custom_id"]
+    for name in (PROMPT, MESSAGES, *BATCH_OVERRIDE_COLUMNS.values()):
+        row[name] = parsed.get(name)
+    for name in spec.input.passthrough_columns:
+        row[name] = json_cell(obj.get(name))
+    # User overrides may point at top-level keys of the line (rare, but allowed).
+    apply_overrides(
+        spec, row, {k: v for k, v in obj.items() if k in spec.sampling.overrides.values()}, where
+    )
+    if parsed[ERROR]:
+        row[ERROR] = f"{where}: {parsed[ERROR]}"

@@ -1,0 +1,424 @@
+"""The driver's scheduler: hands shards to actors and collects what they commit-ready write.
+
+There is no prefill or decode stage here, and no rows: the scheduler moves *shards*. Each is
+prepared by a prompt actor (read + render; the rows stay in Ray's object store), then run by
+an engine actor, which streams back one record per part it writes and one at the end. The
+driver's work and memory grow with shards and parts, never with rows.
+
+    queue ─▶ prepare (prompt actors, a few ahead) ─▶ prepared ─▶ run_unit (engine actors,
+    `UNITS_PER_ACTOR` each, so one shard's tail overlaps the next one's start) ─▶ records
+
+Failures:
+- an engine actor dies (its process, or its node): every shard it was running goes back to
+  the queue with the rows committed so far skipped; Ray restarts the actor where resources
+  allow, and it gets work again once it answers `ready`; the others go on meanwhile;
+- a prompt actor dies: its shards are prepared again elsewhere;
+- a shard whose work fails otherwise (its input unreadable, a part write failing past the
+  storage retries) is retried up to `resources.max_task_retries` times, then the job fails
+  naming the shard and the error.
+
+Stopping (SIGTERM, Ctrl-C, the budget, a lost lease): nothing new is handed out; engine
+actors are asked to stop, write what is finished and end their shards; the scheduler
+returns once they have.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pipeline.batch.commit.ledger import CommitLedger
+from pipeline.batch.units import PartWritten, PreparedInfo, UnitEnd, WorkUnit
+
+logger = logging.getLogger(__name__)
+
+UNITS_PER_ACTOR = 2  # shards one engine actor works on at once
+PREPARES_PER_PROMPTER = 2  # prepare calls queued per prompt actor
+WAIT_S = 0.5  # longest the loop sleeps without an event
+# Engine actors must answer `ready` within this (model download and load included).
+ACTOR_START_TIMEOUT_S = 1200.0
+# After asking actors to stop, give their shards this long to end.
+STOP_TIMEOUT_S = 60.0
+# Shards go to engine actors once all are up, or this long after the first one is: otherwise
+# the first engine to finish loading would take the first shards of a small job alone.
+STARTUP_GRACE_S = 30.0
+
+
+class JobFailed(RuntimeError):
+    """The run cannot go on; the message names the shard or actor and the cause."""
+
+
+@dataclass
+class _Slot:
+    """One actor of a pool, and what it is doing."""
+
+    name: str
+    handle: Any
+    kind: str  # "engine" | "prompt"
+    ready: bool = False
+    dead: bool = False  # gone for good (its restarts are used up)
+    ping: Any = None  # pending `ready` call (ObjectRef), None when answered
+    busy: int = 0  # units running / prepares pending on it
+    losses: int = 0
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class _Running:
+    unit: WorkUnit
+    slot: _Slot
+    generator: Any  # ObjectRefGenerator of run_unit
+
+
+@dataclass
+class _Preparing:
+    unit: WorkUnit
+    slot: _Slot
+    info_ref: Any
+    rows_ref: Any
+
+
+@dataclass
+class ActorLoss:
+    """An engine actor that died while it had work (for the manifest and the report)."""
+
+    actor: str
+    at: float  # epoch seconds
+    shards: list[int]  # handed out again
+    recovered_after_s: float | None = None  # until the first part of a re-dispatched shard
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "event": "actor_lost",
+            "actor": self.actor,
+            "at": round(self.at, 3),
+            "shards_requeued": self.shards,
+            "recovered_after_s": (
+                None if self.recovered_after_s is None else round(self.recovered_after_s, 3)
+            ),
+        }
+
+
+@dataclass
+class SchedulerResult:
+    accounts: dict[str, dict[str, Any]]  # "<actor id>/<incarnation>" -> latest cost account
+    rows_refused: int  # rows left out (budget closed, or the run stopped)
+    budget_closed: bool
+    stopped: bool
+    losses: list[ActorLoss]
+
+
+class Scheduler:
+    """See the module docstring. `run()` returns when every unit is done or the run stopped."""
+
+    def __init__(
+        self,
+        *,
+        engines: list[Any],
+        prompters: list[Any],
+        units: list[WorkUnit],
+        ledger: CommitLedger,
+        on_part: Callable[[PartWritten], None],
+        on_tick: Callable[[], None],
+        stop: threading.Event,
+        max_unit_retries: int,
+    ):
+        import ray
+
+        self._ray = ray
+        self.engines = [_Slot(f"engine-{i}", h, "engine") for i, h in enumerate(engines)]
+        self.prompters = [_Slot(f"prompt-{i}", h, "prompt") for i, h in enumerate(prompters)]
+        for slot in [*self.engines, *self.prompters]:
+            slot.ping = slot.handle.ready.remote()
+        self.queue: deque[WorkUnit] = deque(units)
+        self.ledger = ledger
+        self.on_part = on_part
+        self.on_tick = on_tick
+        self.stop = stop
+        self.max_unit_retries = max_unit_retries
+        self.preparing: dict[Any, _Preparing] = {}  # info ref -> prepare call
+        self.prepared: deque[tuple[WorkUnit, PreparedInfo, Any]] = deque()
+        self.running: dict[Any, _Running] = {}  # generator -> unit
+        self.dispatches: dict[int, int] = {u.shard.index: u.dispatch for u in units}
+        self.failures: dict[int, int] = {}  # shard -> failed attempts
+        self.accounts: dict[str, dict[str, Any]] = {}
+        self.losses: list[ActorLoss] = []
+        self._awaiting_recovery: dict[int, ActorLoss] = {}  # shard -> the loss it recovers
+        self.rows_refused = 0
+        self.budget_closed = False
+        self._stop_sent = False
+        self._no_engine_since: float | None = time.monotonic()  # None while one is ready
+        self._first_ready: float | None = None  # when the first engine actor answered
+
+    # --- the loop ------------------------------------------------------------------------------
+
+    def run(self) -> SchedulerResult:
+        stop_deadline: float | None = None
+        while True:
+            if self.stop.is_set() and stop_deadline is None:
+                stop_deadline = time.monotonic() + STOP_TIMEOUT_S
+                self._stop_all()
+            if not self.stop.is_set() and not self.budget_closed:
+                self._dispatch()
+            if self._finished():
+                break
+            if stop_deadline is not None and time.monotonic() > stop_deadline:
+                logger.warning("actors did not end their shards within %ss", STOP_TIMEOUT_S)
+                break
+            self._check_start_timeout()
+            waiting = [
+                *self.preparing,
+                *self.running,
+                *(s.ping for s in [*self.engines, *self.prompters] if s.ping is not None),
+            ]
+            ready = self._ray.wait(waiting, num_returns=1, timeout=WAIT_S)[0] if waiting else []
+            if not waiting:
+                time.sleep(WAIT_S)
+            for ref in ready:
+                self._handle(ref)
+            self.on_tick()
+        for slot in self.engines:  # the last account of every actor still alive
+            if slot.ready:
+                try:
+                    account = self._ray.get(slot.handle.account.remote(), timeout=30)
+                    self._take_account(account)
+                except Exception as exc:
+                    logger.warning("no final account from %s: %s", slot.name, exc)
+        return SchedulerResult(
+            accounts=self.accounts,
+            rows_refused=self.rows_refused,
+            budget_closed=self.budget_closed,
+            stopped=self.stop.is_set(),
+            losses=self.losses,
+        )
+
+    def _finished(self) -> bool:
+        work_left = bool(self.queue or self.prepared) and not (
+            self.stop.is_set() or self.budget_closed
+        )
+        return not (work_left or self.preparing or self.running)
+
+    # --- handing out work ------------------------------------------------------------------------
+
+    def _dispatch(self) -> None:
+        ready_engines = [s for s in self.engines if s.ready]
+        ahead = max(len(ready_engines), 1)
+        while self.queue and len(self.preparing) + len(self.prepared) < ahead + 1:
+            prompter = self._least_busy(self.prompters, PREPARES_PER_PROMPTER)
+            if prompter is None:
+                break
+            unit = self.queue.popleft()
+            info_ref, rows_ref = prompter.handle.prepare.options(num_returns=2).remote(unit)
+            prompter.busy += 1
+            self.preparing[info_ref] = _Preparing(unit, prompter, info_ref, rows_ref)
+        starting = any(not s.ready and not s.dead and s.losses == 0 for s in self.engines)
+        if starting and (
+            self._first_ready is None or time.monotonic() - self._first_ready < STARTUP_GRACE_S
+        ):
+            return
+        while self.prepared:
+            engine = self._least_busy(self.engines, UNITS_PER_ACTOR)
+            if engine is None:
+                break
+            unit, _, rows_ref = self.prepared.popleft()
+            generator = engine.handle.run_unit.options(num_returns="streaming").remote(
+                unit, rows_ref
+            )
+            engine.busy += 1
+            self.running[generator] = _Running(unit, engine, generator)
+
+    @staticmethod
+    def _least_busy(slots: list[_Slot], limit: int) -> _Slot | None:
+        free = [s for s in slots if s.ready and s.busy < limit]
+        return min(free, key=lambda s: s.busy) if free else None
+
+    def _requeue(self, unit: WorkUnit, front: bool = True) -> WorkUnit | None:
+        """The shard again with the rows committed so far skipped (None: nothing left)."""
+        shard = unit.shard.index
+        selection = self.ledger.selection(shard)
+        if unit.replace_parts:
+            # Replacement work is all or nothing per part: redo the parts not yet replaced.
+            left = tuple(p for p in unit.replace_parts if p in self.ledger.parts)
+            if not left:
+                return None
+            again = WorkUnit(unit.shard, unit.run, self._next_dispatch(shard), selection, left)
+        else:
+            state = self.ledger.shards[shard]
+            if state.is_complete:
+                return None
+            again = WorkUnit(unit.shard, unit.run, self._next_dispatch(shard), selection)
+        if front:
+            self.queue.appendleft(again)
+        else:
+            self.queue.append(again)
+        return again
+
+    def _next_dispatch(self, shard: int) -> int:
+        self.dispatches[shard] = self.dispatches.get(shard, 0) + 1
+        if self.dispatches[shard] > 99:
+            raise JobFailed(f"shard {shard} was handed out 99 times in one run; giving up")
+        return self.dispatches[shard]
+
+    def _stop_all(self) -> None:
+        if self._stop_sent:
+            return
+        self._stop_sent = True
+        self.queue.clear()
+        self.prepared.clear()
+        for slot in self.engines:
+            if slot.ready:
+                slot.handle.stop.remote()
+
+    # --- events ----------------------------------------------------------------------------------
+
+    def _handle(self, ref: Any) -> None:
+        if ref in self.preparing:
+            self._on_prepared(self.preparing.pop(ref))
+        elif ref in self.running:
+            self._on_unit_event(self.running[ref])
+        else:
+            for slot in [*self.engines, *self.prompters]:
+                if slot.ping is not None and slot.ping == ref:
+                    self._on_ready(slot)
+                    return
+
+    def _on_ready(self, slot: _Slot) -> None:
+        ray = self._ray
+        ping, slot.ping = slot.ping, None
+        try:
+            answer = ray.get(ping)
+        except ray.exceptions.ActorDiedError as exc:
+            if slot.losses == 0 and not slot.ready:
+                # The actor never came up: its constructor failed (bad model, out of memory).
+                raise JobFailed(
+                    f"the {slot.kind} actor {slot.name} could not start: {exc}"
+                ) from exc
+            logger.warning("%s is gone for good: %s", slot.name, exc)
+            slot.dead = True
+            return
+        except ray.exceptions.RayActorError:
+            slot.ping = slot.handle.ready.remote()  # restarting: ask again
+            return
+        slot.ready = True
+        if slot.kind == "engine" and self._first_ready is None:
+            self._first_ready = time.monotonic()
+        if isinstance(answer, dict):
+            slot.info = answer
+        logger.info("%s ready %s", slot.name, slot.info or "")
+
+    def _on_prepared(self, call: _Preparing) -> None:
+        ray = self._ray
+        call.slot.busy -= 1
+        try:
+            info: PreparedInfo = ray.get(call.info_ref)
+        except ray.exceptions.RayActorError:
+            self._lose(call.slot)
+            self.queue.appendleft(call.unit)
+            return
+        except Exception as exc:
+            self._unit_failed(call.unit, exc)
+            return
+        self.ledger.set_num_rows(info.shard, info.num_rows)
+        if info.num_selected == 0 and not call.unit.replace_parts:
+            return  # nothing to generate in this shard (all committed, or empty)
+        self.prepared.append((call.unit, info, call.rows_ref))
+
+    def _on_unit_event(self, running: _Running) -> None:
+        ray = self._ray
+        try:
+            ref = next(running.generator)
+            event = ray.get(ref)
+        except StopIteration:
+            self._end_unit(running)
+            return
+        except ray.exceptions.RayActorError as exc:
+            logger.warning("%s died with %s: %s", running.slot.name, running.unit.key, exc)
+            self._lose(running.slot)
+            return
+        except Exception as exc:
+            self._end_unit(running)
+            self._unit_failed(running.unit, exc)
+            return
+        if isinstance(event, PartWritten):
+            self._take_account(event.account)
+            self.on_part(event)
+            loss = self._awaiting_recovery.pop(running.unit.shard.index, None)
+            if loss is not None and loss.recovered_after_s is None:
+                loss.recovered_after_s = time.time() - loss.at
+        elif isinstance(event, UnitEnd):
+            self._take_account(event.account)
+            if event.rows_refused and not event.stopped:
+                self.budget_closed = True
+            self.rows_refused += event.rows_refused
+
+    def _end_unit(self, running: _Running) -> None:
+        self.running.pop(running.generator, None)
+        running.slot.busy -= 1
+
+    def _lose(self, slot: _Slot) -> None:
+        """An actor died: hand its work out again and wait for it to come back."""
+        if slot.ready:
+            slot.ready = False
+            slot.losses += 1
+            slot.ping = slot.handle.ready.remote()
+        if slot.kind != "engine":
+            for ref, call in list(self.preparing.items()):
+                if call.slot is slot:
+                    del self.preparing[ref]
+                    slot.busy -= 1
+                    self.queue.appendleft(call.unit)
+            return
+        lost_units = [r for r in self.running.values() if r.slot is slot]
+        if not lost_units:
+            return
+        loss = ActorLoss(slot.info.get("actor_id", slot.name), time.time(), [])
+        for running in lost_units:
+            self._end_unit(running)
+            again = self._requeue(running.unit)
+            if again is not None:
+                loss.shards.append(again.shard.index)
+                self._awaiting_recovery[again.shard.index] = loss
+        self.losses.append(loss)
+        logger.warning(
+            "%s was lost; shards %s handed out again (committed rows kept)", slot.name, loss.shards
+        )
+
+    def _unit_failed(self, unit: WorkUnit, exc: Exception) -> None:
+        shard = unit.shard.index
+        self.failures[shard] = self.failures.get(shard, 0) + 1
+        if self.failures[shard] > self.max_unit_retries:
+            raise JobFailed(
+                f"{unit.shard.describe()} failed {self.failures[shard]} times; last error: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+        logger.warning("%s failed (%s: %s); trying it again", unit.key, type(exc).__name__, exc)
+        self._requeue(unit, front=False)
+
+    def _take_account(self, account: dict[str, Any]) -> None:
+        key = f"{account.get('actor_id')}/{account.get('incarnation')}"
+        if account.get("lifetime_s", 0.0) >= self.accounts.get(key, {}).get("lifetime_s", -1.0):
+            self.accounts[key] = account
+
+    def _check_start_timeout(self) -> None:
+        """Fail instead of waiting forever for an engine actor that cannot come (back)."""
+        if any(s.ready for s in self.engines):
+            self._no_engine_since = None
+            return
+        if all(s.dead for s in self.engines):
+            raise JobFailed(
+                "every engine actor died and used up its restarts (resources.max_restarts); "
+                "see the actor logs for the cause"
+            )
+        now = time.monotonic()
+        if self._no_engine_since is None:
+            self._no_engine_since = now
+        elif now - self._no_engine_since > ACTOR_START_TIMEOUT_S:
+            raise JobFailed(
+                f"no engine actor was running for {ACTOR_START_TIMEOUT_S:.0f}s: the cluster "
+                "may lack the CPUs/GPUs/custom resources an actor asks for (resources.*)"
+            )

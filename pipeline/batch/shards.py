@@ -1,0 +1,395 @@
+"""Input shards: the unit of work and of commit, derived deterministically from the listing.
+
+A shard is a slice of one input file:
+
+- Parquet: a run of consecutive row groups (rows [start, end) of the file). Row groups are
+  never split, so reading a shard fetches exactly its column chunks; a row group larger than
+  the target is a shard of its own.
+- JSONL / OpenAI batch: a byte range [start, end). A line belongs to the shard that holds its
+  first byte, so ranges can be cut anywhere and still give every line to exactly one shard.
+  Compressed files (.gz, .zst, ...) cannot be entered in the middle: one shard each.
+
+The plan depends only on the listing (URIs, sizes, versions), the Parquet footers and the
+shard settings, so a rerun of the same job derives the same shards; its hash is part of the
+job fingerprint. Within a shard, rows are numbered 0.. in file order (`row index`); committed
+rows are tracked per shard as `RowRanges` of those indexes, never as ids.
+
+`input.shard_rows` / `input.shard_bytes` set the target size; left null, the size is chosen so
+that a job has about TARGET_SHARDS shards (many more shards than actors, so every actor has
+work until the end), within [MIN, MAX] bounds that keep each shard's prepared rows small.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+import pyarrow as pa
+
+from pipeline.spec import JobSpec
+from pipeline.storage import InputFile, StorageError, filesystem_for
+
+TARGET_SHARDS = 256
+MIN_SHARD_ROWS = 64
+MAX_SHARD_ROWS = 20_000
+MIN_SHARD_BYTES = 16 * 1024
+MAX_SHARD_BYTES = 256 * 1024**2
+# Bytes read from the first JSONL file to estimate bytes per line (for the shard size).
+SAMPLE_BYTES = 256 * 1024
+COMPRESSED_SUFFIXES = (".gz", ".bz2", ".xz", ".zst", ".zstd", ".lz4", ".snappy")
+FOOTER_THREADS = 16
+
+ShardKind = Literal["row_groups", "byte_range", "whole_file"]
+
+
+# --- row index ranges --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RowRanges:
+    """A set of row indexes as sorted, disjoint, non-adjacent [start, end) ranges."""
+
+    spans: tuple[tuple[int, int], ...] = ()
+
+    @classmethod
+    def of(cls, spans: Iterable[Sequence[int]]) -> RowRanges:
+        merged: list[list[int]] = []
+        for start, end in sorted((int(s), int(e)) for s, e in spans if int(e) > int(s)):
+            if merged and start <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], end)
+            else:
+                merged.append([start, end])
+        return cls(tuple((s, e) for s, e in merged))
+
+    @classmethod
+    def from_indexes(cls, indexes: Iterable[int]) -> RowRanges:
+        """Ranges covering exactly the given indexes (any order, duplicates ignored)."""
+        spans: list[tuple[int, int]] = []
+        for index in sorted(set(int(i) for i in indexes)):
+            if spans and spans[-1][1] == index:
+                spans[-1] = (spans[-1][0], index + 1)
+            else:
+                spans.append((index, index + 1))
+        return cls(tuple(spans))
+
+    @classmethod
+    def full(cls, num_rows: int) -> RowRanges:
+        return cls(((0, num_rows),) if num_rows > 0 else ())
+
+    def __len__(self) -> int:
+        return sum(end - start for start, end in self.spans)
+
+    def __bool__(self) -> bool:
+        return bool(self.spans)
+
+    def __iter__(self) -> Iterator[int]:
+        for start, end in self.spans:
+            yield from range(start, end)
+
+    def union(self, other: RowRanges) -> RowRanges:
+        return RowRanges.of([*self.spans, *other.spans])
+
+    def intersection(self, other: RowRanges) -> RowRanges:
+        out: list[tuple[int, int]] = []
+        i = j = 0
+        a, b = self.spans, other.spans
+        while i < len(a) and j < len(b):
+            start, end = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+            if start < end:
+                out.append((start, end))
+            if a[i][1] < b[j][1]:
+                i += 1
+            else:
+                j += 1
+        return RowRanges(tuple(out))
+
+    def difference(self, other: RowRanges) -> RowRanges:
+        out: list[tuple[int, int]] = []
+        j = 0
+        b = other.spans
+        for start, end in self.spans:
+            cursor = start
+            while j < len(b) and b[j][1] <= cursor:
+                j += 1
+            k = j
+            while k < len(b) and b[k][0] < end:
+                if b[k][0] > cursor:
+                    out.append((cursor, b[k][0]))
+                cursor = max(cursor, b[k][1])
+                k += 1
+            if cursor < end:
+                out.append((cursor, end))
+        return RowRanges(tuple(out))
+
+    def overlaps(self, other: RowRanges) -> bool:
+        return bool(self.intersection(other))
+
+    def covers(self, num_rows: int) -> bool:
+        """Whether every index in [0, num_rows) is in the set."""
+        return num_rows == 0 or self.spans == ((0, num_rows),)
+
+    def to_json(self) -> list[list[int]]:
+        return [[s, e] for s, e in self.spans]
+
+    @classmethod
+    def from_json(cls, data: Iterable[Sequence[int]]) -> RowRanges:
+        return cls.of(data)
+
+
+@dataclass(frozen=True)
+class RowSelection:
+    """Which rows of a shard a run generates: all but `skip`, or only `only` (retry-errors)."""
+
+    skip: RowRanges = field(default_factory=RowRanges)  # committed: never read again
+    only: RowRanges | None = None  # when set, just these rows (minus skip)
+
+    def wants(self, row: int) -> bool:
+        if self.only is not None and not _contains(self.only, row):
+            return False
+        return not _contains(self.skip, row)
+
+
+def _contains(ranges: RowRanges, row: int) -> bool:
+    from bisect import bisect_right
+
+    spans = ranges.spans
+    i = bisect_right(spans, (row, math.inf)) - 1
+    return i >= 0 and spans[i][0] <= row < spans[i][1]
+
+
+# --- shards ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One slice of one input file (see the module docstring)."""
+
+    index: int  # position in the plan, 0..n-1
+    uri: str  # the input file
+    file_size: int
+    file_version: str
+    kind: ShardKind
+    start: int  # row_groups: first file row; byte_range: first byte; whole_file: 0
+    end: int  # exclusive; whole_file: the file size
+    row_groups: tuple[int, ...] = ()  # row_groups: the Parquet row groups read
+    num_rows: int | None = None  # known before reading for Parquet; None for JSONL
+    max_rows: int | None = None  # input.limit reached inside this shard: read at most this
+
+    @property
+    def file(self) -> InputFile:
+        return InputFile(uri=self.uri, size=self.file_size, version=self.file_version)
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["row_groups"] = list(self.row_groups)
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Shard:
+        return cls(**{**data, "row_groups": tuple(data.get("row_groups") or ())})
+
+    def describe(self) -> str:
+        unit = "rows" if self.kind == "row_groups" else "bytes"
+        return f"shard {self.index} ({self.uri} {unit} {self.start}-{self.end})"
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    shards: tuple[Shard, ...]
+    target: int  # rows (Parquet) or bytes (JSONL) per shard the plan aimed for
+    parquet_schemas: tuple[pa.Schema, ...] | None = None  # every input file's (Parquet)
+
+    @property
+    def digest(self) -> str:
+        text = json.dumps([s.to_json() for s in self.shards], sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    @property
+    def known_rows(self) -> int | None:
+        """Total rows when every shard's count is known before reading (Parquet)."""
+        counts = [s.num_rows for s in self.shards]
+        return None if any(c is None for c in counts) else sum(counts)  # type: ignore[misc]
+
+    def __len__(self) -> int:
+        return len(self.shards)
+
+
+def clamp(value: float, low: int, high: int) -> int:
+    return int(min(max(math.ceil(value), low), high))
+
+
+# --- Parquet -----------------------------------------------------------------------------------
+
+
+def parquet_footer(spec: JobSpec, file: InputFile) -> tuple[list[int], pa.Schema]:
+    """Rows per row group and the Arrow schema of one Parquet file (from its footer only).
+
+    Raises StorageError naming the file when it is not Parquet or cannot be read."""
+    import pyarrow.parquet as pq
+
+    fs, path = filesystem_for(file.uri, spec.storage)
+    try:
+        with fs.open(path, "rb") as handle:
+            parquet = pq.ParquetFile(handle)
+            meta = parquet.metadata
+            sizes = [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
+            return sizes, parquet.schema_arrow
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise StorageError(
+            f"cannot read {file.uri} as input.format parquet: {type(exc).__name__}: {exc}"
+        ) from exc
+
+
+def _parquet_plan(spec: JobSpec, files: list[InputFile]) -> ShardPlan:
+    with ThreadPoolExecutor(FOOTER_THREADS, thread_name_prefix="parquet-footer") as pool:
+        footers = list(pool.map(lambda f: parquet_footer(spec, f), files))
+    groups = [sizes for sizes, _ in footers]
+    limit = spec.input.limit
+    total = sum(sum(g) for g in groups)
+    total = total if limit is None else min(total, limit)
+    target = spec.input.shard_rows or clamp(total / TARGET_SHARDS, MIN_SHARD_ROWS, MAX_SHARD_ROWS)
+    shards: list[Shard] = []
+    left = total  # rows still to plan (input.limit cuts the input in input order)
+
+    def emit(file: InputFile, start: int, chosen: list[int], rows: int) -> None:
+        shards.append(
+            Shard(
+                index=len(shards),
+                uri=file.uri,
+                file_size=file.size,
+                file_version=file.version,
+                kind="row_groups",
+                start=start,
+                end=start + rows,
+                row_groups=tuple(chosen),
+                num_rows=rows,
+            )
+        )
+
+    for file, sizes in zip(files, groups, strict=True):
+        start, chosen, rows = 0, [], 0  # the shard being filled: first row, groups, rows
+        for group, size in enumerate(sizes):
+            if left - rows <= 0:
+                break
+            if chosen and rows + size > target:
+                emit(file, start, chosen, rows)
+                start, left = start + rows, left - rows
+                chosen, rows = [], 0
+            # The limit may end inside a row group: the shard then reads part of it.
+            chosen.append(group)
+            rows += min(size, left - rows)
+        if chosen:
+            emit(file, start, chosen, rows)
+            left -= rows
+        if left <= 0:
+            break
+    return ShardPlan(tuple(shards), target, tuple(schema for _, schema in footers))
+
+
+# --- JSONL -------------------------------------------------------------------------------------
+
+
+def is_compressed(uri: str) -> bool:
+    return uri.lower().endswith(COMPRESSED_SUFFIXES)
+
+
+def bytes_per_line(spec: JobSpec, file: InputFile) -> float:
+    """Mean bytes per line in the first SAMPLE_BYTES of a file (a deterministic estimate)."""
+    fs, path = filesystem_for(file.uri, spec.storage)
+    with fs.open(path, "rb", compression="infer" if is_compressed(file.uri) else None) as handle:
+        sample = handle.read(SAMPLE_BYTES)
+    lines = sample.count(b"\n")
+    if lines == 0:
+        return float(max(len(sample), 1))
+    return len(sample) / lines
+
+
+def _jsonl_limit_end(spec: JobSpec, file: InputFile, rows: int) -> tuple[int, int]:
+    """(rows found, byte offset after the `rows`-th non-blank line) of one file."""
+    fs, path = filesystem_for(file.uri, spec.storage)
+    found, offset = 0, 0
+    with fs.open(path, "rb") as handle:
+        for line in handle:
+            offset += len(line)
+            if line.strip():
+                found += 1
+                if found >= rows:
+                    break
+    return found, offset
+
+
+def _jsonl_plan(spec: JobSpec, files: list[InputFile]) -> ShardPlan:
+    limit = spec.input.limit
+    spans: list[tuple[InputFile, int, int | None]] = []  # (file, end byte, row cap)
+    left = limit
+    for file in files:
+        if left is not None and left <= 0:
+            break
+        if left is None:
+            spans.append((file, file.size, None))
+        elif is_compressed(file.uri):
+            spans.append((file, file.size, left))
+            left -= count_lines(spec, file)
+        else:
+            found, end = _jsonl_limit_end(spec, file, left)
+            spans.append((file, end, None))
+            left -= found
+    total_bytes = sum(end for _, end, _ in spans)
+    if spec.input.shard_bytes:
+        target = spec.input.shard_bytes
+    else:
+        per_line = bytes_per_line(spec, spans[0][0]) if spans else 1.0
+        target = clamp(
+            max(total_bytes / TARGET_SHARDS, MIN_SHARD_ROWS * per_line),
+            MIN_SHARD_BYTES,
+            int(min(MAX_SHARD_BYTES, MAX_SHARD_ROWS * per_line)) or MIN_SHARD_BYTES,
+        )
+    shards: list[Shard] = []
+    for file, end, cap in spans:
+        if is_compressed(file.uri):
+            shards.append(
+                Shard(
+                    len(shards),
+                    file.uri,
+                    file.size,
+                    file.version,
+                    "whole_file",
+                    0,
+                    file.size,
+                    max_rows=cap,
+                )
+            )
+            continue
+        count = max(1, math.ceil(end / target))
+        step = math.ceil(end / count) if end else 0
+        for i in range(count):
+            shards.append(
+                Shard(
+                    len(shards),
+                    file.uri,
+                    file.size,
+                    file.version,
+                    "byte_range",
+                    i * step,
+                    min((i + 1) * step, end),
+                )
+            )
+    return ShardPlan(tuple(shards), target)
+
+
+def count_lines(spec: JobSpec, file: InputFile) -> int:
+    fs, path = filesystem_for(file.uri, spec.storage)
+    with fs.open(path, "rb", compression="infer") as handle:
+        return sum(1 for line in handle if line.strip())
+
+
+def plan_shards(spec: JobSpec, files: list[InputFile]) -> ShardPlan:
+    """The job's shards, in listing order (see the module docstring)."""
+    if spec.input.format == "parquet":
+        return _parquet_plan(spec, files)
+    return _jsonl_plan(spec, files)
