@@ -99,7 +99,7 @@ class Pool:
             ray.kill(handle, no_restart=True)
 
 
-def start_engines(spec: JobSpec, schema: pa.Schema, budget: Any) -> Pool:
+def start_engines(spec: JobSpec, schema: pa.Schema, budget: Any, run_id: str) -> Pool:
     """The engine actors (not waited for: each answers `ready` once its engine is loaded).
 
     An autoscaling pool starts max_actors: those the cluster cannot place yet stay pending
@@ -110,7 +110,9 @@ def start_engines(spec: JobSpec, schema: pa.Schema, budget: Any) -> Pool:
     import ray
 
     res = spec.resources
-    config = dataclasses.replace(GenerateConfig.from_spec(spec, schema), budget=budget)
+    config = dataclasses.replace(
+        GenerateConfig.from_spec(spec, schema), budget=budget, run_id=run_id
+    )
     actor = ray.remote(EngineWorker).options(
         num_cpus=res.cpus_per_actor,
         num_gpus=res.devices_per_actor or None,

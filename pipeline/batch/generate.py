@@ -65,6 +65,7 @@ class GenerateConfig:
     flush_interval_s: float  # finished rows wait at most this long for their part
     devices: float  # devices per actor (0: a CPU actor)
     budget: Any = None  # pipeline.batch.budget actor shared by the run's actors; None: no budget
+    run_id: str | None = None  # the lease this run holds; None: not a fenced run (tools, tests)
 
     @classmethod
     def from_spec(cls, spec: JobSpec, schema: pa.Schema) -> GenerateConfig:
@@ -247,6 +248,10 @@ def outcomes_to_table(
 # --- the actor -------------------------------------------------------------------------------
 
 
+class Fenced(RuntimeError):
+    """Another run holds the output's lease: this actor's run must not write to it."""
+
+
 @dataclass
 class _Finished:
     """A row that left the engine, waiting for its part."""
@@ -349,6 +354,10 @@ class EngineWorker:
                         refused += 1
                         continue
                     await slots.acquire()
+                    if stopping.is_set():  # asked to stop while waiting for a slot
+                        slots.release()
+                        refused += len(records) - position
+                        return
                     task = asyncio.ensure_future(serve(position, records[position]))
                     in_flight.add(task)
                     task.add_done_callback(in_flight.discard)
@@ -357,7 +366,8 @@ class EngineWorker:
                     return
 
         feeder = asyncio.ensure_future(feed())
-        stop_deadline: float | None = None
+        stop_deadline: float | None = None  # when rows still in the engine are left
+        flushed_on_stop = False  # what was finished when the stop came is written at once
         try:
             while True:
                 done = feeder.done() and not in_flight and finished.empty()
@@ -381,7 +391,9 @@ class EngineWorker:
                 due = time.monotonic() - last_flush >= self.config.flush_interval_s
                 full = len(buffer) >= self.config.rows_per_file
                 done = feeder.done() and not in_flight and finished.empty()
-                if buffer and (full or due or done or stopping.is_set()) and not unit.replace_parts:
+                stop_now = stopping.is_set() and not flushed_on_stop
+                if buffer and (full or due or done or stop_now) and not unit.replace_parts:
+                    flushed_on_stop = flushed_on_stop or stopping.is_set()
                     record = await self._write(unit, rows, buffer, seq)
                     seq += 1
                     flushed.append(record)
@@ -458,9 +470,26 @@ class EngineWorker:
             self.engine.info.kind,
         )
 
+    def _check_lease(self) -> None:
+        """Refuse to write once another run holds the output (this actor's driver hangs or
+        lost its lease): a fenced-off run's late parts are not even written."""
+        if self.config.run_id is None:
+            return
+        from pipeline.batch.commit.lease import LeaseHolder
+        from pipeline.batch.commit.parts import LEASE_NAME
+
+        current = self.out.read_versioned(LEASE_NAME)
+        holder = LeaseHolder.parse(current.data) if current else None
+        if holder is None or holder.run_id != self.config.run_id:
+            who = holder.describe() if holder else "no run"
+            raise Fenced(
+                f"{self.out.uri}: the lease is held by {who}, not by this actor's run; not writing"
+            )
+
     async def _write(
         self, unit: WorkUnit, rows: pa.Table, items: list[_Finished], seq: int
     ) -> PartRecord:
+        await asyncio.to_thread(self._check_lease)
         table = self._output(rows, items)
         self._report_spend(table)
         part = PartName(unit.shard.index, unit.run, unit.dispatch, seq)
@@ -476,6 +505,7 @@ class EngineWorker:
         from pipeline.batch.commit.stats import RowStats
         from pipeline.batch.schema import conform
 
+        await asyncio.to_thread(self._check_lease)
         new = self._output(rows, items)
         self._report_spend(new)
         by_row = {r: i for i, r in enumerate(new.column(ROW).to_pylist())}

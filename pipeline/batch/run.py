@@ -35,7 +35,7 @@ from pipeline.batch.commit.lease import Lease, LeaseHeld, LeaseKeeper, LeaseLost
 from pipeline.batch.commit.manifest import Manifest, ManifestConflict, Status
 from pipeline.batch.progress import Progress, ProgressPrinter
 from pipeline.batch.read import sample_values
-from pipeline.batch.scheduler import JobFailed, Scheduler
+from pipeline.batch.scheduler import JobFailed, JobFenced, Scheduler
 from pipeline.batch.schema import (
     INFER_SAMPLE_ROWS,
     output_schema,
@@ -183,7 +183,7 @@ def run_job(
         out, spec, plan, fingerprint, schema_to_json(schema), input_listing(files), lease.fenced
     )
     try:
-        with LeaseKeeper(lease, stop) as keeper, stop_on_signals(stop, say):
+        with LeaseKeeper(lease, stop) as keeper:
             return _run(
                 spec,
                 committer,
@@ -254,9 +254,10 @@ def _run(
     budget_state: dict[str, Any] | None = None
     budget_closed = False
     if units:
-        with ray_session():
+        # Signals are taken over after Ray starts: ray.init installs its own SIGTERM handler.
+        with ray_session(), stop_on_signals(stop, say):
             budget = _start_budget(spec, previous)
-            engines = start_engines(spec, schema, budget)
+            engines = start_engines(spec, schema, budget, lease.run_id)
             prompters = start_prompters(spec, passthrough)
             progress = Progress(total=sum(_unit_rows(u) for u in units))
 
@@ -277,7 +278,7 @@ def _run(
             try:
                 with ProgressPrinter(progress, say, progress_interval_s):
                     outcome = scheduler.run()
-            except ManifestConflict as exc:
+            except (ManifestConflict, JobFenced) as exc:
                 raise LeaseLost(str(exc)) from exc
             finally:
                 engines.stop()  # free the devices now, not when the handles are collected

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline.batch.commit.ledger import CommitLedger
+from pipeline.batch.generate import Fenced
 from pipeline.batch.units import PartWritten, PreparedInfo, UnitEnd, WorkUnit
 
 logger = logging.getLogger(__name__)
@@ -51,6 +52,10 @@ STARTUP_GRACE_S = 30.0
 
 class JobFailed(RuntimeError):
     """The run cannot go on; the message names the shard or actor and the cause."""
+
+
+class JobFenced(RuntimeError):
+    """An engine actor found the output's lease held by another run."""
 
 
 @dataclass
@@ -342,6 +347,8 @@ class Scheduler:
             return
         except Exception as exc:
             self._end_unit(running)
+            if isinstance(exc, Fenced):  # another run holds the output: stop at once
+                raise JobFenced(str(exc)) from exc
             self._unit_failed(running.unit, exc)
             return
         if isinstance(event, PartWritten):

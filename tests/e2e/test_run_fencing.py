@@ -1,0 +1,233 @@
+"""One output, one run at a time: `tokenmill run` processes racing, hanging and stopping.
+
+- two drivers started together on one output (local disk, and the S3 server over HTTP):
+  exactly one runs, the other exits 1 naming the running attempt, its host and its age;
+- a driver that hangs (SIGSTOP) stops renewing its lease: a second run takes the output over
+  after the lease timeout, its late parts are never counted, and when the hung driver wakes
+  up it exits 1 without committing anything;
+- SIGTERM: the driver writes the rows that are finished, exits 1 (incomplete), and the rerun
+  generates only the rest.
+Every output ends with each id exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from tests.e2e.test_run import cli_env, kill_tree
+from tests.integration.s3_server import S3Server, running_s3_server
+
+pytestmark = pytest.mark.timeout(600)
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from engines.tiny import make_tiny_model
+
+    return Path(make_tiny_model(tmp_path_factory.mktemp("model") / "llama", arch="llama"))
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator[S3Server]:
+    with running_s3_server() as server:
+        yield server
+
+
+def job(
+    where: Path, model: Path, rows: int, output_uri: str, storage: dict | None = None, **extra: Any
+) -> Path:
+    src = where / "prompts.jsonl"
+    src.write_text(
+        "".join(
+            json.dumps({"id": f"r{i:04d}", "p": f"Tell me about {i} rivers"}) + "\n"
+            for i in range(rows)
+        )
+    )
+    data: dict[str, Any] = {
+        "name": "fencing",
+        "input": {
+            "uri": str(src),
+            "format": "jsonl",
+            "id_column": "id",
+            "prompt_column": "p",
+            "shard_bytes": 2048,
+        },
+        "model": {"path": str(model)},
+        "engine": {"kind": "reference", "device": "cpu", "max_batch_size": 8},
+        "sampling": {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True},
+        "resources": {"num_actors": 1, "cpus_per_actor": 0.5, "max_in_flight": 8},
+        "output": {"uri": output_uri, "rows_per_file": 8, "report": False, "flush_interval_s": 1},
+    }
+    if storage:
+        data["storage"] = storage
+    for section, values in extra.items():
+        data[section] = {**data.get(section, {}), **values}
+    path = where / "job.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def start(path: Path, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "pipeline.cli", "run", str(path), *args],
+        cwd=REPO,
+        env=cli_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def manifest(read: Any) -> dict[str, Any]:
+    return json.loads(read("_manifest.json"))
+
+
+def ids_once(tables: list[pa.Table], expected: int) -> None:
+    ids = pa.concat_tables(tables).column("id").to_pylist()
+    assert len(ids) == len(set(ids)), "an id is in the output twice"
+    assert sorted(ids) == [f"r{i:04d}" for i in range(expected)]
+
+
+def wait_for(predicate: Any, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out after {timeout_s}s waiting for {what}"
+        time.sleep(0.2)
+
+
+# --- two drivers at once ---------------------------------------------------------------------
+
+
+def check_one_ran(first: subprocess.Popen[str], second: subprocess.Popen[str]) -> str:
+    """Exactly one of two racing runs succeeded; returns the loser's stderr."""
+    outcomes = []
+    for proc in (first, second):
+        out, err = proc.communicate(timeout=400)
+        outcomes.append((proc.returncode, out + err))
+    codes = sorted(code for code, _ in outcomes)
+    assert codes == [0, 1], outcomes
+    loser = next(text for code, text in outcomes if code == 1)
+    assert "is being written by" in loser and "renewed its lease" in loser, loser
+    assert "host" in loser and "output.lease_timeout_s" in loser
+    return loser
+
+
+def test_two_drivers_on_a_local_output_exactly_one_runs(tmp_path: Path, model_dir: Path) -> None:
+    out = tmp_path / "out"
+    path = job(tmp_path, model_dir, 60, str(out))
+    first = start(path)
+    second = start(path, "--set", "resources.max_in_flight=4")  # a resubmission with a change
+    check_one_ran(first, second)
+    ids_once([pq.read_table(p) for p in sorted(out.glob("part-*.parquet"))], 60)
+    record = manifest(lambda n: (out / n).read_text())
+    assert record["status"] == "complete" and len(record["runs"]) == 1
+    assert (out / "_SUCCESS").exists() and not (out / "_lease.json").exists()
+
+
+def test_two_drivers_on_an_s3_output_exactly_one_runs(
+    tmp_path: Path, model_dir: Path, s3: S3Server
+) -> None:
+    bucket = s3.make_bucket()
+    prefix = f"s3://{bucket}/out"
+    path = job(tmp_path, model_dir, 60, prefix, storage={"endpoint_url": s3.endpoint_url})
+    first, second = start(path), start(path)
+    check_one_ran(first, second)
+    parts = [u for u in s3.list_uris(prefix + "/") if u.rsplit("/", 1)[-1].startswith("part-")]
+    ids_once([pq.read_table(pa.BufferReader(s3.get(u))) for u in parts], 60)
+    record = manifest(lambda n: s3.get(f"{prefix}/{n}"))
+    assert record["status"] == "complete" and len(record["runs"]) == 1 and record["fenced"]
+
+
+# --- a hung driver ---------------------------------------------------------------------------
+
+
+def test_a_hung_driver_is_fenced_off_and_its_output_taken_over(
+    tmp_path: Path, model_dir: Path
+) -> None:
+    out = tmp_path / "out"
+    path = job(
+        tmp_path,
+        model_dir,
+        240,
+        str(out),
+        output={"lease_timeout_s": 6},
+        sampling={"max_tokens": 48},  # long enough that the run is still going when it hangs
+    )
+    hung = start(path)
+    wait_for(lambda: len(list(out.glob("part-*.parquet"))) >= 2, 240, "parts of the first run")
+    os.kill(hung.pid, signal.SIGSTOP)  # the driver hangs; its engine actor goes on for now
+    try:
+        early = start(path)
+        _, err = early.communicate(timeout=120)
+        assert early.returncode == 1 and "is being written by attempt 1" in err, err
+        time.sleep(7)  # past the lease timeout
+        taker = start(path)
+        out_text, err = taker.communicate(timeout=400)
+        assert taker.returncode == 0, out_text + err
+        assert "took over the lease" in err or "complete" in out_text + err
+    finally:
+        os.kill(hung.pid, signal.SIGCONT)
+    _, err = hung.communicate(timeout=120)
+    assert hung.returncode == 1, err  # woke up without its lease: nothing more committed
+    assert "taken over" in err or "lease" in err, err
+    kill_tree(hung.pid)
+    record = manifest(lambda n: (out / n).read_text())
+    listed = {p["name"] for p in record["parts"]}
+    on_disk = {p.name for p in out.glob("part-*.parquet")}
+    assert on_disk == listed, "a part of the fenced-off run is in the output"
+    ids_once([pq.read_table(out / n) for n in sorted(listed)], 240)
+    assert [r["attempt"] for r in record["runs"]] == [1, 2] and record["status"] == "complete"
+
+
+# --- SIGTERM ---------------------------------------------------------------------------------
+
+
+def test_sigterm_writes_what_is_finished_and_the_rerun_does_the_rest(
+    tmp_path: Path, model_dir: Path
+) -> None:
+    out = tmp_path / "out"
+    # One big shard and parts of up to 1,000 rows every 60 s: before the stop, no part is due.
+    path = job(
+        tmp_path,
+        model_dir,
+        300,
+        str(out),
+        input={"shard_bytes": 10**6},
+        output={"rows_per_file": 1000, "flush_interval_s": 60},
+        sampling={"max_tokens": 200},  # the shard takes longer than the wait below
+    )
+    run = start(path)
+    wait_for(lambda: (out / "_manifest.json").exists(), 240, "the run to start")
+    time.sleep(8)  # engine loaded, rows finishing
+    assert not list(out.glob("part-*.parquet")), "a part was written before the stop"
+    run.send_signal(signal.SIGTERM)
+    said = "".join(run.communicate(timeout=200))
+    assert run.returncode == 1, said
+    assert "SIGTERM: stopping" in said and "rerun the same command" in said
+    flushed = [pq.read_table(p) for p in out.glob("part-*.parquet")]
+    written = sum(t.num_rows for t in flushed)
+    assert 0 < written < 300, written  # the finished rows were written, not thrown away
+    record = manifest(lambda n: (out / n).read_text())
+    assert record["status"] == "incomplete" and record["missing_rows"] == 300 - written
+    assert not (out / "_SUCCESS").exists()
+    rerun = start(path)
+    _, err = rerun.communicate(timeout=400)
+    assert rerun.returncode == 0, err
+    record = manifest(lambda n: (out / n).read_text())
+    assert record["runs"][1]["rows"] == 300 - written  # only the rest was generated
+    ids_once([pq.read_table(p) for p in out.glob("part-*.parquet")], 300)
