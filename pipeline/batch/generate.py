@@ -378,9 +378,13 @@ class EngineWorker:
                 if not done:
                     try:
                         item = await asyncio.wait_for(finished.get(), timeout=max(wait_s, 0.01))
-                        buffer.append(item)
-                        while not finished.empty() and len(buffer) < self.config.rows_per_file:
-                            buffer.append(finished.get_nowait())
+                        arrived = [item]
+                        room = self.config.rows_per_file - len(buffer)
+                        while not finished.empty() and len(arrived) < room:
+                            arrived.append(finished.get_nowait())
+                        buffer += arrived
+                        # The budget learns of every finished row at once, not per part.
+                        self._report_spend(records, arrived)
                     except asyncio.TimeoutError:
                         pass
                 if stop_deadline is not None and time.monotonic() > stop_deadline and in_flight:
@@ -436,23 +440,26 @@ class EngineWorker:
         ]
         return await self.config.budget.admit.remote(asks)
 
-    def _report_spend(self, table: pa.Table) -> None:
-        """Tell the budget what these rows cost and what this actor has cost so far (fire and
-        forget: the budget actor applies calls in order)."""
-        if self.config.budget is None:
+    def _report_spend(self, records: list[dict[str, Any]], items: list[_Finished]) -> None:
+        """Tell the budget what these finished rows cost and what this actor has cost so far
+        (fire and forget: the budget actor applies calls in order)."""
+        if self.config.budget is None or not items:
             return
         from pipeline.batch.budget import RowSpend
+        from pipeline.cost import row_cost
 
-        spends = [
-            RowSpend(row_id=str(rid), cost_usd=cost or 0.0, tokens=(p or 0) + (c or 0))
-            for rid, cost, p, c in zip(
-                table.column("id").to_pylist(),
-                table.column("cost_usd").to_pylist(),
-                table.column("prompt_tokens").to_pylist(),
-                table.column("completion_tokens").to_pylist(),
-                strict=True,
+        spends = []
+        for item in items:
+            o = item.outcome
+            cost = row_cost(
+                o.gpu_seconds,
+                o.prompt_tokens,
+                o.cached_prompt_tokens,
+                o.completion_tokens,
+                self.config.cost,
             )
-        ]
+            row_id = str(records[item.position]["id"])
+            spends.append(RowSpend(row_id, cost.cost_usd, o.prompt_tokens + o.completion_tokens))
         account = self.account()
         paid_usd = account["devices"] * account["lifetime_s"] * self.config.cost.device_hour_usd
         self.config.budget.finish.remote(spends)
@@ -491,7 +498,6 @@ class EngineWorker:
     ) -> PartRecord:
         await asyncio.to_thread(self._check_lease)
         table = self._output(rows, items)
-        self._report_spend(table)
         part = PartName(unit.shard.index, unit.run, unit.dispatch, seq)
         return await asyncio.to_thread(
             write_part, self.out, part, table, self.config.schema, self.actor_id
@@ -507,7 +513,6 @@ class EngineWorker:
 
         await asyncio.to_thread(self._check_lease)
         new = self._output(rows, items)
-        self._report_spend(new)
         by_row = {r: i for i, r in enumerate(new.column(ROW).to_pylist())}
         for seq, name in enumerate(unit.replace_parts):
             old_record = await asyncio.to_thread(read_part_record, self.out, name)

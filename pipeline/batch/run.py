@@ -299,11 +299,44 @@ def _run(
     status: Status = "complete" if missing == 0 else "incomplete"
     if missing and budget_closed:
         status = "stopped_at_budget"
+    if status == "complete" and _ids_from_data(spec) and committer.needs_duplicate_check():
+        _check_duplicate_ids(spec, committer, schema, say)
     manifest = committer.finish(
         status, time.monotonic() - started, list(accounts.values()), events, budget_state
     )
     _write_report(spec, out, say)
     return _result(spec, committer, manifest, status, limit, events)
+
+
+def _ids_from_data(spec: JobSpec) -> bool:
+    """Ids taken from the input can repeat; derived ids (file and position) cannot."""
+    return spec.input.id_column is not None or spec.input.format == "openai_batch"
+
+
+def _check_duplicate_ids(
+    spec: JobSpec, committer: Committer, schema: pa.Schema, say: Callable[[str], None]
+) -> None:
+    """The cross-shard duplicate-id pass (pipeline.batch.commit.duplicates); repeats become
+    error rows naming the first occurrence."""
+    from pipeline.batch.commit.duplicates import find_duplicate_ids, mark_duplicates
+
+    assert committer.run is not None
+    records = committer.ledger.records()
+    with ray_session():
+        report = find_duplicate_ids(spec.output.uri, spec.storage, records)
+        if report.marks:
+            by_name = {r.name: r for r in records}
+            for record in mark_duplicates(
+                spec.output.uri, spec.storage, report, by_name, committer.run.attempt, schema
+            ):
+                committer.on_part(PartWritten(record, {}))
+    committer.duplicate_ids = report.to_json()
+    if report.num_duplicates:
+        examples = ", ".join(repr(e["id"]) for e in report.examples[:5])
+        say(
+            f"{report.num_duplicates} row(s) repeat an id of an earlier row in another shard "
+            f"(e.g. {examples}); they are error rows now: fix input.id_column's values"
+        )
 
 
 def _unit_rows(unit: WorkUnit) -> int:

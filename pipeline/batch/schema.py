@@ -103,14 +103,17 @@ def fit_column(name: str, values: list[Any], target: pa.DataType) -> tuple[pa.Ar
             v if v is None or isinstance(v, str) else json.dumps(v, default=str) for v in values
         ]
         return pa.array(texts, type=target), [None] * len(values)
-    try:
-        return pa.array(values, type=target), [None] * len(values)
-    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError, OverflowError):
-        pass
+    if all(_plainly_fits(v, target) for v in values):
+        try:
+            return pa.array(values, type=target), [None] * len(values)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError, OverflowError):
+            pass
     kept: list[Any] = []
     problems: list[str | None] = []
     for value in values:
         try:
+            if not _plainly_fits(value, target):
+                raise ValueError(value)
             pa.array([value], type=target)
         except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError, OverflowError):
             kept.append(None)
@@ -123,6 +126,22 @@ def fit_column(name: str, values: list[Any], target: pa.DataType) -> tuple[pa.Ar
             kept.append(value)
             problems.append(None)
     return pa.array(kept, type=target), problems
+
+
+def _plainly_fits(value: Any, target: pa.DataType) -> bool:
+    """Whether a JSON value belongs in a column of `target` without losing anything. Arrow
+    itself would turn 7.5 into 7 in an int64 column and True into 1 in a float column."""
+    if value is None:
+        return True
+    if pa.types.is_integer(target):
+        if isinstance(value, float):
+            return value.is_integer()
+        return isinstance(value, int) and not isinstance(value, bool)
+    if pa.types.is_floating(target):
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if pa.types.is_boolean(target):
+        return isinstance(value, bool)
+    return True
 
 
 def infer_type(values: list[Any]) -> pa.DataType:

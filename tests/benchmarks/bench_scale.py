@@ -10,7 +10,7 @@ process with its own local Ray. While it runs, every process of the run is sampl
 actor, Ray's own processes. Printed per size:
 
 - rows/s end to end (wall time of the command, Ray start and model load included) and steady
-  rows/s (rows between the first and the last committed part, over that time);
+  rows/s (all rows over the time from the first row entering an engine to the last part);
 - the driver's peak RSS and CPU seconds, and its CPU as a share of the wall time;
 - CPU seconds per stage (the busiest process should be the engine actor);
 - the ratio steady rows/s of the largest size over the smallest (target >= 0.9), and the
@@ -119,7 +119,10 @@ def sample_run(proc: subprocess.Popen[bytes], stop_when: object = None) -> Sampl
         for p in procs:
             try:
                 times = p.cpu_times()
-                seen[p.pid] = (role_of(p, proc.pid), times.user + times.system)
+                role = role_of(p, proc.pid)
+                if role in ("other", "idle ray worker") and p.pid in seen:
+                    role = seen[p.pid][0]  # gone, or back to idle: keep what it was doing
+                seen[p.pid] = (role, times.user + times.system)
                 if p.pid == proc.pid:
                     sample.driver_peak_rss_mb = max(
                         sample.driver_peak_rss_mb, p.memory_info().rss / 1e6
@@ -194,13 +197,15 @@ class SizeResult:
 
 
 def steady_rate(out: Path) -> float:
-    """Rows per second between the first and the last committed part."""
+    """Rows per second while generating: all rows over the time from the first row entering
+    an engine (the manifest's busy spans) to the last part written. Ray start-up and model
+    load are left out, so sizes compare on the pipeline's own speed."""
     manifest = json.loads((out / "_manifest.json").read_text())
-    parts = sorted(manifest["parts"], key=lambda p: p["written_at"])
-    if len(parts) < 2:
-        return 0.0
-    span = parts[-1]["written_at"] - parts[0]["written_at"]
-    return sum(p["rows"] for p in parts[1:]) / span if span > 0 else 0.0
+    starts = [s for spans in manifest["stats"]["busy"].values() for s, _ in spans]
+    last = max(p["written_at"] for p in manifest["parts"])
+    rows = sum(p["rows"] for p in manifest["parts"])
+    span = last - min(starts) if starts else 0.0
+    return rows / span if span > 0 else 0.0
 
 
 def run_size(work: Path, model: Path, rows: int, args: argparse.Namespace) -> SizeResult:
@@ -254,10 +259,12 @@ def resume_check(work: Path, model: Path, rows: int, at: float, args: argparse.N
     wall = time.monotonic() - started
     final = json.loads((out / "_manifest.json").read_text())
     rerun = final["runs"][-1]
+    import pyarrow as pa
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
-    ids = pq.read_table(out, columns=["id"]).column("id")
+    parts = sorted(out.glob("part-*.parquet"))
+    ids = pa.concat_tables(pq.read_table(p, columns=["id"]) for p in parts).column("id")
     return {
         "rows": rows,
         "killed_at_committed_rows": recorded,

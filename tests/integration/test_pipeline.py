@@ -380,3 +380,113 @@ def test_duplicate_ids_in_a_shard_become_error_rows(
     assert all("duplicate id" in r["error"] for r in errors)
     firsts = [r for r in table.to_pylist() if r["finish_reason"] != "error"]
     assert sorted(r["id"] for r in firsts) == ["d0", "d1", "d2", "d3"]
+
+
+# --- storage faults and mixed passthrough types ----------------------------------------------
+
+
+def test_throttled_part_writes_do_not_fail_the_job(
+    ray_local: Any, s3_server: S3Server, tiny_model_dir: Path
+) -> None:
+    bucket = s3_server.make_bucket()
+    lines = [{"id": f"t{i}", "text": f"Name {i} lakes."} for i in range(12)]
+    s3_server.put(f"s3://{bucket}/in/t.jsonl", "".join(json.dumps(x) + "\n" for x in lines))
+    spec = make_spec(
+        "throttled",
+        {
+            "uri": f"s3://{bucket}/in/t.jsonl",
+            "format": "jsonl",
+            "id_column": "id",
+            "prompt_column": "text",
+        },
+        f"s3://{bucket}/out/",
+        s3_server,
+        tiny_model_dir,
+        storage={"retry_s": 60},
+    )
+    # Enough 503s in a row that the quick attempts inside botocore and s3fs give up: only the
+    # commit path's own retries (storage.retry_s) get the part written.
+    fault = s3_server.fail_next("PUT", f"/{bucket}/out/part-", times=6)
+    result = run_job(spec)
+    assert result.status == "complete" and fault.served == 6
+    table, names = read_output(s3_server, spec.output.uri)
+    assert "_SUCCESS" in names
+    assert_exactly_once(table, [x["id"] for x in lines])
+
+
+def test_mixed_passthrough_types_make_error_rows_not_a_crash(
+    ray_local: Any, tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    src = tmp_path / "mixed.jsonl"
+    values: list[Any] = [*range(1100), "n/a", 7.5, [1, 2]]  # ints first, then other types
+    src.write_text(
+        "".join(
+            json.dumps({"id": f"m{i}", "q": f"Say {i}.", "n": v}) + "\n"
+            for i, v in enumerate(values)
+        )
+    )
+    out = tmp_path / "out"
+    spec = parse_job_spec(
+        {
+            "name": "mixed",
+            "input": {
+                "uri": str(src),
+                "format": "jsonl",
+                "id_column": "id",
+                "prompt_column": "q",
+                "passthrough_columns": ["n"],
+                "shard_bytes": 8192,
+            },
+            "model": {"path": str(tiny_model_dir)},
+            "engine": {"kind": "reference", "device": "cpu", "max_batch_size": 32},
+            "sampling": {"max_tokens": 1},
+            "resources": {"num_actors": 1, "cpus_per_actor": 0.5},
+            "output": {"uri": str(out), "report": False},
+        }
+    )
+    result = run_job(spec)
+    assert result.status == "complete"
+    table = pa.concat_tables(pq.read_table(p) for p in sorted(out.glob("part-*.parquet")))
+    assert table.num_rows == len(values) and table.schema.field("n").type == pa.int64()
+    errors = {r["id"]: r["error"] for r in table.to_pylist() if r["finish_reason"] == "error"}
+    assert sorted(errors) == ["m1100", "m1101", "m1102"]
+    assert all("column 'n'" in e and "int64" in e for e in errors.values())
+
+
+def test_duplicate_ids_across_shards_become_error_rows_naming_the_first(
+    ray_local: Any, tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    for name, ids in (("a", ["x1", "x2", "x3"]), ("b", ["x4", "x2", "x5", "x3"])):
+        (tmp_path / f"{name}.jsonl").write_text(
+            "".join(json.dumps({"id": i, "q": f"Say {i}."}) + "\n" for i in ids)
+        )
+    out = tmp_path / "out"
+    spec = parse_job_spec(
+        {
+            "name": "dups",
+            "input": {
+                "uri": str(tmp_path / "*.jsonl"),
+                "format": "jsonl",
+                "id_column": "id",
+                "prompt_column": "q",
+            },
+            "model": {"path": str(tiny_model_dir)},
+            "engine": {"kind": "reference", "device": "cpu"},
+            "sampling": {"max_tokens": 2},
+            "resources": {"num_actors": 1, "cpus_per_actor": 0.5},
+            "output": {"uri": str(out), "report": False},
+            "limits": {"max_error_fraction": 0.5},
+        }
+    )
+    result = run_job(spec)
+    assert result.status == "complete"
+    table = pa.concat_tables(pq.read_table(p) for p in sorted(out.glob("part-*.parquet")))
+    assert table.num_rows == 7  # every input row, once
+    errors = [r for r in table.to_pylist() if r["finish_reason"] == "error"]
+    assert sorted(r["id"] for r in errors) == ["x2", "x3"]  # the copies in the second file
+    assert all("duplicate id" in r["error"] and "shard 0" in r["error"] for r in errors)
+    manifest = json.loads((out / "_manifest.json").read_text())
+    assert manifest["duplicate_ids"]["num_duplicates"] == 2
+    assert {e["id"] for e in manifest["duplicate_ids"]["examples"]} == {"x2", "x3"}
+    assert manifest["totals"]["rows_error"] == 2
+    assert {p.name for p in out.glob("part-*.parquet")} == {p["name"] for p in manifest["parts"]}

@@ -300,3 +300,13 @@ def test_doc_lists_every_field() -> None:
         "engine.expected_tokens_per_s",
     ):
         assert f"`{path}`" in text
+
+
+def test_an_empty_job_file_says_it_is_empty(tmp_path: Path) -> None:
+    from pipeline.spec import load_job_spec
+
+    for text in ("", "# only a comment\n", "\n\n"):
+        path = tmp_path / "job.yaml"
+        path.write_text(text)
+        with pytest.raises(SpecError, match=r"job.yaml: the job file is empty; a job needs"):
+            load_job_spec(path)

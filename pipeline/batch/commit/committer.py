@@ -94,6 +94,7 @@ class Committer:
         self.completion_tokens = 0
         self.error_rows = 0
         self.refused: list[str] = []  # part files the ledger refused (deleted at finish)
+        self.duplicate_ids: dict[str, Any] | None = None  # this run's cross-shard check
         self._last_save = 0.0
 
     # --- open --------------------------------------------------------------------------------
@@ -197,6 +198,7 @@ class Committer:
             shards=[],
             runs=runs,
             budget=self.manifest.budget if self.manifest else None,
+            duplicate_ids=self.manifest.duplicate_ids if self.manifest else None,
             fenced=self.fenced,
         )
         self.out.delete(SUCCESS_NAME)  # the parts may change from here on
@@ -252,6 +254,18 @@ class Committer:
             self.run.completion_tokens = self.completion_tokens
             self.run.error_rows = self.error_rows
 
+    def parts_digest(self) -> str:
+        """A digest of the committed parts' names: a check over them is still valid while it
+        is the same."""
+        import hashlib
+
+        return hashlib.sha256("\n".join(sorted(self.ledger.parts)).encode()).hexdigest()[:16]
+
+    def needs_duplicate_check(self) -> bool:
+        """Whether the committed parts changed since the last cross-shard duplicate check."""
+        done = (self.manifest.duplicate_ids if self.manifest else None) or {}
+        return done.get("parts_digest") != self.parts_digest()
+
     # --- finish ------------------------------------------------------------------------------
 
     def finish(
@@ -283,6 +297,11 @@ class Committer:
                 run.parts = len(mine)
         self.manifest.status = status
         self._fill(self.manifest)
+        if self.duplicate_ids is not None:  # the parts it checked, marked ones included
+            self.manifest.duplicate_ids = {
+                **self.duplicate_ids,
+                "parts_digest": self.parts_digest(),
+            }
         self.manifest.totals = compute_totals(self.ledger, self.manifest.runs, self.spec)
         self.store.write(self.manifest)
         if status == "complete":

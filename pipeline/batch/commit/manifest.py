@@ -116,6 +116,7 @@ class Manifest:
     totals: dict[str, Any] = field(default_factory=dict)
     missing_rows: int | None = None  # input rows without a committed row (None: not known)
     budget: dict[str, Any] | None = None  # pipeline.batch.budget.BudgetState of the last run
+    duplicate_ids: dict[str, Any] | None = None  # the last cross-shard duplicate-id check
     fenced: bool = True  # the store honours conditional writes (two drivers are fenced)
     protocol: int = PROTOCOL
     versions: dict[str, str] = field(default_factory=versions)
