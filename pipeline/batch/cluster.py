@@ -86,11 +86,10 @@ def check_cpu_headroom(spec: JobSpec, cluster_cpus: float | None) -> None:
 
 @dataclass
 class Pool:
-    """Actor handles, and the object holding their constructor arguments: kept referenced for
-    the whole run, since Ray needs it again to restart an actor."""
+    """The actors of one stage. Their constructor arguments are small (a few KB) and passed
+    inline, so Ray keeps them with the actor for restarts."""
 
     handles: list[Any]
-    arguments: Any  # ObjectRef
 
     def stop(self) -> None:
         import ray
@@ -122,8 +121,7 @@ def start_engines(spec: JobSpec, schema: pa.Schema, budget: Any, run_id: str) ->
         max_restarts=res.max_restarts,
         max_task_retries=0,
     )
-    arguments = ray.put(config)
-    return Pool([actor.remote(arguments) for _ in range(res.peak_actors)], arguments)
+    return Pool([actor.remote(config) for _ in range(res.peak_actors)])
 
 
 def start_prompters(spec: JobSpec, passthrough: list[pa.Field]) -> Pool:
@@ -134,5 +132,4 @@ def start_prompters(spec: JobSpec, passthrough: list[pa.Field]) -> Pool:
     actor = ray.remote(PromptWorker).options(
         num_cpus=PROMPT_STAGE_CPUS, max_restarts=-1, max_task_retries=0
     )
-    arguments = ray.put((spec, passthrough))
-    return Pool([actor.remote(arguments) for _ in range(prompt_pool_size(spec))], arguments)
+    return Pool([actor.remote((spec, passthrough)) for _ in range(prompt_pool_size(spec))])

@@ -92,8 +92,11 @@ def run_and_report(spec: Any, *, fresh: bool, retry_errors: bool) -> int:
     except (SpecError, ResumeRefused, ResourceError, StorageError, LeaseHeld) as exc:
         _err(f"error: {exc}")
         return EXIT_FAILED
-    except (JobFailed, LeaseLost) as exc:
+    except JobFailed as exc:
         _err(f"error: {exc}; committed rows are kept, rerun the same command to resume")
+        return EXIT_FAILED
+    except LeaseLost as exc:
+        _err(f"error: another run took this output over; this run stopped ({exc})")
         return EXIT_FAILED
     print_summary(result)
     if result.exit_code == 3:

@@ -103,6 +103,25 @@ def ids_once(tables: list[pa.Table], expected: int) -> None:
     assert sorted(ids) == [f"r{i:04d}" for i in range(expected)]
 
 
+def engine_cpu_s(driver: int) -> float:
+    """CPU seconds used so far by the engine actor a driver started (0 before it exists)."""
+    import psutil
+
+    total = 0.0
+    try:
+        children = psutil.Process(driver).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return 0.0
+    for proc in children:
+        try:
+            if proc.cmdline() and proc.cmdline()[0].startswith("ray::EngineWorker"):
+                times = proc.cpu_times()
+                total += times.user + times.system
+        except psutil.Error:
+            continue
+    return total
+
+
 def wait_for(predicate: Any, timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
@@ -212,8 +231,7 @@ def test_sigterm_writes_what_is_finished_and_the_rerun_does_the_rest(
         sampling={"max_tokens": 200},  # the shard takes longer than the wait below
     )
     run = start(path)
-    wait_for(lambda: (out / "_manifest.json").exists(), 240, "the run to start")
-    time.sleep(8)  # engine loaded, rows finishing
+    wait_for(lambda: engine_cpu_s(run.pid) > 4.0, 240, "the engine actor to generate")
     assert not list(out.glob("part-*.parquet")), "a part was written before the stop"
     run.send_signal(signal.SIGTERM)
     said = "".join(run.communicate(timeout=200))

@@ -181,8 +181,8 @@ class ManifestStore:
                 self.version = self.out.replace(MANIFEST_NAME, data, self.version)
         except PreconditionFailed as exc:
             raise ManifestConflict(
-                f"{self.out.uri}/{MANIFEST_NAME} was changed by another run; this run no "
-                "longer holds the output and stops"
+                f"{self.out.uri}/{MANIFEST_NAME} was changed by another run: this run's lease "
+                "was taken over and it commits nothing more"
             ) from exc
 
 
