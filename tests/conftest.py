@@ -8,7 +8,6 @@ import pytest
 
 # Tests share two cores with Ray workers; oversubscribed BLAS threads only slow everyone down.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 

@@ -327,9 +327,9 @@ class EngineWorker:
         records = rows.to_pylist()
         refused = 0
         flushed: list[PartRecord] = []
-        buffer: list[_Finished] = []
+        buffer: list[_Finished] = []  # finished rows waiting for their part
+        buffered_since = 0.0  # when the oldest of them finished
         seq = 0
-        last_flush = time.monotonic()
 
         async def serve(position: int, row: dict[str, Any]) -> None:
             try:
@@ -371,7 +371,13 @@ class EngineWorker:
         try:
             while True:
                 done = feeder.done() and not in_flight and finished.empty()
-                wait_s = max(self.config.flush_interval_s - (time.monotonic() - last_flush), 0.0)
+                # Finished rows wait at most flush_interval_s for their part; with none waiting,
+                # wake up now and then to notice a stop.
+                if buffer:
+                    age = time.monotonic() - buffered_since
+                    wait_s = max(self.config.flush_interval_s - age, 0.0)
+                else:
+                    wait_s = 1.0
                 if stopping.is_set():
                     stop_deadline = stop_deadline or time.monotonic() + STOP_GRACE_S
                     wait_s = min(wait_s, 0.2)
@@ -382,6 +388,8 @@ class EngineWorker:
                         room = self.config.rows_per_file - len(buffer)
                         while not finished.empty() and len(arrived) < room:
                             arrived.append(finished.get_nowait())
+                        if not buffer:
+                            buffered_since = time.monotonic()
                         buffer += arrived
                         # The budget learns of every finished row at once, not per part.
                         self._report_spend(records, arrived)
@@ -392,7 +400,9 @@ class EngineWorker:
                         task.cancel()
                     refused += len(in_flight)
                     in_flight.clear()
-                due = time.monotonic() - last_flush >= self.config.flush_interval_s
+                due = bool(buffer) and (
+                    time.monotonic() - buffered_since >= self.config.flush_interval_s
+                )
                 full = len(buffer) >= self.config.rows_per_file
                 done = feeder.done() and not in_flight and finished.empty()
                 stop_now = stopping.is_set() and not flushed_on_stop
@@ -402,7 +412,6 @@ class EngineWorker:
                     seq += 1
                     flushed.append(record)
                     buffer = []
-                    last_flush = time.monotonic()
                     yield PartWritten(record, self.account())
                 if done:
                     break

@@ -180,7 +180,7 @@ def run_job(
     out = OutputDir(spec.output.uri, spec.storage, RetryPolicy(spec.storage.retry_s))
     lease = Lease.acquire(out, spec.output.lease_timeout_s)  # LeaseHeld: another run writes
     committer = Committer(
-        out, spec, plan, fingerprint, schema_to_json(schema), input_listing(files), lease.fenced
+        out, spec, plan, fingerprint, schema_to_json(schema), input_listing(files), lease
     )
     try:
         with LeaseKeeper(lease, stop) as keeper:
@@ -278,7 +278,7 @@ def _run(
             try:
                 with ProgressPrinter(progress, say, progress_interval_s):
                     outcome = scheduler.run()
-            except (ManifestConflict, JobFenced) as exc:
+            except (ManifestConflict, JobFenced) as exc:  # another run took the output
                 raise LeaseLost(str(exc)) from exc
             finally:
                 engines.stop()  # free the devices now, not when the handles are collected

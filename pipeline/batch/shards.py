@@ -351,32 +351,24 @@ def _jsonl_plan(spec: JobSpec, files: list[InputFile]) -> ShardPlan:
         )
     shards: list[Shard] = []
     for file, end, cap in spans:
+        pieces: list[tuple[ShardKind, int, int]]
         if is_compressed(file.uri):
+            pieces = [("whole_file", 0, file.size)]
+        else:
+            count = max(1, math.ceil(end / target))
+            step = math.ceil(end / count) if end else 0
+            pieces = [("byte_range", i * step, min((i + 1) * step, end)) for i in range(count)]
+        for kind, start, stop in pieces:
             shards.append(
                 Shard(
-                    len(shards),
-                    file.uri,
-                    file.size,
-                    file.version,
-                    "whole_file",
-                    0,
-                    file.size,
-                    max_rows=cap,
-                )
-            )
-            continue
-        count = max(1, math.ceil(end / target))
-        step = math.ceil(end / count) if end else 0
-        for i in range(count):
-            shards.append(
-                Shard(
-                    len(shards),
-                    file.uri,
-                    file.size,
-                    file.version,
-                    "byte_range",
-                    i * step,
-                    min((i + 1) * step, end),
+                    index=len(shards),
+                    uri=file.uri,
+                    file_size=file.size,
+                    file_version=file.version,
+                    kind=kind,
+                    start=start,
+                    end=stop,
+                    max_rows=cap if kind == "whole_file" else None,
                 )
             )
     return ShardPlan(tuple(shards), target)

@@ -30,7 +30,6 @@ import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
 # Ray starts workers at niceness 15; on a machine shared with other work that measures the
 # machine's load, not the pipeline. The engine alone runs at the shell's priority: match it.
 os.environ.setdefault("RAY_worker_niceness", "0")

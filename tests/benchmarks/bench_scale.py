@@ -154,7 +154,6 @@ def env() -> dict[str, str]:
     e = dict(os.environ)
     e.pop("RAY_ADDRESS", None)
     e.setdefault("OMP_NUM_THREADS", "1")
-    e["RAY_DATA_DISABLE_PROGRESS_BARS"] = "1"
     return e
 
 
@@ -250,9 +249,13 @@ def resume_check(work: Path, model: Path, rows: int, at: float, args: argparse.N
     recorded = sum(p["rows"] for p in manifest["parts"])
     on_disk = len(list(out.glob("part-*.parquet")))
     unfinished = [s for s in manifest["shards"] if not s["complete"]]
+    unfinished_ids = {s["index"] for s in unfinished}
     committed_in_unfinished = sum(
-        p["rows"] for p in manifest["parts"] if p["shard"] in {s["index"] for s in unfinished}
+        p["rows"] for p in manifest["parts"] if p["shard"] in unfinished_ids
     )
+    # JSONL shards learn their row count when read: the unfinished ones hold every row that
+    # is not in a finished shard.
+    in_finished = sum(p["rows"] for p in manifest["parts"] if p["shard"] not in unfinished_ids)
     started = time.monotonic()
     second = start_run(job, sets)
     _, stderr = second.communicate()
@@ -271,7 +274,7 @@ def resume_check(work: Path, model: Path, rows: int, at: float, args: argparse.N
         "part_files_at_kill": on_disk,
         "adopted_parts": [e for e in rerun.get("events", []) if e.get("event") == "adopted_parts"],
         "unfinished_shards_at_kill": len(unfinished),
-        "rows_of_unfinished_shards": sum(s["num_rows"] or 0 for s in unfinished),
+        "rows_of_unfinished_shards": rows - in_finished,
         "rows_committed_in_them": committed_in_unfinished,
         "rows_generated_by_rerun": rerun["rows"],
         "rerun_wall_s": round(wall, 1),

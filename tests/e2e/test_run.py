@@ -28,9 +28,7 @@ RAY_STARTED = "Started a local Ray instance"
 def cli_env() -> dict[str, str]:
     env = dict(os.environ)
     env.pop("RAY_ADDRESS", None)  # never attach to a cluster another test started
-    env.update(
-        OMP_NUM_THREADS="1", RAY_DATA_DISABLE_PROGRESS_BARS="1", TOKENIZERS_PARALLELISM="false"
-    )
+    env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     return env
 
 

@@ -60,7 +60,7 @@ def _base_env() -> dict[str, str]:
         env.pop(name, None)
     # The job's entrypoint (`tokenmill run`) must resolve to this checkout's venv.
     env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
-    env.update(OMP_NUM_THREADS="1", RAY_DATA_DISABLE_PROGRESS_BARS="1")
+    env.update(OMP_NUM_THREADS="1")
     return env
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeline.batch.commit.fingerprint import Fingerprint
+from pipeline.batch.commit.lease import Lease
 from pipeline.batch.commit.ledger import CommitLedger, Decision
 from pipeline.batch.commit.manifest import (
     PROTOCOL,
@@ -76,7 +77,7 @@ class Committer:
         fingerprint: Fingerprint,
         schema: list[list[str]],
         input_files: list[dict[str, Any]],
-        fenced: bool,
+        lease: Lease,
     ):
         self.out = out
         self.spec = spec
@@ -84,7 +85,8 @@ class Committer:
         self.fingerprint = fingerprint
         self.schema = schema
         self.input_files = input_files
-        self.fenced = fenced
+        self.lease = lease
+        self.fenced = lease.fenced
         self.store = ManifestStore(out)
         self.ledger = CommitLedger(plan)
         self.manifest: Manifest | None = None
@@ -235,7 +237,8 @@ class Committer:
             return
         assert self.manifest is not None
         self._fill(self.manifest)
-        self.store.write(self.manifest)  # ManifestConflict if the lease was lost
+        self.lease.verify()  # LeaseLost if another run took the output over
+        self.store.write(self.manifest)  # ManifestConflict if it did so just now
         self.ledger.mark_saved()
         self._last_save = now
 
@@ -303,6 +306,7 @@ class Committer:
                 "parts_digest": self.parts_digest(),
             }
         self.manifest.totals = compute_totals(self.ledger, self.manifest.runs, self.spec)
+        self.lease.verify()
         self.store.write(self.manifest)
         if status == "complete":
             self.out.put(SUCCESS_NAME, b"")  # last: marks the output complete

@@ -218,6 +218,17 @@ class Lease:
                 )
                 raise LeaseLost(self._lost) from None
 
+    def verify(self) -> None:
+        """Raise LeaseLost unless `_lease.json` still names this run (one read). Called before
+        every manifest write, so a run that hung past its timeout and woke up finds out before
+        it writes, not after."""
+        current = self.out.read_versioned(LEASE_NAME)
+        holder = LeaseHolder.parse(current.data) if current else None
+        if holder is None or holder.run_id != self.run_id:
+            who = holder.describe() if holder else "no run (it was released)"
+            self.mark_lost(f"{self.out.uri}: the lease is now held by {who}")
+            raise LeaseLost(self._lost or "lease lost")
+
     def mark_lost(self, reason: str) -> None:
         with self._lock:
             self._lost = self._lost or reason
