@@ -15,8 +15,9 @@ from typing import Any
 
 import pyarrow as pa
 
-from pipeline.batch.generate import EngineWorker, GenerateConfig
+from pipeline.batch.generate import EngineWorker
 from pipeline.batch.prompts import PROMPT_STAGE_CPUS, PromptWorker, prompt_pool_size
+from pipeline.batch.rows import GenerateConfig
 from pipeline.spec import JobSpec
 
 # Object store cap for a local Ray: rows are small, and the rest of the memory is the engine's.

@@ -10,14 +10,9 @@ import pytest
 
 from engines.api import GenerationResult, RequestMetrics
 from pipeline.batch.cluster import ResourceError, check_cpu_headroom, ray_init_kwargs
-from pipeline.batch.generate import (
-    EngineWorker,
-    GenerateConfig,
-    RowOutcome,
-    outcomes_to_table,
-    row_sampling,
-)
+from pipeline.batch.generate import EngineWorker
 from pipeline.batch.prompts import prompt_pool_size
+from pipeline.batch.rows import GenerateConfig, RowOutcome, outcomes_to_table, row_sampling
 from pipeline.batch.run import RunResult
 from pipeline.batch.schema import conform, output_schema
 from pipeline.spec import JobSpec, SamplingSpec, parse_job_spec

@@ -51,9 +51,10 @@ def trt_stage(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
             "cost": {"device_hour_usd": 3.5},
         }
     )
+    from pipeline.batch.rows import GenerateConfig
     from pipeline.batch.schema import output_schema
 
-    config = generate.GenerateConfig.from_spec(spec, output_schema())
+    config = GenerateConfig.from_spec(spec, output_schema())
     stage = generate.EngineWorker(config)
     yield stage
     stage.engine.shutdown()

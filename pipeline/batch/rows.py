@@ -1,0 +1,216 @@
+"""One row through the engine: its sampling parameters, its outcome, and output rows.
+
+Pure functions and small types shared by the engine actor (pipeline.batch.generate) and the
+tests: no Ray, no storage.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+
+from engines.api import GenerationResult, SamplingParams
+from pipeline.batch.read import ROW
+from pipeline.spec import CostSpec, EngineSpec, JobSpec, ModelSpec, SamplingSpec, StorageSpec
+
+
+@dataclass(frozen=True)
+class GenerateConfig:
+    """What an engine actor needs from the job spec (small, picklable)."""
+
+    model: ModelSpec
+    engine: EngineSpec
+    storage: StorageSpec
+    sampling: SamplingSpec
+    cost: CostSpec
+    output_uri: str  # where parts are written
+    schema: pa.Schema  # the job's output schema (pipeline.batch.schema)
+    passthrough: tuple[str, ...]  # input columns copied to the output
+    include_token_ids: bool  # also emit completion_token_ids
+    max_in_flight: int  # requests in the engine at once, across shards
+    batch_size: int  # rows taken from a shard at a time
+    rows_per_file: int  # a part holds at most this many rows
+    flush_interval_s: float  # finished rows wait at most this long for their part
+    devices: float  # devices per actor (0: a CPU actor)
+    budget: Any = None  # pipeline.batch.budget actor shared by the run's actors; None: no budget
+    run_id: str | None = None  # the lease this run holds; None: not a fenced run (tools, tests)
+
+    @classmethod
+    def from_spec(cls, spec: JobSpec, schema: pa.Schema) -> GenerateConfig:
+        return cls(
+            model=spec.model,
+            engine=spec.engine,
+            storage=spec.storage,
+            sampling=spec.sampling,
+            cost=spec.cost,
+            output_uri=spec.output.uri,
+            schema=schema,
+            passthrough=tuple(spec.input.passthrough_columns),
+            include_token_ids=spec.output.include_token_ids,
+            max_in_flight=spec.resources.max_in_flight,
+            batch_size=spec.resources.batch_size,
+            rows_per_file=spec.output.rows_per_file,
+            flush_interval_s=spec.output.flush_interval_s,
+            devices=spec.resources.devices_per_actor,
+        )
+
+
+# --- per-row sampling ------------------------------------------------------------------------
+
+
+def row_sampling(row: dict[str, Any], sampling: SamplingSpec) -> SamplingParams:
+    """SamplingParams for one row: its own columns (prompt stage) over the job's defaults.
+
+    Raises ValueError naming the field when a row's value is invalid.
+    """
+
+    def pick(name: str, default: Any) -> Any:
+        value = row.get(name)
+        return default if value is None else value
+
+    # The prompt stage fills `seed`: the row's override, or one derived from (sampling.seed, id).
+    seed = row.get("seed")
+    if seed is None and sampling.seed is not None and "seed" not in row:
+        from pipeline.batch.prompts import derive_seed
+
+        seed = derive_seed(sampling.seed, str(row["id"]))
+    return SamplingParams(
+        max_tokens=int(pick("max_tokens", sampling.max_tokens)),
+        temperature=float(pick("temperature", sampling.temperature)),
+        top_p=float(pick("top_p", sampling.top_p)),
+        top_k=int(pick("top_k", sampling.top_k)),
+        seed=None if seed is None else int(seed),
+        stop=tuple(sampling.stop),
+        stop_token_ids=tuple(sampling.stop_token_ids),
+        ignore_eos=sampling.ignore_eos,
+    )
+
+
+# --- one row's outcome -----------------------------------------------------------------------
+
+
+@dataclass
+class RowOutcome:
+    """The result columns of one row (see pipeline.batch.commit.parts.RESULT_FIELDS)."""
+
+    text: str
+    finish_reason: str
+    error: str | None
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    completion_tokens: int
+    completion_token_ids: list[int]
+    queue_s: float | None
+    ttft_s: float | None
+    decode_s: float | None
+    latency_s: float | None
+    gpu_seconds: float
+    finished_at: dt.datetime
+    served: bool  # reached this actor's engine (actor_id is set only then)
+
+    @classmethod
+    def failed(cls, error: str, prompt_tokens: int, served: bool) -> RowOutcome:
+        return cls(
+            text="",
+            finish_reason="error",
+            error=error,
+            prompt_tokens=prompt_tokens,
+            cached_prompt_tokens=0,
+            completion_tokens=0,
+            completion_token_ids=[],
+            queue_s=None,
+            ttft_s=None,
+            decode_s=None,
+            latency_s=None,
+            gpu_seconds=0.0,
+            finished_at=dt.datetime.now(dt.timezone.utc),
+            served=served,
+        )
+
+    @classmethod
+    def from_result(cls, result: GenerationResult, gpu_seconds: float) -> RowOutcome:
+        m = result.metrics
+        return cls(
+            text=result.text,
+            finish_reason=result.finish_reason,
+            error=result.error if result.finish_reason == "error" else None,
+            prompt_tokens=result.prompt_tokens,
+            cached_prompt_tokens=result.cached_prompt_tokens,
+            completion_tokens=result.completion_tokens,
+            completion_token_ids=list(result.output_token_ids),
+            queue_s=None if m is None else m.queue_s,
+            ttft_s=None if m is None else m.ttft_s,
+            decode_s=None if m is None else m.decode_s,
+            latency_s=None if m is None else m.latency_s,
+            gpu_seconds=gpu_seconds,
+            finished_at=dt.datetime.now(dt.timezone.utc),
+            served=True,
+        )
+
+
+def prompt_tokens_of(row: dict[str, Any]) -> int:
+    value = row.get("prompt_tokens")
+    if value is None:
+        ids = row.get("prompt_token_ids")
+        return len(ids) if ids is not None else 0
+    return int(value)
+
+
+def outcomes_to_table(
+    batch: pa.Table,
+    outcomes: list[RowOutcome],
+    config: GenerateConfig,
+    actor_id: str,
+    engine_kind: str,
+) -> pa.Table:
+    """Output rows for `batch` (prepared rows) and their outcomes: `_row`, id, passthrough
+    columns and the result columns of pipeline.batch.schema."""
+    from pipeline.batch.schema import RESULT_FIELDS, TOKEN_IDS_FIELD
+    from pipeline.cost import row_cost
+
+    costs = [
+        row_cost(
+            o.gpu_seconds,
+            o.prompt_tokens,
+            o.cached_prompt_tokens,
+            o.completion_tokens,
+            config.cost,
+        )
+        for o in outcomes
+    ]
+    n = len(outcomes)
+    values: dict[str, list[Any]] = {
+        "text": [o.text for o in outcomes],
+        "finish_reason": [o.finish_reason for o in outcomes],
+        "error": [o.error for o in outcomes],
+        "prompt_tokens": [o.prompt_tokens for o in outcomes],
+        "cached_prompt_tokens": [o.cached_prompt_tokens for o in outcomes],
+        "completion_tokens": [o.completion_tokens for o in outcomes],
+        "queue_s": [o.queue_s for o in outcomes],
+        "ttft_s": [o.ttft_s for o in outcomes],
+        "decode_s": [o.decode_s for o in outcomes],
+        "latency_s": [o.latency_s for o in outcomes],
+        "gpu_seconds": [c.gpu_seconds for c in costs],
+        "cost_usd": [c.cost_usd for c in costs],
+        "list_price_usd": [c.list_price_usd for c in costs],
+        "model": [config.model.display_name] * n,
+        "engine": [engine_kind] * n,
+        "actor_id": [actor_id if o.served else None for o in outcomes],
+        "finished_at": [o.finished_at for o in outcomes],
+    }
+    columns: dict[str, pa.Array | pa.ChunkedArray] = {
+        ROW: batch.column(ROW),
+        "id": batch.column("id").cast(pa.string()),
+    }
+    for name in config.passthrough:
+        columns[name] = batch.column(name)
+    for f in RESULT_FIELDS:
+        columns[f.name] = pa.array(values[f.name], type=f.type)
+    if config.include_token_ids:
+        columns[TOKEN_IDS_FIELD.name] = pa.array(
+            [o.completion_token_ids for o in outcomes], type=TOKEN_IDS_FIELD.type
+        )
+    return pa.table(columns)
