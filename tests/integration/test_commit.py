@@ -307,3 +307,15 @@ def test_manifest_redaction_keeps_token_counts() -> None:
         "model": {"tokenizer": "t"},
         "env": {"AWS_SESSION_TOKEN": "***", "auth_token": "***", "aws_secret_access_key": "***"},
     }
+
+
+def test_a_store_without_conditional_writes_runs_unfenced_and_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    out = OutputDir(str(tmp_path / "out"), StorageSpec())
+    monkeypatch.setattr(OutputDir, "supports_conditional_writes", lambda self: False)
+    with caplog.at_level("WARNING"):
+        lease = Lease.acquire(out, timeout_s=60)
+    assert not lease.fenced
+    assert "cannot be fenced" in caplog.text and "one driver per output" in caplog.text
+    lease.release()
