@@ -56,6 +56,18 @@ def make_spec(
     return parse_job_spec(_merge(data, extra))
 
 
+def s3_jsonl_job(
+    name: str, lines: list[dict[str, Any]], server: S3Server, model: Path, **extra: Any
+) -> JobSpec:
+    """A job over `lines` ({"id", "text"} objects) uploaded as one JSONL file to a new bucket,
+    writing under that bucket's out/."""
+    bucket = server.make_bucket()
+    uri = f"s3://{bucket}/in/{name}.jsonl"
+    server.put(uri, "".join(json.dumps(x) + "\n" for x in lines))
+    source = {"uri": uri, "format": "jsonl", "id_column": "id", "prompt_column": "text"}
+    return make_spec(name, source, f"s3://{bucket}/out/", server, model, **extra)
+
+
 def read_output(server: S3Server, prefix: str) -> tuple[pa.Table, list[str]]:
     """All committed rows under an s3:// prefix, and the names of the objects there."""
     uris = server.list_uris(prefix)
@@ -355,21 +367,9 @@ def test_openai_batch_on_s3(ray_local: Any, s3_server: S3Server, tiny_model_dir:
 def test_duplicate_ids_in_a_shard_become_error_rows(
     ray_local: Any, s3_server: S3Server, tiny_model_dir: Path
 ) -> None:
-    bucket = s3_server.make_bucket()
     lines = [{"id": f"d{i % 4}", "text": f"Count {i} boats."} for i in range(6)]
-    s3_server.put(f"s3://{bucket}/in/dup.jsonl", "".join(json.dumps(x) + "\n" for x in lines))
-    spec = make_spec(
-        "dup-job",
-        {
-            "uri": f"s3://{bucket}/in/dup.jsonl",
-            "format": "jsonl",
-            "id_column": "id",
-            "prompt_column": "text",
-        },
-        f"s3://{bucket}/out/",
-        s3_server,
-        tiny_model_dir,
-        limits={"max_error_fraction": 0.5},
+    spec = s3_jsonl_job(
+        "dup-job", lines, s3_server, tiny_model_dir, limits={"max_error_fraction": 0.5}
     )
     result = run_job(spec)
     assert result.status == "complete"
@@ -388,24 +388,11 @@ def test_duplicate_ids_in_a_shard_become_error_rows(
 def test_throttled_part_writes_do_not_fail_the_job(
     ray_local: Any, s3_server: S3Server, tiny_model_dir: Path
 ) -> None:
-    bucket = s3_server.make_bucket()
     lines = [{"id": f"t{i}", "text": f"Name {i} lakes."} for i in range(12)]
-    s3_server.put(f"s3://{bucket}/in/t.jsonl", "".join(json.dumps(x) + "\n" for x in lines))
-    spec = make_spec(
-        "throttled",
-        {
-            "uri": f"s3://{bucket}/in/t.jsonl",
-            "format": "jsonl",
-            "id_column": "id",
-            "prompt_column": "text",
-        },
-        f"s3://{bucket}/out/",
-        s3_server,
-        tiny_model_dir,
-        storage={"retry_s": 60},
-    )
+    spec = s3_jsonl_job("throttled", lines, s3_server, tiny_model_dir, storage={"retry_s": 60})
     # Enough 503s in a row that the quick attempts inside botocore and s3fs give up: only the
     # commit path's own retries (storage.retry_s) get the part written.
+    bucket = spec.output.uri.split("/")[2]
     fault = s3_server.fail_next("PUT", f"/{bucket}/out/part-", times=6)
     result = run_job(spec)
     assert result.status == "complete" and fault.served == 6
