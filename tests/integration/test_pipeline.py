@@ -95,6 +95,14 @@ def assert_totals_match(manifest: dict[str, Any], table: pa.Table) -> None:
     assert totals["prompt_tokens"] == pc.sum(table.column("prompt_tokens")).as_py()
     assert totals["rows_usd"] == pytest.approx(pc.sum(table.column("cost_usd")).as_py())
     assert sum(p["rows"] for p in manifest["parts"]) == table.num_rows
+    # Per shard: its row count, complete, and the sums of its parts.
+    shards = manifest["shards"]
+    assert sum(s["rows"] for s in shards) == table.num_rows
+    assert sum(s["errors"] for s in shards) == errors
+    assert all(s["complete"] and s["rows"] == s["num_rows"] for s in shards)
+    assert sorted(n for s in shards for n in s["parts"]) == sorted(
+        p["name"] for p in manifest["parts"]
+    )
 
 
 # --- parquet, two actors -----------------------------------------------------------------------

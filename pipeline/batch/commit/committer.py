@@ -244,10 +244,7 @@ class Committer:
 
     def _fill(self, manifest: Manifest) -> None:
         ledger = self.ledger
-        manifest.shards = [
-            {**s.shard.to_json(), "num_rows": s.num_rows, "complete": s.is_complete}
-            for s in ledger.shards
-        ]
+        manifest.shards = [s.to_json(ledger.parts) for s in ledger.shards]
         manifest.parts = [r.to_json() for r in ledger.records()]
         manifest.stats = ledger.stats.to_json()
         manifest.missing_rows = ledger.missing_rows()

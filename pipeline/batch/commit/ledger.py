@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 from pipeline.batch.commit.parts import PartRecord
 from pipeline.batch.commit.stats import RowStats, RowSums
@@ -43,6 +44,19 @@ class ShardState:
     @property
     def missing(self) -> int | None:
         return None if self.num_rows is None else self.num_rows - len(self.committed)
+
+    def to_json(self, parts: dict[str, PartRecord]) -> dict[str, Any]:
+        """The shard, its row count, whether it is complete, and the sums of its parts."""
+        sums = RowSums()
+        for name in self.parts:
+            sums.add(parts[name].sums)
+        return {
+            **self.shard.to_json(),
+            "num_rows": self.num_rows,
+            "complete": self.is_complete,
+            "parts": list(self.parts),
+            **sums.to_json(),
+        }
 
 
 class CommitLedger:

@@ -109,7 +109,7 @@ class Manifest:
     spec: dict[str, Any]  # the normalized job spec, secrets redacted
     input_files: list[dict[str, Any]]
     schema: list[list[str]]  # [[column, type], ...] of every part
-    shards: list[dict[str, Any]]  # Shard.to_json() + num_rows (known) + complete
+    shards: list[dict[str, Any]]  # ShardState.to_json(): the shard, rows, complete, parts, sums
     runs: list[RunRecord]
     parts: list[dict[str, Any]] = field(default_factory=list)  # PartRecord.to_json()
     stats: dict[str, Any] = field(default_factory=dict)  # merged RowStats of the parts
