@@ -112,9 +112,7 @@ class ActorLoss:
 @dataclass
 class SchedulerResult:
     accounts: dict[str, dict[str, Any]]  # "<actor id>/<incarnation>" -> latest cost account
-    rows_refused: int  # rows left out (budget closed, or the run stopped)
-    budget_closed: bool
-    stopped: bool
+    budget_closed: bool  # an engine actor left rows out because the budget refused them
     losses: list[ActorLoss]
 
 
@@ -154,7 +152,6 @@ class Scheduler:
         self.accounts: dict[str, dict[str, Any]] = {}
         self.losses: list[ActorLoss] = []
         self._awaiting_recovery: dict[int, ActorLoss] = {}  # shard -> the loss it recovers
-        self.rows_refused = 0
         self.budget_closed = False
         self._stop_sent = False
         self._no_engine_since: float | None = time.monotonic()  # None while one is ready
@@ -196,9 +193,7 @@ class Scheduler:
                     logger.warning("no final account from %s: %s", slot.name, exc)
         return SchedulerResult(
             accounts=self.accounts,
-            rows_refused=self.rows_refused,
             budget_closed=self.budget_closed,
-            stopped=self.stop.is_set(),
             losses=self.losses,
         )
 
@@ -361,7 +356,6 @@ class Scheduler:
             self._take_account(event.account)
             if event.rows_refused and not event.stopped:
                 self.budget_closed = True
-            self.rows_refused += event.rows_refused
 
     def _end_unit(self, running: _Running) -> None:
         self.running.pop(running.generator, None)

@@ -180,10 +180,6 @@ class Shard:
     num_rows: int | None = None  # known before reading for Parquet; None for JSONL
     max_rows: int | None = None  # input.limit reached inside this shard: read at most this
 
-    @property
-    def file(self) -> InputFile:
-        return InputFile(uri=self.uri, size=self.file_size, version=self.file_version)
-
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
         data["row_groups"] = list(self.row_groups)

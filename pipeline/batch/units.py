@@ -9,7 +9,7 @@ the driver only passes the reference on.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from pipeline.batch.commit.parts import PartRecord
@@ -58,4 +58,3 @@ class UnitEnd:
     rows_refused: int  # not admitted by the budget, or left when the run stopped
     stopped: bool  # the run asked the actor to stop
     account: dict[str, Any]
-    notes: list[str] = field(default_factory=list)

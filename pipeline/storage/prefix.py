@@ -114,9 +114,6 @@ class OutputDir:
     def read(self, name: str) -> bytes:
         return bytes(self._do(lambda: self.fs.cat_file(self.path(name)), f"read {name}"))
 
-    def size(self, name: str) -> int:
-        return int(self._do(lambda: self.fs.size(self.path(name)), f"size of {name}"))
-
     def stat(self, name: str) -> tuple[int, str]:
         """(size in bytes, version) of an object, without reading it."""
 
