@@ -4,20 +4,57 @@ RequestOutput → engines.api results.
 Written against TensorRT-LLM 1.2 (the `LLM` API: PyTorch backend by default,
 `tensorrt_llm._tensorrt_engine.LLM` for prebuilt TensorRT engines). `tensorrt_llm` is imported
 only inside the constructor: it needs CUDA and MPI at import time. CPU tests run this module
-against tests/standins/tensorrt_llm, a stand-in written to the same signatures.
+against tests/standins/tensorrt_llm, a stand-in written to the same signatures and behaviours.
 
 - The PyTorch backend does not quantize: it loads checkpoints already quantized by ModelOpt
   (`tokenmill quantize`). Before loading, the GPU is checked against the checkpoint's
-  hf_quant_config.json (FP8 needs compute capability 8.9+, NVFP4 10.0+).
+  hf_quant_config.json (FP8 needs compute capability 8.9+, NVFP4 10.0+). The TensorRT backend
+  can quantize while building; it calibrates on the project's own text (engine.extra
+  `calibration`, the shape of a quantization spec's `calibration:`), written to a local
+  dataset directory, never on TensorRT-LLM's default download (cnn_dailymail).
 - In-flight batching is TensorRT-LLM's: every request goes straight to `generate_async`; the
   executor bounds the batch by max_batch_size, max_num_tokens and free KV blocks.
-- Per-request problems are results, not exceptions: a prompt longer than max_num_tokens
-  without chunked prefill (TensorRT-LLM raises for those) or longer than max_model_len is
-  checked before submission and returned with finish_reason "error".
+- Requests are checked by `engines.requests.admit` first (the check every engine kind shares):
+  an empty prompt, an out-of-vocabulary id or a prompt that fills the context is a row error,
+  and max_tokens is clipped to the context (finish_reason "length" there). Then the
+  TensorRT-LLM-only check: a prompt longer than max_num_tokens without chunked prefill.
+- Token accounting matches the reference engine. TensorRT-LLM removes a matched stop word
+  (stop_token_ids entry or tokenized stop string) from token_ids unless
+  include_stop_str_in_output, and its C++ decoder (TensorRT backend) never returns the end_id
+  token; so requests go out with include_stop_str_in_output=True, the end_id is put back, a
+  matched stop string is cut from the text here, and the checkpoint's other EOS ids (which
+  TensorRT-LLM does not stop on: it knows one end_id) are sent as stop_token_ids and reported
+  as EOS (stop_reason None).
+- Sampling: TensorRT-LLM reads None as "runtime default" and the C++ samplers decode top_k 0
+  with top_p 0 greedily, so sampled requests always carry explicit top_k (0 = off) and top_p
+  (1.0 = off); greedy ones top_k=1.
+- Seeds: the PyTorch backend of 1.2 samples every request from one generator seeded once
+  (SamplingParams.seed is not read), so seeded sampled rows are not reproducible there. The
+  adapter logs that once per engine and lists it in `limitations`; the TensorRT backend
+  honours seeds.
+- A request that fails inside the executor (tensorrt_llm.executor.RequestError) is a row error;
+  any other failure is the engine's.
 - Timing comes from `request_perf_metrics` (return_perf_metrics=True on the LLM and on every
   SamplingParams): steady-clock time points as timedeltas, which on Linux share
-  CLOCK_MONOTONIC with time.monotonic(). There are no step records (info.has_step_records is
-  False): cost is split over first_scheduled_time..finish_time intervals.
+  CLOCK_MONOTONIC with time.monotonic(); a time point never reached is zero, read as "never".
+  There are no step records (info.has_step_records is False): cost is split over
+  first_scheduled_time..finish_time intervals.
+
+Throughput defaults (settings a job passes in engine.extra, beyond the shared EngineSpec
+fields), from NVIDIA's published perf overview (docs/source/developer-guide/perf-overview.md:
+trtllm-bench on the PyTorch backend with `cuda_graph_config: {enable_padding: true,
+batch_sizes: [1 .. 8192]}`, often kv_cache_free_gpu_mem_fraction 0.95) and trtllm-bench's
+sizing heuristic (max_batch_size = the requests that fit the KV cache, 64..4096; max_num_tokens
+= max_batch_size x (1 + ISL/OSL), 2048..32768, i.e. 4096 / 8192 for 1k/1k on an H200):
+- cuda_graphs True, cuda_graph_padding True, cuda_graph_max_batch_size = max_batch_size
+  (PyTorch backend; CUDA graphs for decode batches up to that size, padded up to a captured
+  size rather than falling back to eager mode);
+- max_batch_size 2048 and max_num_tokens 8192 (TensorRT-LLM's own LLM defaults and
+  trtllm-bench's fallback), used when a job leaves engine.max_batch_size / max_num_tokens null
+  (the spec's default);
+- scheduler_policy guaranteed_no_evict (TensorRT-LLM's default, also what the perf overview
+  ran); max_utilization admits more requests when max_tokens is large, at the price of
+  pausing some.
 """
 
 from __future__ import annotations
@@ -25,9 +62,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
+import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +83,7 @@ from engines.api import (
     StepRecord,
     StreamDelta,
 )
+from engines.requests import admit, context_length, eos_token_ids, read_config
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +98,11 @@ DTYPES = ("auto", "float16", "bfloat16", "float32")
 _FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "cancelled"}
 # Timestamps further apart than this from our own clock are on another clock base: shift them.
 _CLOCK_SKEW_S = 5.0
+SEED_LIMITATION = (
+    "TensorRT-LLM 1.2's PyTorch backend ignores per-request seeds (its sampler draws every "
+    "request from one generator): seeded sampled rows are not reproducible; use backend "
+    "tensorrt or the reference engine where reproducibility matters"
+)
 SETTINGS = (
     "max_batch_size",
     "max_num_tokens",
@@ -68,12 +115,30 @@ SETTINGS = (
     "max_model_len",
     "scheduler_policy",
     "backend",
+    "cuda_graphs",
+    "cuda_graph_max_batch_size",
+    "cuda_graph_padding",
     "build_cache",
     "build_cache_dir",
     "quantize",
+    "calibration",
     "tensor_parallel_size",
     "check_gpu",
 )
+
+
+@dataclass(frozen=True)
+class _StopRules:
+    """What a request stops on, as sent to TensorRT-LLM and as the reference engine reports it."""
+
+    strings: tuple[str, ...]  # stop strings (cut from the text)
+    token_ids: tuple[int, ...]  # the request's own stop token ids (reported as stop_reason)
+    eos_ids: frozenset[int]  # EOS ids sent as stop_token_ids (reported as EOS: None)
+    keep_end_id: bool  # put back the end_id token TensorRT-LLM left out
+
+    @property
+    def max_string_len(self) -> int:
+        return max((len(s) for s in self.strings), default=0)
 
 
 class TrtllmEngine:
@@ -83,8 +148,8 @@ class TrtllmEngine:
         self,
         model: str,
         *,
-        max_batch_size: int = 64,
-        max_num_tokens: int = 2048,
+        max_batch_size: int = 2048,
+        max_num_tokens: int = 8192,
         kv_cache_tokens: int | None = None,
         kv_cache_memory_fraction: float = 0.9,
         kv_cache_dtype: str = "auto",
@@ -94,9 +159,13 @@ class TrtllmEngine:
         max_model_len: int | None = None,
         scheduler_policy: str = "guaranteed_no_evict",
         backend: str = "pytorch",
+        cuda_graphs: bool = True,
+        cuda_graph_max_batch_size: int | None = None,
+        cuda_graph_padding: bool = True,
         build_cache: str | None = None,
         build_cache_dir: str = "~/.cache/tokenmill/trtllm-build",
         quantize: str | None = None,
+        calibration: dict[str, Any] | None = None,
         tensor_parallel_size: int = 1,
         check_gpu: bool = True,
         **unknown: Any,
@@ -104,10 +173,17 @@ class TrtllmEngine:
         """Settings beyond the shared EngineSpec fields (pass them in engine.extra):
 
         backend: pytorch (loads HF / ModelOpt checkpoints) | tensorrt (builds a TensorRT engine).
+        cuda_graphs: pytorch backend: capture decode steps as CUDA graphs (default on).
+        cuda_graph_max_batch_size: largest captured batch; null: max_batch_size.
+        cuda_graph_padding: pad a batch up to the next captured size instead of running it
+            eagerly (default on, as in NVIDIA's published benchmark configs).
         build_cache: tensorrt backend: keep built engines under this local path or s3:// /
             other fsspec URI (synced to build_cache_dir before loading, back after a build).
         quantize: tensorrt backend only: fp8 | nvfp4 quantization while building (ModelOpt
             runs inside TensorRT-LLM); the PyTorch backend needs a pre-quantized checkpoint.
+        calibration: with quantize: the calibration text, as a quantization spec's
+            `calibration:` section (source, column, num_samples, max_length, batch_size,
+            seed); null: the built-in text sample. Never a download.
         tensor_parallel_size: GPUs this engine spans.
         check_gpu: check the GPU's compute capability against the checkpoint first.
         """
@@ -116,32 +192,30 @@ class TrtllmEngine:
                 f"TrtllmEngine got unknown setting(s) {', '.join(sorted(unknown))}; "
                 f"accepted: {', '.join(SETTINGS)}"
             )
-        _check_choice("backend", backend, BACKENDS)
-        _check_choice("scheduler_policy", scheduler_policy, tuple(SCHEDULER_POLICIES))
-        _check_choice("dtype", dtype, DTYPES)
-        _check_choice("kv_cache_dtype", kv_cache_dtype, ("auto", "fp8"))
-        if quantize is not None:
-            _check_choice("quantize", quantize, ("fp8", "nvfp4"))
-            if backend != "tensorrt":
-                raise EngineError(
-                    "engine.extra.quantize needs backend: tensorrt (the PyTorch backend loads "
-                    "pre-quantized checkpoints: build one with `tokenmill quantize`)"
-                )
-        if build_cache is not None and backend != "tensorrt":
-            raise EngineError("engine.extra.build_cache applies to backend: tensorrt only")
+        _check_settings(backend, scheduler_policy, dtype, kv_cache_dtype, quantize, build_cache)
+        if calibration is not None and quantize is None:
+            raise EngineError("engine.extra.calibration applies with engine.extra.quantize only")
         started = time.monotonic()
         model_dir = Path(model)
+        config = read_config(model_dir)
+        self._vocab_size = _vocab_size(config, model_dir)
         self._max_num_tokens = max_num_tokens
         self._chunked_prefill = enable_chunked_prefill
-        self._max_model_len = max_model_len or _context_length(model_dir)
+        self._max_model_len = max_model_len or context_length(config)
+        self._eos_ids = eos_token_ids(config, model_dir)
+        self._backend = backend
+        self.limitations: tuple[str, ...] = (SEED_LIMITATION,) if backend == "pytorch" else ()
+        self._seed_warned = False
         if check_gpu:
             self._device_name = str(_check_gpu(model_dir, kv_cache_dtype, quantize))
         else:
             self._device_name = "unchecked"
         trt = _import_tensorrt_llm()
+        from tensorrt_llm.executor import RequestError
         from tensorrt_llm.llmapi import CapacitySchedulerPolicy, KvCacheConfig, SchedulerConfig
 
         self._sampling_cls = trt.SamplingParams
+        self._request_error: type[Exception] = RequestError
         kv_cache_config = KvCacheConfig(
             enable_block_reuse=enable_prefix_caching,
             free_gpu_memory_fraction=kv_cache_memory_fraction,
@@ -167,24 +241,30 @@ class TrtllmEngine:
         )
         self._build_cache = build_cache
         self._build_cache_local = None
-        if backend == "tensorrt":
-            llm_cls, extra = self._tensorrt_args(
-                quantize, kv_cache_dtype, build_cache, build_cache_dir, args
-            )
-            args.update(extra)
-        else:
-            llm_cls = trt.LLM
-        try:
-            self._llm = llm_cls(str(model_dir), **args)
-        except (ValueError, TypeError) as exc:
-            raise EngineError(
-                f"TensorRT-LLM rejected the engine settings for {model}: {exc}"
-            ) from exc
+        # Quantizing calibrates on the project's text (the built-in sample unless given).
+        with _calibration((calibration or {}) if quantize else None) as calib:
+            if backend == "tensorrt":
+                llm_cls, extra = self._tensorrt_args(
+                    quantize, kv_cache_dtype, build_cache, build_cache_dir, calib, args
+                )
+                args.update(extra)
+            else:
+                llm_cls = trt.LLM
+                args["cuda_graph_config"] = _cuda_graph_config(
+                    cuda_graphs, cuda_graph_max_batch_size or max_batch_size, cuda_graph_padding
+                )
+            try:
+                self._llm = llm_cls(str(model_dir), **args)
+            except (ValueError, TypeError) as exc:
+                raise EngineError(
+                    f"TensorRT-LLM rejected the engine settings for {model}: {exc}"
+                ) from exc
         if self._build_cache_local is not None:
             _sync_tree(self._build_cache_local, build_cache, upload=True)
         self._live: dict[str, Any] = {}  # request_id -> RequestOutput in flight
         self._num_finished = 0
         self._closed = False
+        self._dead: str | None = None  # why the executor stopped
         self.info = EngineInfo(
             kind="trtllm",
             model=model,
@@ -193,11 +273,11 @@ class TrtllmEngine:
             num_devices=tensor_parallel_size,
             dtype=dtype,
             has_step_records=False,
-            eos_token_ids=_eos_token_ids(model_dir),
+            eos_token_ids=self._eos_ids,
             load_seconds=time.monotonic() - started,
         )
 
-    def _tensorrt_args(self, quantize, kv_cache_dtype, build_cache, build_cache_dir, args):
+    def _tensorrt_args(self, quantize, kv_cache_dtype, build_cache, build_cache_dir, calib, args):
         from tensorrt_llm._tensorrt_engine import LLM as TensorrtEngineLLM
         from tensorrt_llm.llmapi import (
             BuildCacheConfig,
@@ -220,7 +300,7 @@ class TrtllmEngine:
                 quant_algo=getattr(QuantAlgo, quantize.upper()),
                 kv_cache_quant_algo=QuantAlgo.FP8 if kv_cache_dtype == "fp8" else None,
             )
-            extra["calib_config"] = CalibConfig()
+            extra["calib_config"] = CalibConfig(**calib)
         if build_cache is not None:
             local = Path(os.path.expanduser(build_cache_dir))
             if "://" in build_cache and not build_cache.startswith("file://"):
@@ -233,61 +313,94 @@ class TrtllmEngine:
 
     # --- requests ---------------------------------------------------------------------------
 
-    def _check_request(self, request: GenerationRequest) -> str | None:
-        """Why the request cannot run (a row error), or None."""
+    def _admit(self, request: GenerationRequest) -> tuple[str | None, int]:
+        """(why the request cannot run, its output budget): the shared checks, then ours."""
+        admission = admit(request, vocab_size=self._vocab_size, max_model_len=self._max_model_len)
+        if not admission.ok:
+            return admission.error, 0
         num_prompt = len(request.prompt_token_ids)
-        if num_prompt == 0:
-            return "empty prompt: at least one prompt token is needed"
-        total = num_prompt + request.sampling.max_tokens
-        if total > self._max_model_len:
-            return (
-                f"prompt ({num_prompt} tokens) + max_tokens ({request.sampling.max_tokens}) = "
-                f"{total} exceeds max_model_len {self._max_model_len}; shorten the prompt or "
-                "lower max_tokens"
-            )
         if not self._chunked_prefill and num_prompt > self._max_num_tokens:
             return (
                 f"prompt ({num_prompt} tokens) exceeds engine.max_num_tokens "
                 f"({self._max_num_tokens}) and chunked prefill is off; enable "
                 "engine.enable_chunked_prefill or raise max_num_tokens"
-            )
-        return None
+            ), 0
+        return None, admission.max_tokens
 
-    def _sampling(self, request: GenerationRequest) -> Any:
+    def _stop_rules(self, request: GenerationRequest) -> _StopRules:
+        s = request.sampling
+        own = tuple(s.stop_token_ids)
+        # TensorRT-LLM stops on one end_id (the tokenizer's EOS); the checkpoint may list more
+        # (generation_config.json), which the reference engine stops on too.
+        eos = () if s.ignore_eos else tuple(t for t in self._eos_ids if t not in own)
+        return _StopRules(
+            strings=tuple(s.stop),
+            token_ids=own,
+            eos_ids=frozenset(eos),
+            keep_end_id=self._backend == "tensorrt" and not s.ignore_eos,
+        )
+
+    def _sampling(self, request: GenerationRequest, max_tokens: int, rules: _StopRules) -> Any:
         s = request.sampling
         greedy = s.is_greedy
+        if not greedy and s.seed is not None:
+            self._note_seed()
+        stop_ids = [*rules.token_ids, *sorted(rules.eos_ids)]
         return self._sampling_cls(
-            max_tokens=s.max_tokens,  # TensorRT-LLM's default is 32: always set it
-            # top_k=1 is greedy in every TensorRT-LLM sampler, whatever temperature says.
+            max_tokens=max_tokens,  # TensorRT-LLM's default is 32: always set it
+            # top_k=1 is greedy in every TensorRT-LLM sampler, whatever temperature says. A
+            # sampled request spells out "no top-k / top-p" (0 / 1.0): None would mean the C++
+            # runtime defaults, top_k 0 and top_p 0, which those samplers decode greedily.
             temperature=None if greedy else s.temperature,
-            top_p=None if greedy or s.top_p == 1.0 else s.top_p,
-            top_k=1 if greedy else (s.top_k or None),
+            top_p=None if greedy else s.top_p,
+            top_k=1 if greedy else s.top_k,
             seed=s.seed,
-            stop=list(s.stop) or None,
-            stop_token_ids=list(s.stop_token_ids) or None,
+            stop=list(rules.strings) or None,
+            stop_token_ids=stop_ids or None,
+            # Keep matched stop ids in token_ids (the reference engine counts them); the stop
+            # string is cut from the text in _account.
+            include_stop_str_in_output=True,
             ignore_eos=s.ignore_eos,
             detokenize=True,
             return_perf_metrics=True,
         )
 
-    def _submit(self, request: GenerationRequest, streaming: bool) -> Any:
+    def _note_seed(self) -> None:
+        """Say once per engine that the PyTorch backend will not honour per-request seeds."""
+        if self._backend != "pytorch" or self._seed_warned:
+            return
+        self._seed_warned = True
+        log.warning("%s", SEED_LIMITATION)
+
+    def _submit(self, request: GenerationRequest, max_tokens: int, streaming: bool):
         if self._closed:
             raise EngineDeadError("the TensorRT-LLM engine is shut down")
-        out = self._llm.generate_async(
-            list(request.prompt_token_ids),
-            sampling_params=self._sampling(request),
-            streaming=streaming,
-        )
+        if self._dead is not None:
+            raise EngineDeadError(f"the TensorRT-LLM engine has stopped: {self._dead}")
+        rules = self._stop_rules(request)
+        params = self._sampling(request, max_tokens, rules)
+        try:
+            out = self._llm.generate_async(
+                list(request.prompt_token_ids), sampling_params=params, streaming=streaming
+            )
+        except ValueError:
+            raise  # TensorRT-LLM's per-request input checks: the caller's row error
+        except self._request_error as exc:
+            raise ValueError(str(exc)) from exc
+        except Exception as exc:  # a shut-down or broken executor
+            self._dead = f"{type(exc).__name__}: {exc}"
+            raise EngineDeadError(f"the TensorRT-LLM engine has stopped: {self._dead}") from exc
         self._live[request.request_id] = out
-        return out
+        # generate_async filled params.end_id from the tokenizer when it was None.
+        return out, _Accounting(request, rules, params)
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         arrival = time.monotonic()
-        problem = self._check_request(request)
+        problem, max_tokens = self._admit(request)
         if problem is not None:
             return _error_result(request, problem, arrival)
         try:
-            out = self._submit(request, streaming=False)
+            out, accounting = self._submit(request, max_tokens, streaming=False)
         except ValueError as exc:  # TensorRT-LLM's per-request input checks
             return _error_result(request, str(exc), arrival)
         try:
@@ -295,24 +408,22 @@ class TrtllmEngine:
         except asyncio.CancelledError:
             out.abort()
             raise
-        except ValueError as exc:
-            return _error_result(request, str(exc), arrival)
         except Exception as exc:
-            raise self._engine_error(exc) from exc
+            return self._failed(request, exc, arrival)
         finally:
             self._live.pop(request.request_id, None)
         self._num_finished += 1
-        return _to_result(request, out, arrival)
+        return accounting.result(out, arrival)
 
     async def stream(self, request: GenerationRequest) -> AsyncIterator[StreamDelta]:
         arrival = time.monotonic()
-        problem = self._check_request(request)
+        problem, max_tokens = self._admit(request)
         if problem is not None:
             result = _error_result(request, problem, arrival)
             yield StreamDelta(token_ids=[], text="", finished=True, result=result)
             return
         try:
-            out = self._submit(request, streaming=True)
+            out, accounting = self._submit(request, max_tokens, streaming=True)
         except ValueError as exc:
             result = _error_result(request, str(exc), arrival)
             yield StreamDelta(token_ids=[], text="", finished=True, result=result)
@@ -321,33 +432,41 @@ class TrtllmEngine:
         finished = False
         try:
             async for update in out:
-                completion = update.outputs[0]
-                ids = list(completion.token_ids[sent_ids:])
-                text = completion.text[sent_text:]
-                sent_ids, sent_text = len(completion.token_ids), len(completion.text)
                 if update.finished:
                     finished = True
                     self._num_finished += 1
-                    result = _to_result(request, update, arrival)
+                    result = accounting.result(update, arrival)
+                    ids = result.output_token_ids[sent_ids:]
+                    text = result.text[sent_text:]
                     yield StreamDelta(token_ids=ids, text=text, finished=True, result=result)
                     return
+                completion = update.outputs[0]
+                ids = list(completion.token_ids[sent_ids:])
+                safe = accounting.stable_text_len(completion.text or "")
+                text = (completion.text or "")[sent_text:safe]
+                sent_ids, sent_text = len(completion.token_ids), max(sent_text, safe)
                 if ids or text:
                     yield StreamDelta(token_ids=ids, text=text)
-        except ValueError as exc:
-            finished = True
-            yield StreamDelta(
-                token_ids=[],
-                text="",
-                finished=True,
-                result=_error_result(request, str(exc), arrival),
-            )
         except Exception as exc:  # GeneratorExit / CancelledError are not Exceptions
-            raise self._engine_error(exc) from exc
+            finished = True
+            result = self._failed(request, exc, arrival)
+            yield StreamDelta(token_ids=[], text="", finished=True, result=result)
         finally:
             # Closed early (client gone): free the request's KV blocks.
             if not finished:
                 out.abort()
             self._live.pop(request.request_id, None)
+
+    def _failed(self, request: GenerationRequest, exc: Exception, arrival: float):
+        """A failure of this request alone is a row error. Any other error from the executor
+        has shut the LLM down (TensorRT-LLM does so on a background error): the engine is
+        dead from here on."""
+        if self._closed:
+            raise EngineDeadError(f"the TensorRT-LLM engine is shut down: {exc}") from exc
+        if isinstance(exc, (self._request_error, ValueError)):
+            return _error_result(request, f"TensorRT-LLM failed the request: {exc}", arrival)
+        self._dead = f"{type(exc).__name__}: {exc}"
+        raise EngineDeadError(f"the TensorRT-LLM engine has stopped: {self._dead}") from exc
 
     def abort(self, request_id: str) -> None:
         out = self._live.get(request_id)
@@ -376,63 +495,121 @@ class TrtllmEngine:
             out.abort()
         self._llm.shutdown()
 
-    def _engine_error(self, exc: Exception) -> EngineError:
-        if self._closed:
-            return EngineDeadError(f"the TensorRT-LLM engine is shut down: {exc}")
-        return EngineError(f"TensorRT-LLM failed: {type(exc).__name__}: {exc}")
-
 
 # --- mapping ---------------------------------------------------------------------------------
 
 
-def _to_result(request: GenerationRequest, out: Any, arrival: float) -> GenerationResult:
-    completion = out.outputs[0]
-    reason = _FINISH_REASONS.get(completion.finish_reason)
-    error = None
-    if reason is None:
-        error = (
-            "request timed out in TensorRT-LLM"
-            if completion.finish_reason == "timeout"
-            else f"unexpected finish_reason {completion.finish_reason!r} from TensorRT-LLM"
+class _Accounting:
+    """One request's TensorRT-LLM output → the reference engine's accounting."""
+
+    def __init__(self, request: GenerationRequest, rules: _StopRules, params: Any) -> None:
+        self.request = request
+        self.rules = rules
+        self.params = params
+
+    def stable_text_len(self, text: str) -> int:
+        """How much of a streamed text no later stop-string match can cut."""
+        cut, _ = _cut_at_stop(text, self.rules.strings)
+        return max(0, min(len(cut), len(text) - max(0, self.rules.max_string_len - 1)))
+
+    def result(self, out: Any, arrival: float) -> GenerationResult:
+        request = self.request
+        completion = out.outputs[0]
+        ids, text, reason, stop_reason = self._account(completion)
+        error = None
+        if reason is None:
+            error = (
+                "request timed out in TensorRT-LLM"
+                if completion.finish_reason == "timeout"
+                else f"unexpected finish_reason {completion.finish_reason!r} from TensorRT-LLM"
+            )
+            reason = "error"
+        return GenerationResult(
+            request_id=request.request_id,
+            output_token_ids=ids,
+            text=text,
+            finish_reason=reason,
+            prompt_tokens=len(request.prompt_token_ids),
+            completion_tokens=len(ids),
+            cached_prompt_tokens=int(getattr(out, "cached_tokens", 0) or 0),
+            error=error,
+            stop_reason=stop_reason if reason == "stop" else None,
+            metrics=_metrics(getattr(completion, "request_perf_metrics", None), arrival, ids),
         )
-        reason = "error"
-    return GenerationResult(
-        request_id=request.request_id,
-        output_token_ids=list(completion.token_ids),
-        text=completion.text or "",
-        finish_reason=reason,
-        prompt_tokens=len(request.prompt_token_ids),
-        completion_tokens=len(completion.token_ids),
-        cached_prompt_tokens=int(getattr(out, "cached_tokens", 0) or 0),
-        error=error,
-        stop_reason=completion.stop_reason,
-        metrics=_metrics(getattr(completion, "request_perf_metrics", None), arrival),
-    )
+
+    def _account(self, completion: Any) -> tuple[list[int], str, str | None, str | int | None]:
+        rules = self.rules
+        ids = list(completion.token_ids)
+        reason = _FINISH_REASONS.get(completion.finish_reason)
+        stop_reason = completion.stop_reason
+        end_id = getattr(self.params, "end_id", None)
+        if reason == "stop" and stop_reason is None and rules.keep_end_id and end_id is not None:
+            ids.append(end_id)  # the C++ decoder does not return the end_id it stopped on
+        if reason == "length" and ids and ids[-1] in (*rules.token_ids, *rules.eos_ids):
+            # TensorRT-LLM checks length before stop words; the reference engine the reverse.
+            reason, stop_reason = "stop", ids[-1]
+        if isinstance(stop_reason, int) and stop_reason in rules.eos_ids:
+            stop_reason = None  # an EOS id we added: the reference engine reports EOS as None
+        text, matched = _cut_at_stop(completion.text or "", rules.strings)
+        if matched is not None:
+            reason, stop_reason = "stop", matched
+        elif isinstance(stop_reason, str):
+            stop_reason = None  # TensorRT-LLM matched a stop string we no longer see
+        return ids, text, reason, stop_reason
 
 
-def _metrics(perf: Any, arrival: float) -> RequestMetrics:
-    """TensorRT-LLM's timing metrics (timedeltas on the steady clock) → monotonic seconds."""
+def _cut_at_stop(text: str, stops: tuple[str, ...]) -> tuple[str, str | None]:
+    """The text before its earliest stop string, and that string (as the reference engine)."""
+    best: tuple[int, str] | None = None
+    for stop in stops:
+        at = text.find(stop)
+        if at >= 0 and (best is None or at < best[0]):
+            best = (at, stop)
+    return (text, None) if best is None else (text[: best[0]], best[1])
+
+
+def _metrics(perf: Any, arrival: float, ids: list[int]) -> RequestMetrics:
+    """TensorRT-LLM's timing metrics (timedeltas on the steady clock, zero = never) →
+    monotonic seconds."""
     now = time.monotonic()
     timing = getattr(perf, "timing_metrics", None)
-    if timing is None or timing.arrival_time is None:
-        return RequestMetrics(arrival_time=arrival, first_scheduled_time=arrival, finish_time=now)
-    their_arrival = timing.arrival_time.total_seconds()
+    their_arrival = _seconds(getattr(timing, "arrival_time", None))
+    if their_arrival is None:
+        scheduled = arrival if ids else None
+        return RequestMetrics(
+            arrival_time=arrival,
+            first_scheduled_time=scheduled,
+            first_token_time=now if ids else None,
+            finish_time=now,
+        )
     # Same clock (Linux steady_clock == CLOCK_MONOTONIC): use as is. Otherwise anchor their
     # arrival on ours and keep their intervals.
     offset = 0.0 if abs(their_arrival - arrival) < _CLOCK_SKEW_S else arrival - their_arrival
 
-    def seconds(td: Any) -> float | None:
-        return None if td is None else td.total_seconds() + offset
+    def shifted(td: Any) -> float | None:
+        value = _seconds(td)
+        return None if value is None else value + offset
 
-    first_scheduled = seconds(timing.first_scheduled_time)
-    first_token = seconds(timing.first_token_time)
-    finish = seconds(timing.last_token_time) or now
+    first_scheduled = shifted(timing.first_scheduled_time)
+    first_token = shifted(timing.first_token_time) if ids else None
+    if ids and first_scheduled is None:
+        first_scheduled = first_token  # tokens came, so it was scheduled by then
+    finish = shifted(timing.last_token_time) or now
     return RequestMetrics(
         arrival_time=their_arrival + offset,
         first_scheduled_time=first_scheduled,
         first_token_time=first_token,
-        finish_time=max(finish, first_token or finish),
+        finish_time=max(finish, first_token or finish, first_scheduled or finish),
     )
+
+
+def _seconds(td: Any) -> float | None:
+    """A perf-metric time point in seconds; None when unset (None, or a zero duration: the
+    bindings' default time point)."""
+    if td is None:
+        return None
+    value = td.total_seconds()
+    return value if value > 0.0 else None
 
 
 def _error_result(request: GenerationRequest, message: str, arrival: float) -> GenerationResult:
@@ -445,6 +622,87 @@ def _error_result(request: GenerationRequest, message: str, arrival: float) -> G
 
 
 # --- setup helpers ---------------------------------------------------------------------------
+
+
+def _check_settings(
+    backend: str,
+    scheduler_policy: str,
+    dtype: str,
+    kv_cache_dtype: str,
+    quantize: str | None,
+    build_cache: str | None,
+) -> None:
+    _check_choice("backend", backend, BACKENDS)
+    _check_choice("scheduler_policy", scheduler_policy, tuple(SCHEDULER_POLICIES))
+    _check_choice("dtype", dtype, DTYPES)
+    _check_choice("kv_cache_dtype", kv_cache_dtype, ("auto", "fp8"))
+    if quantize is not None:
+        _check_choice("quantize", quantize, ("fp8", "nvfp4"))
+        if backend != "tensorrt":
+            raise EngineError(
+                "engine.extra.quantize needs backend: tensorrt (the PyTorch backend loads "
+                "pre-quantized checkpoints: build one with `tokenmill quantize`)"
+            )
+    if build_cache is not None and backend != "tensorrt":
+        raise EngineError("engine.extra.build_cache applies to backend: tensorrt only")
+
+
+def _vocab_size(config: dict[str, Any], model_dir: Path) -> int:
+    vocab = config.get("vocab_size")
+    if not isinstance(vocab, int) or vocab <= 0:
+        raise EngineError(f"{model_dir}/config.json has no vocab_size")
+    return vocab
+
+
+def _cuda_graph_config(enabled: bool, max_batch_size: int, padding: bool) -> Any:
+    """CudaGraphConfig for the PyTorch backend, or None (which turns CUDA graphs off)."""
+    if not enabled:
+        return None
+    from tensorrt_llm.llmapi import CudaGraphConfig
+
+    return CudaGraphConfig(max_batch_size=max_batch_size, enable_padding=padding)
+
+
+@contextmanager
+def _calibration(calibration: dict[str, Any] | None) -> Iterator[dict[str, Any] | None]:
+    """CalibConfig arguments naming a local dataset directory ("train" split, "text" column)
+    that holds the calibration text, for as long as the build runs; None when not quantizing.
+
+    TensorRT-LLM's CalibConfig defaults to downloading cnn_dailymail from the Hugging Face
+    Hub, which an air-gapped cluster cannot; a local directory is its other accepted form."""
+    if calibration is None:
+        yield None
+        return
+    spec, texts = _calibration_texts(calibration)
+    with tempfile.TemporaryDirectory(prefix="tokenmill-trt-calibration-") as tmp:
+        root = Path(tmp) / "calibration"
+        root.mkdir()
+        lines = (json.dumps({"text": t}) for t in texts)
+        (root / "train.jsonl").write_text("\n".join(lines) + "\n")
+        yield dict(
+            calib_dataset=str(root),
+            calib_batches=max(1, math.ceil(len(texts) / spec.batch_size)),
+            calib_batch_size=spec.batch_size,
+            calib_max_seq_length=spec.max_length,
+            random_seed=spec.seed,
+        )
+
+
+def _calibration_texts(calibration: dict[str, Any]) -> tuple[Any, list[str]]:
+    """engine.extra.calibration (a quantization spec's `calibration:` section) → its texts,
+    drawn as `tokenmill quantize` draws them (engines.quantize.calibration)."""
+    from pydantic import ValidationError
+
+    from engines.quantize.calibration import load_texts
+    from engines.quantize.config import CalibrationSpec, QualitySpec, QuantizeError
+
+    try:
+        spec = CalibrationSpec(**calibration)
+        return spec, load_texts(spec, QualitySpec()).calibration
+    except (ValidationError, TypeError) as exc:
+        raise EngineError(f"engine.extra.calibration is not valid: {exc}") from exc
+    except QuantizeError as exc:
+        raise EngineError(str(exc)) from exc
 
 
 def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
@@ -473,30 +731,6 @@ def _check_gpu(model_dir: Path, kv_cache_dtype: str, quantize: str | None) -> An
         quantize.upper(), "FP8" if kv_cache_dtype == "fp8" else None
     )
     return gpu.check_capability(wanted, f"{model_dir} (quantize: {quantize})")
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        return {}
-    except json.JSONDecodeError as exc:
-        raise EngineError(f"{path} is not valid JSON: {exc}") from exc
-
-
-def _context_length(model_dir: Path) -> int:
-    config = _read_json(model_dir / "config.json")
-    if not config:
-        raise EngineError(f"{model_dir}: no config.json; point model.path at a HF checkpoint")
-    return int(config.get("max_position_embeddings") or 2048)
-
-
-def _eos_token_ids(model_dir: Path) -> tuple[int, ...]:
-    for name in ("generation_config.json", "config.json"):
-        eos = _read_json(model_dir / name).get("eos_token_id")
-        if eos is not None:
-            return tuple(eos) if isinstance(eos, list) else (int(eos),)
-    return ()
 
 
 def _sync_tree(local: Path, remote: str, *, upload: bool) -> None:

@@ -7,14 +7,13 @@ load time instead of producing garbage.
 
 from __future__ import annotations
 
-import contextlib
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from engines.api import EngineError
+from engines.requests import context_length, eos_token_ids, read_config
 
 # model_type -> (architectures class name, q/k/v bias by default, per-head q/k norm)
 SUPPORTED_MODEL_TYPES: dict[str, tuple[str, bool, bool]] = {
@@ -107,32 +106,10 @@ def _rope_config(raw: dict[str, Any]) -> RopeConfig:
     )
 
 
-def _eos_ids(raw: dict[str, Any], model_dir: Path) -> tuple[int, ...]:
-    ids: list[int] = []
-    sources = [raw]
-    gen_path = model_dir / "generation_config.json"
-    # generation_config is optional metadata; when unreadable, config.json's EOS id still holds.
-    with contextlib.suppress(OSError, json.JSONDecodeError):
-        sources.append(json.loads(gen_path.read_text()))
-    for source in sources:
-        value = source.get("eos_token_id")
-        for token in value if isinstance(value, list) else [value]:
-            if isinstance(token, int) and token not in ids:
-                ids.append(token)
-    return tuple(ids)
-
-
 def load_model_config(model_dir: str | Path) -> ModelConfig:
     """Read and check `model_dir/config.json`; errors name the file and the field."""
     path = Path(model_dir) / "config.json"
-    if not path.exists():
-        raise EngineError(f"{path} not found: the model must be a Hugging Face directory")
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise EngineError(f"{path} is not valid JSON: {exc}") from exc
-    # Multimodal wrappers nest the language model; plain decoder configs are flat.
-    raw = raw.get("text_config", raw) if "hidden_size" not in raw else raw
+    raw = read_config(model_dir)
     model_type = _detect_model_type(raw, path)
     _, default_bias, qk_norm = SUPPORTED_MODEL_TYPES[model_type]
     try:
@@ -152,12 +129,12 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
             num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
             head_dim=int(head_dim),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            max_position_embeddings=context_length(raw),
             rope=_rope_config(raw),
             attention_bias=bool(raw.get("attention_bias", default_bias)),
             qk_norm=qk_norm,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            eos_token_ids=_eos_ids(raw, Path(model_dir)),
+            eos_token_ids=eos_token_ids(raw, model_dir),
             sliding_window=int(sliding) if sliding else None,
             torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
         )

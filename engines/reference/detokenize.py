@@ -2,7 +2,8 @@
 
 Text grows by decoding a small window of recent ids twice (with and without the newest
 tokens) and keeping the difference, so the cost per token stays constant and multi-byte
-characters split across tokens never show up half-done (a trailing U+FFFD waits for more).
+characters split across tokens never show up half-done (a trailing U+FFFD waits for more,
+and is left out if the output ends there, as vLLM's detokenizer does).
 """
 
 from __future__ import annotations
@@ -11,6 +12,24 @@ from collections.abc import Sequence
 from typing import Any
 
 _PROMPT_CONTEXT = 5  # prompt tokens decoded with the output so spacing comes out right
+
+
+# A finished output's text stops before a trailing incomplete character; walking back further
+# than this many tokens means the output ends in a run of invalid bytes: cut them all at once.
+_MAX_WALK_BACK = 8
+
+
+def final_text(tokenizer: Any, output_ids: Sequence[int]) -> str:
+    """The text of a finished output, as IncrementalDetokenizer would have built it: decoded
+    whole, without the tokens of a character the output stopped in the middle of."""
+    text = tokenizer.decode(output_ids, skip_special_tokens=True)
+    end = len(output_ids)
+    while text.endswith("\ufffd") and end > 0:
+        if len(output_ids) - end >= _MAX_WALK_BACK:
+            return text.rstrip("\ufffd")
+        end -= 1
+        text = tokenizer.decode(output_ids[:end], skip_special_tokens=True)
+    return text
 
 
 class IncrementalDetokenizer:
@@ -48,15 +67,6 @@ class IncrementalDetokenizer:
             return None
         self.text = self.text[: best[0]]
         return best[1]
-
-    def flush(self) -> str:
-        """Text including a trailing incomplete character (the request is over)."""
-        if self._read_offset < len(self._ids):
-            prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
-            full = self._decode(self._ids[self._prefix_offset :])
-            self.text += full[len(prefix) :]
-            self._prefix_offset = self._read_offset = len(self._ids)
-        return self.text
 
     def stable_text_len(self) -> int:
         """Length of text that no future stop-string match can cut (safe to stream)."""

@@ -41,6 +41,8 @@ from engines.api import (
     StreamDelta,
 )
 from engines.reference.config import ModelConfig, load_model_config
+from engines.reference.detokenize import final_text
+from engines.requests import admit
 
 _log = logging.getLogger(__name__)
 
@@ -318,28 +320,15 @@ class ReferenceEngine:
 
     def _check(self, request: GenerationRequest) -> tuple[str | None, int]:
         """A per-request problem (as an error text) and the request's allowed output tokens."""
-        prompt = request.prompt_token_ids
-        vocab = self.config.vocab_size
-        if len(prompt) == 0:
-            return "the prompt is empty: give at least one token", 0
-        bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            return (
-                f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab}) "
-                "(tokenized with a different tokenizer?)",
-                0,
-            )
-        if len(prompt) >= self.max_model_len:
-            return (
-                f"prompt has {len(prompt)} tokens but the model's context (max_model_len) is "
-                f"{self.max_model_len} tokens, which must hold the prompt and at least one "
-                "output token; shorten the prompt",
-                0,
-            )
+        admission = admit(
+            request, vocab_size=self.config.vocab_size, max_model_len=self.max_model_len
+        )
+        if not admission.ok:
+            return admission.error, 0
         if request.sampling.stop and self.tokenizer is None:
             return "stop strings need a tokenizer, and the model directory has none", 0
-        max_tokens = min(request.sampling.max_tokens, self.max_model_len - len(prompt))
-        return self.scheduler.admission_error(len(prompt), max_tokens), max_tokens
+        max_tokens = admission.max_tokens
+        return self.scheduler.admission_error(len(request.prompt_token_ids), max_tokens), max_tokens
 
     # ---- step loop (engine thread) -------------------------------------------------------
     def _run(self) -> None:
@@ -437,12 +426,16 @@ class ReferenceEngine:
         """Check the stop conditions for a freshly sampled token; stream or finish."""
         sampling = live.request.sampling
         request_id = live.request.request_id
-        stop_string = live.detok.add(token) if live.detok is not None else None
+        # Like a stop string, a stop or EOS token ends the text without appearing in it (its
+        # id stays in output_token_ids and is counted), as in vLLM and OpenAI's servers.
         if token in live.stop_ids:
             self._finish(request_id, "stop", stop_reason=token)
-        elif not sampling.ignore_eos and token in self.config.eos_token_ids:
-            self._finish(request_id, "stop")
-        elif stop_string is not None:
+            return
+        if not sampling.ignore_eos and token in self.config.eos_token_ids:
+            self._finish(request_id, "stop", stop_reason=None, stop_token=True)
+            return
+        stop_string = live.detok.add(token) if live.detok is not None else None
+        if stop_string is not None:
             self._finish(request_id, "stop", stop_reason=stop_string)
         elif len(live.sched.output_token_ids) >= live.sched.max_tokens:
             self._finish(request_id, "length")
@@ -460,6 +453,7 @@ class ReferenceEngine:
         reason: FinishReason,
         error: str | None = None,
         stop_reason: str | int | None = None,
+        stop_token: bool = False,
     ) -> None:
         live = self._live.pop(request_id, None)
         if live is None:
@@ -467,9 +461,12 @@ class ReferenceEngine:
         sched = self.scheduler.finish_request(request_id)
         output_ids = list(sched.output_token_ids) if sched is not None else []
         if live.detok is not None:
-            text = live.detok.text if isinstance(stop_reason, str) else live.detok.flush()
+            # Complete characters only: the bytes of a character the output stopped in the
+            # middle of stay out of the text (their ids are in output_token_ids).
+            text = live.detok.text
         elif self.tokenizer is not None and output_ids:
-            text = self.tokenizer.decode(output_ids, skip_special_tokens=True)
+            stopped_by_token = stop_token or isinstance(stop_reason, int)
+            text = final_text(self.tokenizer, output_ids[:-1] if stopped_by_token else output_ids)
         else:
             text = ""
         live.metrics.finish_time = time.monotonic()

@@ -36,7 +36,13 @@ def trt_stage(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     model = tmp_path / "llama"
     model.mkdir()
     (model / "config.json").write_text(
-        json.dumps({"architectures": ["LlamaForCausalLM"], "max_position_embeddings": 256})
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "max_position_embeddings": 256,
+                "vocab_size": 256,
+            }
+        )
     )
     (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 6]}))
     spec = parse_job_spec(

@@ -19,7 +19,17 @@ def test_incremental_text_equals_full_decode(tokenizer) -> None:
     detok = IncrementalDetokenizer(tokenizer, [], stop=())
     for token in ids:
         assert detok.add(token) is None
-    assert detok.flush() == tokenizer.decode(ids)
+    assert detok.text == tokenizer.decode(ids)
+
+
+def test_a_character_cut_in_the_middle_stays_out_of_the_text(tokenizer) -> None:
+    ids = tokenizer.encode("bridge ✓")
+    partial = next(n for n in range(len(ids), 0, -1) if "\ufffd" in tokenizer.decode(ids[:n]))
+    detok = IncrementalDetokenizer(tokenizer, [], stop=())
+    for token in ids[:partial]:
+        detok.add(token)
+    assert "\ufffd" not in detok.text
+    assert tokenizer.decode(ids[:partial]).startswith(detok.text)
 
 
 def test_stop_string_cuts_text_before_the_match(tokenizer) -> None:

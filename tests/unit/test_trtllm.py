@@ -46,12 +46,14 @@ def trt(monkeypatch: pytest.MonkeyPatch):
     _forget_tensorrt_llm()
 
 
-def make_checkpoint(root: Path, algo: str | None = "FP8", kv: str | None = "FP8") -> Path:
+def make_checkpoint(
+    root: Path, algo: str | None = "FP8", kv: str | None = "FP8", eos: list[int] | None = None
+) -> Path:
     root.mkdir(parents=True, exist_ok=True)
-    (root / "config.json").write_text(
-        json.dumps({"architectures": ["LlamaForCausalLM"], "max_position_embeddings": 256})
-    )
-    (root / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 6]}))
+    config = {"architectures": ["LlamaForCausalLM"], "max_position_embeddings": 256}
+    (root / "config.json").write_text(json.dumps({**config, "vocab_size": 256}))
+    eos = [5, 6] if eos is None else eos
+    (root / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
     if algo:
         quant = {"quant_algo": algo, "kv_cache_quant_algo": kv}
         (root / "hf_quant_config.json").write_text(json.dumps({"quantization": quant}))
@@ -82,7 +84,7 @@ def toy_tokens(prompt: list[int], n: int) -> list[int]:
 
 
 def test_pytorch_backend_argument_mapping(trt, model_dir):
-    from tensorrt_llm.llmapi import CapacitySchedulerPolicy, KvCacheConfig
+    from tensorrt_llm.llmapi import CapacitySchedulerPolicy, CudaGraphConfig, KvCacheConfig
 
     engine = engine_for(
         model_dir,
@@ -109,6 +111,7 @@ def test_pytorch_backend_argument_mapping(trt, model_dir):
     )
     policy = llm.args["scheduler_config"].capacity_scheduler_policy
     assert policy is CapacitySchedulerPolicy.MAX_UTILIZATION
+    assert llm.args["cuda_graph_config"] == CudaGraphConfig(max_batch_size=8, enable_padding=True)
     info = engine.info
     assert (info.kind, info.max_model_len, info.has_step_records) == ("trtllm", 200, False)
     assert info.eos_token_ids == (5, 6)
@@ -196,8 +199,9 @@ def test_sampling_mapping(trt, model_dir):
     )
     run(engine.generate(GenerationRequest([1, 2], sampling)))
     _, params, _ = trt.LLM.instances[-1].submitted[0]
-    assert (params.temperature, params.top_p, params.top_k, params.seed) == (0.7, 0.9, None, 4)
+    assert (params.temperature, params.top_p, params.top_k, params.seed) == (0.7, 0.9, 0, 4)
     assert params.stop == ["x"] and params.stop_token_ids is None and params.ignore_eos
+    assert params.include_stop_str_in_output  # stop ids stay in token_ids, as counted
     engine.shutdown()
 
 
@@ -225,7 +229,7 @@ def test_prefix_cache_hits_are_cached_prompt_tokens(trt, model_dir):
     engine.shutdown()
 
 
-def test_too_long_prompts_are_row_errors(trt, model_dir):
+def test_too_long_prompts_are_row_errors_and_max_tokens_is_clipped(trt, model_dir):
     engine = engine_for(
         model_dir, max_num_tokens=64, enable_chunked_prefill=False, max_model_len=100
     )
@@ -240,10 +244,13 @@ def test_too_long_prompts_are_row_errors(trt, model_dir):
     over_step, over_len, empty, fine = run(go())
     assert over_step.finish_reason == "error" and "max_num_tokens (64)" in over_step.error
     assert "enable_chunked_prefill" in over_step.error
-    assert over_len.finish_reason == "error" and "max_model_len 100" in over_len.error
-    assert empty.finish_reason == "error" and "empty prompt" in empty.error
+    # As the reference engine: max_tokens is clipped to the context, ending with "length".
+    assert over_len.ok and over_len.finish_reason == "length"
+    assert over_len.completion_tokens == 40
+    assert empty.finish_reason == "error" and "empty" in empty.error
     assert fine.ok
-    assert len(trt.LLM.instances[-1].submitted) == 1  # only the fine one reached TensorRT-LLM
+    submitted = trt.LLM.instances[-1].submitted
+    assert [params.max_tokens for _, params, _ in submitted] == [40, 4]
     engine.shutdown()
 
 
@@ -349,19 +356,23 @@ def test_metrics_on_another_clock_base_are_anchored_on_arrival(trt):
         )
 
     arrival = 5_000_000.0
-    m = _metrics(Perf(), arrival)
+    m = _metrics(Perf(), arrival, [11, 12])
     assert m.arrival_time == arrival
     assert (m.queue_s, m.ttft_s, m.decode_s) == pytest.approx((0.5, 1.0, 2.0))
 
 
-def test_timeout_finish_reason_is_an_error(trt):
+def test_timeout_finish_reason_is_an_error(trt, model_dir):
     from tensorrt_llm._core import CompletionOutput
 
-    from engines.trtllm import _to_result
+    from engines.trtllm import _Accounting
 
     class Out:
         outputs = [CompletionOutput(index=0, token_ids=[1, 2], finish_reason="timeout")]
         cached_tokens = 0
 
-    result = _to_result(GenerationRequest([1], greedy(4)), Out(), time.monotonic())
+    engine = engine_for(model_dir)
+    request = GenerationRequest([1], greedy(4))
+    accounting = _Accounting(request, engine._stop_rules(request), None)
+    result = accounting.result(Out(), time.monotonic())
     assert result.finish_reason == "error" and "timed out" in result.error
+    engine.shutdown()

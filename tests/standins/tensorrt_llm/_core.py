@@ -1,19 +1,43 @@
 """The shared body of the stand-in `LLM` classes: argument checks, a toy model, results.
 
-The toy model is deterministic and cheap: output token i of a prompt is
-(sum(prompt) + 7 * i) % 50 + 10, so tests can predict every token. It runs on the asyncio loop
-of the caller (the real executor runs in a worker process), producing one token per loop turn
-so that concurrent requests interleave, abort lands mid-generation and streaming has steps.
+The toy model is deterministic and cheap: greedy output token i of a prompt is
+(sum(prompt) + 7 * i) % 50 + 10, so tests can predict every token; a sampled token adds a
+random offset of 1..4 to that. It runs on the asyncio loop of the caller (the real executor
+runs in a worker process), producing one token per loop turn so that concurrent requests
+interleave, abort lands mid-generation and streaming has steps.
+
+The toy tokenizer writes token t as "<t>"; the checkpoint's EOS ids are its special tokens.
+
+What it copies from TensorRT-LLM 1.2 (see the notes at each place):
+- stop checks in the PyTorch sampler's order: end_id, then length, then stop words;
+- token_ids: a matched stop word (stop_token_ids entry or tokenized stop string) is removed
+  unless include_stop_str_in_output; the end_id token is kept by the PyTorch backend and left
+  out by the TensorRT backend's C++ decoder;
+- text: a stop string found in the detokenized text cuts it (before the string, or after it
+  with include_stop_str_in_output) and finishes the request with that stop_reason;
+- greedy or not: the PyTorch rule of SamplingParams, or the C++ sampler's (top_k 0 and top_p 0,
+  the runtime defaults for None, decode greedily);
+- seeds: the TensorRT backend seeds each request from SamplingParams.seed; the PyTorch
+  backend draws every request from one generator seeded 42 (per-request seeds ignored);
+- perf-metric time points never reached are timedelta(0), not None;
+- a failure of one request inside the executor is raised as RequestError from awaiting or
+  iterating it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import enum
+import json
+import random
+import re
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+from tensorrt_llm.executor.utils import RequestError
 from tensorrt_llm.llmapi import KvCacheConfig, SchedulerConfig
 
 # Arguments both backends accept (1.2 `BaseLlmArgs` plus the constructor's named ones).
@@ -71,6 +95,9 @@ TENSORRT_ONLY_ARGS = {
 }
 
 
+_ZERO = dt.timedelta(0)
+
+
 def _td(seconds: float) -> dt.timedelta:
     # The real metrics are steady_clock time points exposed as timedeltas since its epoch;
     # on Linux that is CLOCK_MONOTONIC, the clock behind time.monotonic().
@@ -79,10 +106,11 @@ def _td(seconds: float) -> dt.timedelta:
 
 @dataclass
 class TimingMetrics:
-    arrival_time: dt.timedelta
-    first_scheduled_time: dt.timedelta | None = None
-    first_token_time: dt.timedelta | None = None
-    last_token_time: dt.timedelta | None = None
+    # Unset time points are a zero duration in the real bindings (a default time point).
+    arrival_time: dt.timedelta = _ZERO
+    first_scheduled_time: dt.timedelta = _ZERO
+    first_token_time: dt.timedelta = _ZERO
+    last_token_time: dt.timedelta = _ZERO
 
 
 @dataclass
@@ -118,12 +146,44 @@ class CompletionOutput:
         return len(self.token_ids)
 
 
+class FinishReason(enum.Enum):
+    """tensorrt_llm.bindings.executor.FinishReason (the values the stand-in produces)."""
+
+    END_ID = "end_id"
+    STOP_WORDS = "stop_words"
+    LENGTH = "length"
+    CANCELLED = "cancelled"
+
+
 def toy_token(prompt: list[int], i: int) -> int:
     return (sum(prompt) + 7 * i) % 50 + 10
 
 
-def toy_text(token_ids: list[int]) -> str:
-    return "".join(f"<{t}>" for t in token_ids)
+def toy_text(token_ids: list[int], special: frozenset[int] = frozenset()) -> str:
+    return "".join(f"<{t}>" for t in token_ids if t not in special)
+
+
+class ToyTokenizer:
+    """`llm.tokenizer`: "<t>" per token; the checkpoint's EOS ids are special tokens."""
+
+    def __init__(self, model_dir: str) -> None:
+        ids: list[int] = []
+        for name in ("config.json", "generation_config.json"):
+            path = Path(model_dir) / name
+            value = json.loads(path.read_text()).get("eos_token_id") if path.exists() else None
+            ids += value if isinstance(value, list) else [] if value is None else [value]
+        self.eos_token_id = ids[0] if ids else None
+        self.special_ids = frozenset(ids)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        # Only "<t>" sequences tokenize; other text has no token form in the toy vocabulary,
+        # so such stop strings are found in the detokenized text only.
+        if re.fullmatch(r"(<\d+>)+", text) is None:
+            return []
+        return [int(t) for t in re.findall(r"<(\d+)>", text)]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return toy_text(ids, self.special_ids if skip_special_tokens else frozenset())
 
 
 class RequestOutput:
@@ -141,61 +201,115 @@ class RequestOutput:
         self._params = params
         self._streaming = streaming
         self._aborted = False
-        self._arrival = time.monotonic()
-        self._task = asyncio.get_running_loop().create_task(self._run())
+        self._error: RequestError | None = None
+        self._fail_after = llm._take_injected_failure()
+        self._rng = llm._rng_for(params)
+        self._timing = TimingMetrics(arrival_time=_td(time.monotonic()))
         self._updates: asyncio.Queue = asyncio.Queue()
+        self._task = asyncio.get_running_loop().create_task(self._run())
 
     def abort(self) -> None:
         self._aborted = True
 
     async def _run(self) -> None:
-        p = self._params
         await asyncio.sleep(0)
-        scheduled = time.monotonic()
-        self.cached_tokens = self._llm._reuse_prefix(self.prompt_token_ids)
-        out = self.outputs[0]
-        first_token = None
-        stop_ids = set(p.stop_token_ids or [])
-        if not p.ignore_eos and p.end_id is not None:
-            stop_ids.add(p.end_id)
-        for i in range(p.max_tokens):
-            await asyncio.sleep(0)
-            if self._aborted:
-                out.finish_reason = "cancelled"
-                break
-            token = toy_token(self.prompt_token_ids, i)
-            out.token_ids = [*out.token_ids, token]
-            first_token = first_token or time.monotonic()
-            if token in stop_ids:
-                out.finish_reason, out.stop_reason = "stop", token
-                break
-            if self._streaming:
-                out.text = toy_text(out.token_ids) if p.detokenize else ""
-                self._updates.put_nowait(False)
-        else:
-            out.finish_reason = "length"
-        out.text = toy_text(out.token_ids) if p.detokenize else ""
-        last = time.monotonic()
-        if p.return_perf_metrics and self._llm.args["return_perf_metrics"]:
-            out.request_perf_metrics = RequestPerfMetrics(
-                timing_metrics=TimingMetrics(
-                    arrival_time=_td(self._arrival),
-                    first_scheduled_time=_td(scheduled),
-                    first_token_time=_td(first_token) if first_token else None,
-                    last_token_time=_td(last),
-                ),
-                first_iter=0,
-                last_iter=len(out.token_ids),
-            )
+        try:
+            if self._aborted:  # cancelled while queued: never scheduled
+                reason = FinishReason.CANCELLED
+            else:
+                self._timing.first_scheduled_time = _td(time.monotonic())
+                self.cached_tokens = self._llm._reuse_prefix(self.prompt_token_ids)
+                reason = await self._generate()
+            self._finish(reason)
+        except (RequestError, RuntimeError) as exc:  # one request failed, or the executor died
+            self._error = exc
         self.finished = True
         self._llm._finished(self)
         self._updates.put_nowait(True)
+
+    async def _generate(self) -> FinishReason:
+        p, out = self._params, self.outputs[0]
+        ids: list[int] = []
+        while True:
+            await asyncio.sleep(self._llm.step_seconds)
+            if self._llm.executor_error is not None:
+                raise self._llm.executor_error
+            if self._aborted:
+                return FinishReason.CANCELLED
+            if self._fail_after is not None and len(ids) >= self._fail_after[1]:
+                raise RequestError(self._fail_after[0])
+            token = self._llm._next_token(self.prompt_token_ids, len(ids), p, self._rng)
+            ids.append(token)
+            now = _td(time.monotonic())
+            if self._timing.first_token_time == _ZERO:
+                self._timing.first_token_time = now
+            self._timing.last_token_time = now
+            out.token_ids = list(ids)
+            reason = self._llm._stop_check(ids, p)
+            if reason is not None:
+                return reason
+            if self._streaming:
+                self._detokenize(final=False)
+                if out.finish_reason == "stop":
+                    # A stop string showed up in the streamed text: the real result aborts
+                    # the request there (_finish keeps the text-level stop).
+                    return FinishReason.STOP_WORDS
+                self._updates.put_nowait(False)
+
+    def _finish(self, reason: FinishReason) -> None:
+        """GenerationResultBase._handle_sequence, then the detokenizer's stop-string cut."""
+        p, out = self._params, self.outputs[0]
+        if out.finish_reason == "stop":  # already finished by a stop string in the text
+            pass
+        elif reason is FinishReason.END_ID:
+            out.finish_reason = "stop"
+            if self._llm.backend == "tensorrt":
+                # The C++ decoder does not count or return the end_id token.
+                out.token_ids = out.token_ids[:-1]
+        elif reason is FinishReason.STOP_WORDS:
+            out.finish_reason = "stop"
+            for stop_reason, words in p._get_stop_reasons_and_words():
+                if words and out.token_ids[-len(words) :] == words:
+                    out.stop_reason = stop_reason
+                    if not p.include_stop_str_in_output:
+                        out.token_ids = out.token_ids[: -len(words)]
+                    break
+        elif reason is FinishReason.LENGTH:
+            out.finish_reason = "length"
+        else:
+            out.finish_reason = "cancelled"
+        self._detokenize(final=True)
+        self._attach_metrics()
+
+    def _detokenize(self, final: bool) -> None:
+        p, out = self._params, self.outputs[0]
+        if not p.detokenize:
+            return
+        out.text = self._llm.tokenizer.decode(out.token_ids, p.skip_special_tokens)
+        if final and out.finish_reason not in ("stop", "length"):
+            return
+        for stop_reason, _ in p._get_stop_reasons_and_words():
+            if isinstance(stop_reason, str) and stop_reason in out.text:
+                at = out.text.find(stop_reason)
+                keep = len(stop_reason) if p.include_stop_str_in_output else 0
+                out.text = out.text[: at + keep]
+                out.finish_reason, out.stop_reason = "stop", stop_reason
+                break
+
+    def _attach_metrics(self) -> None:
+        p, out = self._params, self.outputs[0]
+        if p.return_perf_metrics and self._llm.args["return_perf_metrics"]:
+            out.request_perf_metrics = RequestPerfMetrics(
+                timing_metrics=self._timing, first_iter=0, last_iter=len(out.token_ids)
+            )
 
     def __await__(self):
         return self._result().__await__()
 
     async def _result(self) -> RequestOutput:
         await self._task
+        if self._error is not None:
+            raise self._error
         return self
 
     async def aresult(self) -> RequestOutput:
@@ -209,6 +323,8 @@ class RequestOutput:
             raise RuntimeError("iterate a RequestOutput only with streaming=True")
         while True:
             done = await self._updates.get()
+            if done and self._error is not None:
+                raise self._error
             yield self
             if done:
                 return
@@ -219,6 +335,9 @@ class LlmCore:
 
     #: every LLM constructed in this process, newest last (tests read the recorded args)
     instances: list[LlmCore] = []
+    #: seconds per generated token (0: one event-loop turn); tests that need requests to stay
+    #: in flight for a while raise it
+    step_seconds: float = 0.0
     backend = "pytorch"
     extra_args: dict[str, Any] = {}
     rejected_args: dict[str, Any] = {}
@@ -243,18 +362,75 @@ class LlmCore:
         self.shutdown_calls = 0
         self.submitted: list[tuple[list[int], Any, bool]] = []
         self.live: dict[int, RequestOutput] = {}
+        self.tokenizer = ToyTokenizer(model)
         self._seen_prompts: list[list[int]] = []
         self._next_id = 0
+        self._injected: list[tuple[str, int]] = []
+        self.executor_error: RuntimeError | None = None
+        # The PyTorch sampler draws every request from one generator with a fixed seed.
+        self._shared_rng = random.Random(42)
         LlmCore.instances.append(self)
+
+    # --- test hooks ---------------------------------------------------------------------------
+
+    def inject_request_error(self, message: str, after_tokens: int = 0) -> None:
+        """Make the next submitted request fail inside the executor after `after_tokens` tokens
+        (as an error response for that one request does: RequestError, the LLM stays up)."""
+        self._injected.append((message, after_tokens))
+
+    def kill_executor(self) -> None:
+        """The executor process dies: as the real LLM does on a background error, it shuts
+        down; requests in flight and every later one raise (not RequestError)."""
+        self.executor_error = RuntimeError("the executor process died (injected)")
+        self.is_shutdown = True
+
+    def _take_injected_failure(self) -> tuple[str, int] | None:
+        return self._injected.pop(0) if self._injected else None
+
+    # --- the toy model ------------------------------------------------------------------------
+
+    def _is_greedy(self, p: Any) -> bool:
+        if self.backend == "pytorch":
+            return p.params_imply_greedy_decoding(
+                temperature=p.temperature, top_p=p.top_p, top_k=p.top_k
+            )
+        # C++ samplers: None takes the runtime default (top_k 0, top_p 0), and top_k 0 with
+        # top_p 0 is turned into top_k 1.
+        top_k = p.top_k or 0
+        top_p = 0.0 if p.top_p is None else p.top_p
+        return top_k == 1 or (top_k == 0 and top_p == 0.0)
+
+    def _rng_for(self, p: Any) -> random.Random:
+        if self.backend == "pytorch":
+            return self._shared_rng  # SamplingParams.seed is not read
+        return random.Random(0 if p.seed is None else p.seed)  # C++ default seed is 0
+
+    def _next_token(self, prompt: list[int], i: int, p: Any, rng: random.Random) -> int:
+        offset = 0 if self._is_greedy(p) else rng.randint(1, 4)
+        return (sum(prompt) + 7 * i + offset) % 50 + 10
+
+    def _stop_check(self, ids: list[int], p: Any) -> FinishReason | None:
+        """TorchSampler._handle_stop_criteria's order: end_id, length, stop words."""
+        if not p.ignore_eos and ids[-1] == p.end_id:
+            return FinishReason.END_ID
+        if len(ids) >= p.max_tokens:
+            return FinishReason.LENGTH
+        for _, words in p._get_stop_reasons_and_words():
+            if words and ids[-len(words) :] == words:
+                return FinishReason.STOP_WORDS
+        return None
 
     def generate_async(self, inputs, sampling_params=None, streaming: bool = False, **kwargs):
         from tensorrt_llm import SamplingParams
 
         if self.is_shutdown:
-            raise RuntimeError("LLM is shut down")
+            raise self.executor_error or RuntimeError("LLM is shut down")
         if kwargs:
             raise TypeError(f"unexpected arguments {sorted(kwargs)}")
         params = sampling_params or SamplingParams()
+        if params.end_id is None:
+            # LLM._prepare_sampling_params: end_id from the tokenizer, stop strings tokenized.
+            params._setup(self.tokenizer)
         prompt = list(inputs["prompt_token_ids"] if isinstance(inputs, dict) else inputs)
         if not self.args["enable_chunked_prefill"] and len(prompt) > self.args["max_num_tokens"]:
             raise ValueError(

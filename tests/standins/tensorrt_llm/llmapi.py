@@ -63,9 +63,25 @@ class SchedulerConfig:
 
 @dataclass
 class CudaGraphConfig:
+    """PyTorch backend only. batch_sizes given: max_batch_size becomes their maximum (a
+    different non-zero max_batch_size is an error); otherwise sizes up to max_batch_size are
+    generated. enable_padding rounds a batch up to the next captured size."""
+
     batch_sizes: list[int] | None = None
     max_batch_size: int = 0
     enable_padding: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 0:
+            raise ValueError("cuda_graph_config.max_batch_size must be non-negative")
+        if self.batch_sizes:
+            top = max(self.batch_sizes)
+            if self.max_batch_size not in (0, top):
+                raise ValueError(
+                    f"cuda_graph_config.max_batch_size ({self.max_batch_size}) must equal "
+                    f"max(batch_sizes) ({top})"
+                )
+            self.max_batch_size = top
 
 
 @dataclass
@@ -78,6 +94,10 @@ class QuantConfig:
 
 @dataclass
 class CalibConfig:
+    """calib_dataset: a dataset name (cnn_dailymail, the default, is fetched from the Hugging
+    Face Hub at build time) or a local directory whose "train" split has a "text" column.
+    Checked when the TensorRT backend builds (see _tensorrt_engine.load_calibration_texts)."""
+
     device: str = "cuda"
     calib_dataset: str = "cnn_dailymail"
     calib_batches: int = 512

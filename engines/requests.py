@@ -1,0 +1,100 @@
+"""Request checks every engine runs before a request reaches its scheduler.
+
+One place decides what a request may ask for, so the same request gets the same answer from
+every engine kind (the contract suite in tests/contract checks this):
+- an empty prompt, a token id outside the vocabulary or a prompt that leaves no room for one
+  output token is a row error (finish_reason "error") naming what to change;
+- max_tokens beyond the context is clipped to what fits, and the request finishes with
+  "length" when it reaches that point, as OpenAI's and vLLM's servers do for a completion
+  that runs into the context.
+
+Engine-specific limits (the reference engine's KV pool, TensorRT-LLM's max_num_tokens without
+chunked prefill) are checked by each engine after this.
+
+The checkpoint facts both sides need (vocabulary size, context length, EOS ids) are read from
+the model directory here too, so engines cannot disagree on them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engines.api import EngineError, GenerationRequest
+
+
+@dataclass(frozen=True)
+class Admission:
+    """What a request may do: an error text (the request cannot run) or its output budget."""
+
+    error: str | None
+    max_tokens: int  # sampling.max_tokens clipped to the context; 0 when error is set
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+def admit(request: GenerationRequest, *, vocab_size: int, max_model_len: int) -> Admission:
+    """Check `request` against the model's vocabulary and context; clip its max_tokens."""
+    prompt = request.prompt_token_ids
+    if len(prompt) == 0:
+        return Admission("the prompt is empty: give at least one token", 0)
+    for token in prompt:
+        # bool is an int subclass; a True in a token list is a caller bug, not token 1.
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
+            return Admission(
+                f"prompt token id {token!r} is outside the vocabulary [0, {vocab_size}) "
+                "(tokenized with a different tokenizer?)",
+                0,
+            )
+    if len(prompt) >= max_model_len:
+        return Admission(
+            f"prompt has {len(prompt)} tokens but the model's context (max_model_len) is "
+            f"{max_model_len} tokens, which must hold the prompt and at least one output "
+            "token; shorten the prompt",
+            0,
+        )
+    return Admission(None, min(request.sampling.max_tokens, max_model_len - len(prompt)))
+
+
+# --- checkpoint facts --------------------------------------------------------------------------
+
+
+def read_config(model_dir: str | Path) -> dict[str, Any]:
+    """`config.json` of a Hugging Face directory (the language model's part for multimodal
+    wrappers); an error names the file when it is missing or not JSON."""
+    path = Path(model_dir) / "config.json"
+    if not path.exists():
+        raise EngineError(f"{path} not found: the model must be a Hugging Face directory")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise EngineError(f"{path} is not valid JSON: {exc}") from exc
+    return raw.get("text_config", raw) if "hidden_size" not in raw else raw
+
+
+def context_length(config: dict[str, Any]) -> int:
+    """The model's context: max_position_embeddings (2048 when a config omits it)."""
+    return int(config.get("max_position_embeddings") or 2048)
+
+
+def eos_token_ids(config: dict[str, Any], model_dir: str | Path) -> tuple[int, ...]:
+    """EOS ids from config.json, then generation_config.json, in order, without repeats.
+
+    Chat models often list their end-of-turn token only in generation_config.json; both
+    sources count, so a model stops on either (as transformers' generate does)."""
+    ids: list[int] = []
+    sources = [config]
+    # generation_config is optional metadata; when unreadable, config.json's EOS id still holds.
+    with contextlib.suppress(OSError, json.JSONDecodeError):
+        sources.append(json.loads((Path(model_dir) / "generation_config.json").read_text()))
+    for source in sources:
+        value = source.get("eos_token_id")
+        for token in value if isinstance(value, list) else [value]:
+            if isinstance(token, int) and not isinstance(token, bool) and token not in ids:
+                ids.append(token)
+    return tuple(ids)

@@ -1,0 +1,5 @@
+"""Stand-in for `tensorrt_llm.executor` (1.2): only what the adapter imports."""
+
+from tensorrt_llm.executor.utils import RequestError
+
+__all__ = ["RequestError"]
