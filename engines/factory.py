@@ -6,7 +6,7 @@ from typing import Any
 
 from engines.api import Engine, EngineError
 
-ENGINE_KINDS = ("reference", "trtllm")
+ENGINE_KINDS = ("reference", "trtllm", "vllm")
 
 
 def load_engine(kind: str, model: str, **settings: Any) -> Engine:
@@ -23,6 +23,10 @@ def load_engine(kind: str, model: str, **settings: Any) -> Engine:
         from engines.trtllm import TrtllmEngine
 
         return TrtllmEngine(model, **settings)
+    if kind == "vllm":
+        from engines.vllm import VllmEngine
+
+        return VllmEngine(model, **settings)
     raise EngineError(f"unknown engine kind {kind!r}; supported: {', '.join(ENGINE_KINDS)}")
 
 
@@ -34,6 +38,10 @@ def accepted_settings(kind: str) -> tuple[str, ...]:
         return SETTINGS
     if kind == "trtllm":
         from engines.trtllm import SETTINGS
+
+        return SETTINGS
+    if kind == "vllm":
+        from engines.vllm import SETTINGS
 
         return SETTINGS
     raise EngineError(f"unknown engine kind {kind!r}; supported: {', '.join(ENGINE_KINDS)}")

@@ -52,7 +52,8 @@ def sample_text(num_sentences: int = 2000, seed: int = 0) -> list[str]:
 
 @dataclass(frozen=True)
 class TinyModelSize:
-    """Shape of a generated model. `tiny` is for unit tests, `small` (~35M) for benchmarks."""
+    """Shape of a generated model. `tiny` is for unit tests, `tiny-hd32` for tests that run
+    vLLM too, `small` (~35M) for benchmarks."""
 
     hidden_size: int
     intermediate_size: int
@@ -65,6 +66,8 @@ class TinyModelSize:
 
 SIZES: dict[str, TinyModelSize] = {
     "tiny": TinyModelSize(64, 176, 2, 4, 2, 1024, 2048),
+    # tiny with head_dim 32: vLLM's CPU attention kernels take head sizes from 32 up.
+    "tiny-hd32": TinyModelSize(128, 352, 2, 4, 2, 1024, 2048),
     "small": TinyModelSize(512, 1408, 8, 8, 2, 8192, 4096),
 }
 

@@ -15,9 +15,14 @@ from pipeline.spec import EngineSpec, ModelSpec, StorageSpec
 
 def engine_settings(engine: EngineSpec) -> dict[str, Any]:
     """The keyword arguments `load_engine(engine.kind, ...)` takes for this spec: the
-    EngineSpec fields the engine accepts (the others belong to the other kind)."""
+    EngineSpec fields the engine accepts (the others belong to other kinds). Null fields are
+    left out, so the engine's own default applies (each kind documents its defaults)."""
     accepted = accepted_settings(engine.kind)
-    settings = {name: getattr(engine, name) for name in EngineSpec.model_fields if name in accepted}
+    settings = {
+        name: getattr(engine, name)
+        for name in EngineSpec.model_fields
+        if name in accepted and getattr(engine, name) is not None
+    }
     settings.update(engine.extra)
     return settings
 

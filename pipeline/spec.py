@@ -210,13 +210,24 @@ class ModelSpec(_Strict):
 
 
 class EngineSpec(_Strict):
-    kind: Literal["reference", "trtllm"] = Field(
+    kind: Literal["reference", "trtllm", "vllm"] = Field(
         "reference",
-        description="reference (PyTorch, runs anywhere incl. CPU) | trtllm (TensorRT-LLM, GPU).",
+        description="reference (PyTorch, runs anywhere incl. CPU) | trtllm (TensorRT-LLM, GPU) | "
+        "vllm (vLLM's async engine; CPU or CUDA build installed separately). See docs/engines.md.",
     )
-    max_batch_size: int = Field(64, ge=1, description="Most requests in one engine step.")
-    max_num_tokens: int = Field(
-        2048, ge=16, description="Token budget of one engine step (prefill chunks + decodes)."
+    max_batch_size: int | None = Field(
+        None,
+        ge=1,
+        description="Most requests in one engine step. Null: the engine kind's default "
+        "(reference 64; trtllm 2048, TensorRT-LLM's own default and the range its published "
+        "benchmarks run; vllm: vLLM's own). See docs/engines.md.",
+    )
+    max_num_tokens: int | None = Field(
+        None,
+        ge=16,
+        description="Token budget of one engine step (prefill chunks + decodes). Null: the "
+        "engine kind's default (reference 2048; trtllm 8192, as its published benchmarks; "
+        "vllm: vLLM's own).",
     )
     kv_cache_tokens: int | None = Field(
         None,
@@ -231,11 +242,11 @@ class EngineSpec(_Strict):
         0.9,
         gt=0,
         le=1,
-        description="trtllm: fraction of free GPU memory for the KV cache "
-        "(free_gpu_memory_fraction).",
+        description="trtllm, vllm on GPU: fraction of GPU memory for the KV cache "
+        "(free_gpu_memory_fraction / gpu_memory_utilization).",
     )
     kv_cache_dtype: Literal["auto", "fp8"] = Field(
-        "auto", description="auto (model dtype) | fp8 (trtllm, with an FP8-KV checkpoint)."
+        "auto", description="auto (model dtype) | fp8 (trtllm with an FP8-KV checkpoint, vllm)."
     )
     enable_prefix_caching: bool = Field(
         True, description="Reuse KV of shared prompt prefixes (full blocks only)."
@@ -650,7 +661,7 @@ def format_validation_error(exc: ValidationError, source: str) -> str:
     """One line per problem: `field.path: what is wrong (got <value>)`.
 
     Pydantic's messages already list allowed values for Literal fields ("Input should be
-    'reference' or 'trtllm'"); the value given is appended so the user sees both.
+    'reference', 'trtllm' or 'vllm'"); the value given is appended so the user sees both.
     """
     lines = [f"{source}: invalid job spec ({exc.error_count()} problem(s))"]
     for err in exc.errors():

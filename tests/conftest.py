@@ -1,4 +1,5 @@
-"""Suite-wide settings: GPU tests skip without CUDA; torch stays on few threads."""
+"""Suite-wide settings: GPU tests skip without CUDA, vLLM tests without vLLM (they run in
+.venv-vllm through `make test-vllm`); torch stays on few threads."""
 
 from __future__ import annotations
 
@@ -20,7 +21,18 @@ def _has_cuda() -> bool:
         return False
 
 
+def _has_vllm() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if any("vllm" in item.keywords for item in items) and not _has_vllm():
+        skip = pytest.mark.skip(reason="needs vLLM: run `make test-vllm` (its own environment)")
+        for item in items:
+            if "vllm" in item.keywords:
+                item.add_marker(skip)
     if any("gpu" in item.keywords for item in items) and not _has_cuda():
         skip = pytest.mark.skip(reason="needs a CUDA device")
         for item in items:

@@ -66,7 +66,10 @@ def test_minimal_job_gets_documented_defaults() -> None:
 @pytest.mark.parametrize(
     ("changes", "expected"),
     [
-        ({"engine": {"kind": "vllm"}}, "engine.kind: Input should be 'reference' or 'trtllm'"),
+        (
+            {"engine": {"kind": "sglang"}},
+            "engine.kind: Input should be 'reference', 'trtllm' or 'vllm'",
+        ),
         (
             {"input": {"format": "csv"}},
             "input.format: Input should be 'parquet', 'jsonl' or 'openai_batch'",
@@ -106,8 +109,8 @@ def test_errors_name_the_field(changes: dict[str, Any], expected: str) -> None:
 
 
 def test_error_shows_the_value_given() -> None:
-    message = spec_error(with_changes(engine={"kind": "vllm"}))
-    assert "(got 'vllm')" in message
+    message = spec_error(with_changes(engine={"kind": "sglang"}))
+    assert "(got 'sglang')" in message
 
 
 def test_all_problems_reported_at_once() -> None:

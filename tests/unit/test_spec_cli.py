@@ -58,9 +58,10 @@ def test_validate_ok(tmp_path: Path, model_dir: Path) -> None:
 
 def test_validate_reports_field_and_allowed_values(tmp_path: Path, model_dir: Path) -> None:
     job = write_job(tmp_path, model_dir)
-    result = run("validate", str(job), "--set", "engine.kind=vllm")
+    result = run("validate", str(job), "--set", "engine.kind=sglang")
     assert result.exit_code == 1
-    assert "engine.kind: Input should be 'reference' or 'trtllm' (got 'vllm')" in result.output
+    expected = "engine.kind: Input should be 'reference', 'trtllm' or 'vllm' (got 'sglang')"
+    assert expected in result.output
 
 
 def test_validate_check_storage_lists_inputs(tmp_path: Path, model_dir: Path) -> None:

