@@ -10,7 +10,7 @@ import typer
 from pipeline.cli.app import app
 
 if TYPE_CHECKING:
-    from pipeline.serve_spec import ServeSpec
+    from pipeline.serve.spec import ServeSpec
 
 
 @app.command("serve")
@@ -38,9 +38,9 @@ def serve_cmd(
     ),
 ) -> None:
     """Serve the models in CONFIG over OpenAI's HTTP API until Ctrl-C or SIGTERM."""
-    from pipeline.serve import ServerOptions, run_server
-    from pipeline.serve_auth import AuthConfigError, load_key_digests
-    from pipeline.serve_spec import load_serve_spec
+    from pipeline.serve.auth import AuthConfigError, load_key_digests
+    from pipeline.serve.run import ServerOptions, run_server
+    from pipeline.serve.spec import load_serve_spec
     from pipeline.spec import SpecError
 
     try:

@@ -77,11 +77,11 @@ def test_missing_local_model_is_named_before_ray_starts(tmp_path: Path) -> None:
 
 
 def test_rayservice_builder_makes_the_same_app(monkeypatch: pytest.MonkeyPatch) -> None:
-    """KubeRay's serveConfigV2 runs `pipeline.serve_app:app_builder` with `config` in args."""
+    """KubeRay's serveConfigV2 runs `pipeline.serve.app:app_builder` with `config` in args."""
     from ray.serve import Application
 
-    from pipeline.serve_app import app_builder
-    from pipeline.serve_auth import AuthConfigError
+    from pipeline.serve.app import app_builder
+    from pipeline.serve.auth import AuthConfigError
 
     config = str(Path(__file__).resolve().parents[2] / "jobs" / "serve.yaml")
     monkeypatch.setenv("TOKENMILL_API_KEYS", "")

@@ -62,7 +62,7 @@ def engine(serve_model_dir: Path):
     """The reference engine with the served model's settings, run in this process."""
     from engines import load_engine
     from pipeline.engine_setup import engine_settings
-    from pipeline.serve_spec import ServedModelSpec
+    from pipeline.serve.spec import ServedModelSpec
 
     served = ServedModelSpec.model_validate(serve_config(serve_model_dir)["models"][0])
     eng = load_engine(

@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 
 from engines.api import EngineInfo
-from pipeline.openai_protocol import (
+from pipeline.serve.auth import AuthConfigError, load_key_digests
+from pipeline.serve.cost import EqualShareMeter
+from pipeline.serve.protocol import (
     ApiError,
     ResponseIds,
     Usage,
@@ -20,10 +22,8 @@ from pipeline.openai_protocol import (
     sse,
     usage_chunk_body,
 )
-from pipeline.serve_auth import AuthConfigError, load_key_digests
-from pipeline.serve_cost import EqualShareMeter
-from pipeline.serve_requests import capped_max_tokens
-from pipeline.serve_spec import (
+from pipeline.serve.requests import capped_max_tokens
+from pipeline.serve.spec import (
     AuthSpec,
     ServedModelSpec,
     engine_deployment_options,

@@ -17,7 +17,7 @@ from typing import Any
 import hcl2
 import pytest
 
-from pipeline.serve_spec import load_serve_spec
+from pipeline.serve.spec import load_serve_spec
 from pipeline.spec import load_job_spec
 from pipeline.submit import NIGHTLY_DATE_EXPR, nightly_submit_argv, nightly_submit_shell
 

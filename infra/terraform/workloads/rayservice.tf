@@ -6,7 +6,7 @@ locals {
     http_options = { host = "0.0.0.0", port = 8000 }
     applications = [{
       name         = "tokenmill"
-      import_path  = "pipeline.serve_app:app_builder"
+      import_path  = "pipeline.serve.app:app_builder"
       route_prefix = "/"
       args         = { config = local.serve_config_path }
     }]

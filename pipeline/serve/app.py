@@ -28,7 +28,9 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engines.api import EngineInfo, GenerationResult
-from pipeline.openai_protocol import (
+from pipeline.serve.auth import KeyDigests
+from pipeline.serve.metrics import CONTENT_TYPE, ServeMetrics
+from pipeline.serve.protocol import (
     SSE_DONE,
     ApiError,
     Endpoint,
@@ -39,10 +41,8 @@ from pipeline.openai_protocol import (
     sse,
     usage_chunk_body,
 )
-from pipeline.serve_auth import KeyDigests
-from pipeline.serve_metrics import CONTENT_TYPE, ServeMetrics
-from pipeline.serve_replica import EngineReplica, ServedResult
-from pipeline.serve_requests import (
+from pipeline.serve.replica import EngineReplica, ServedResult
+from pipeline.serve.requests import (
     Prepared,
     engine_unavailable,
     finish_reason,
@@ -50,8 +50,8 @@ from pipeline.serve_requests import (
     to_engine_request,
     usage_of,
 )
-from pipeline.serve_spec import ServedModelSpec, ServeSpec, engine_deployment_options
-from pipeline.serve_tokens import PromptTokenizer
+from pipeline.serve.spec import ServedModelSpec, ServeSpec, engine_deployment_options
+from pipeline.serve.tokens import PromptTokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -386,11 +386,11 @@ def build_app(spec: ServeSpec, keys: KeyDigests) -> serve.Application:
 
 
 def app_builder(args: dict[str, str]) -> serve.Application:
-    """Entry for `serve run pipeline.serve_app:app_builder config=SERVE.yaml` and KubeRay's
+    """Entry for `serve run pipeline.serve.app:app_builder config=SERVE.yaml` and KubeRay's
     RayService serveConfigV2 (import_path + args). Keys come from this process's environment
     or secrets file; `insecure_no_auth=true` in args opts out explicitly."""
-    from pipeline.serve_auth import load_key_digests
-    from pipeline.serve_spec import load_serve_spec
+    from pipeline.serve.auth import load_key_digests
+    from pipeline.serve.spec import load_serve_spec
 
     spec = load_serve_spec(args["config"])
     insecure = str(args.get("insecure_no_auth", "false")).lower() in ("1", "true", "yes")

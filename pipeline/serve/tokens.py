@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.openai_protocol import ApiError
+from pipeline.serve.protocol import ApiError
 from pipeline.spec import ModelSpec, PromptSpec, StorageSpec
 
 

@@ -1,6 +1,6 @@
 """From a parsed OpenAI request to an engine request, and from an engine result to `usage`.
 
-Pure functions between the wire format (pipeline.openai_protocol) and the engine contract
+Pure functions between the wire format (pipeline.serve.protocol) and the engine contract
 (engines.api): tokenization through the model's tokenizer, the token caps that turn into 400s,
 OpenAI's defaults (temperature 1, max_tokens 16 on /v1/completions), and the cost of a result.
 The ingress deployment calls these; keeping them out of it keeps them testable without Ray.
@@ -13,7 +13,7 @@ from typing import Any
 
 from engines.api import EngineInfo, GenerationRequest, GenerationResult, SamplingParams
 from pipeline.cost import cost_usd, list_price_usd
-from pipeline.openai_protocol import (
+from pipeline.serve.protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -23,8 +23,8 @@ from pipeline.openai_protocol import (
     parse_chat_request,
     parse_completion_request,
 )
-from pipeline.serve_spec import ServedModelSpec
-from pipeline.serve_tokens import PromptTokenizer
+from pipeline.serve.spec import ServedModelSpec
+from pipeline.serve.tokens import PromptTokenizer
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 

@@ -14,8 +14,8 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pipeline.serve_auth import KeyDigests
-from pipeline.serve_spec import ServeSpec
+from pipeline.serve.auth import KeyDigests
+from pipeline.serve.spec import ServeSpec
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ def run_server(
     import ray
     from ray import serve
 
-    from pipeline.serve_app import build_app
+    from pipeline.serve.app import build_app
 
     stop = threading.Event()
     own_cluster = start_ray(options)

@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.serve_spec import AuthSpec
+from pipeline.serve.spec import AuthSpec
 
 
 class AuthConfigError(ValueError):

@@ -24,8 +24,8 @@ from engines.api import (
     StreamDelta,
 )
 from pipeline.cost import CostMeter
-from pipeline.serve_cost import EqualShareMeter
-from pipeline.serve_spec import ServedModelSpec
+from pipeline.serve.cost import EqualShareMeter
+from pipeline.serve.spec import ServedModelSpec
 from pipeline.spec import StorageSpec
 
 
