@@ -6,6 +6,9 @@ Modes, each run in its own subprocess so its peak RSS is its own:
   until its longest max_tokens, but only each request's own max_tokens count as useful.
 - `hf-continuous`: transformers' ContinuousBatchingManager (paged attention, per-request
   max_new_tokens).
+- `vllm`: the same requests through tokenmill's vLLM engine kind (vLLM's async engine, its
+  default compiled graphs), in vLLM's own environment (`make setup-vllm` builds .venv-vllm;
+  `--vllm-python` points elsewhere) and pinned to the same number of cores.
 EOS is ignored everywhere, so every request produces exactly its max_tokens.
 
 Reported per mode: useful generated tokens/s, TTFT p50/p95 (all requests arrive at t=0), peak
@@ -29,7 +32,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-MODES = ("reference", "hf-static", "hf-continuous")
+MODES = ("reference", "hf-static", "hf-continuous", "vllm")
+# Where `make setup-vllm` puts vLLM's environment, relative to the repository.
+_VLLM_VENV_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
 _DECODE_BATCH_FOR_FLOPS = 32  # decode steps at least this wide count for achieved FLOP/s
 
 
@@ -47,6 +52,8 @@ class BenchConfig:
     max_batch_size: int = 128  # reference: requests in flight
     max_num_tokens: int = 2048  # reference: tokens per step
     mode_timeout_s: float = 1200.0  # a mode running longer is reported as failed
+    vllm_python: str | None = None  # vllm mode: its interpreter; None: .venv-vllm, else this one
+    vllm_eager: bool = False  # vllm mode: skip graph compilation (fast start, slower steps)
 
 
 @dataclass
@@ -102,8 +109,13 @@ class BenchReport:
     @property
     def speedup_vs_best_hf(self) -> float | None:
         ref = self.result("reference")
-        hf = [r.tokens_per_s for r in self.results if r.mode != "reference" and r.error is None]
+        hf = [r.tokens_per_s for r in self.results if r.mode.startswith("hf-") and not r.error]
         return ref.tokens_per_s / max(hf) if ref and hf and max(hf) > 0 else None
+
+    @property
+    def speedup_vs_vllm(self) -> float | None:
+        ref, vllm = self.result("reference"), self.result("vllm")
+        return ref.tokens_per_s / vllm.tokens_per_s if ref and vllm and vllm.tokens_per_s else None
 
     @property
     def decode_flops_fraction(self) -> float | None:
@@ -116,6 +128,7 @@ class BenchReport:
         return {
             **asdict(self),
             "speedup_vs_best_hf": self.speedup_vs_best_hf,
+            "speedup_vs_vllm": self.speedup_vs_vllm,
             "decode_flops_fraction": self.decode_flops_fraction,
         }
 
@@ -359,11 +372,68 @@ def _run_hf_continuous(spec: dict) -> ModeResult:
     return ModeResult.measured("hf-continuous", useful, seconds, ttft, load_s)
 
 
+def _run_vllm(spec: dict) -> ModeResult:
+    """The workload through engine.kind vllm: every request at once, as for `reference`."""
+    import asyncio
+
+    from engines.api import GenerationRequest, SamplingParams
+    from engines.factory import load_engine
+
+    requests = [
+        GenerationRequest(p, SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True))
+        for p, m in zip(spec["prompts"], spec["max_tokens"], strict=True)
+    ]
+
+    async def run():
+        # Loaded inside the loop: vLLM's engine binds to the loop it first runs on.
+        engine = load_engine(
+            "vllm",
+            model=spec["model"],
+            max_batch_size=spec["max_batch_size"],
+            max_num_tokens=spec["max_num_tokens"],
+            # vLLM also wants room for one request of the model's whole context.
+            kv_cache_tokens=max(
+                _pool_tokens(spec["prompts"], spec["max_tokens"]), spec["context_len"] + 512
+            ),
+            enforce_eager=spec["vllm_eager"],
+        )
+        try:
+            start = time.monotonic()
+            results = await asyncio.gather(*(engine.generate(r) for r in requests))
+            return engine.info.load_seconds, start, time.monotonic(), results
+        finally:
+            engine.shutdown()
+
+    load_s, start, end, results = asyncio.run(run())
+    bad = [r for r, m in zip(results, spec["max_tokens"], strict=True) if r.completion_tokens != m]
+    if bad:
+        raise RuntimeError(f"{len(bad)} vLLM requests stopped early: {bad[0].finish_reason}")
+    return ModeResult.measured(
+        "vllm",
+        sum(r.completion_tokens for r in results),
+        end - start,
+        [r.metrics.first_token_time - start for r in results],
+        load_s,
+    )
+
+
 _RUNNERS = {
     "reference": _run_reference,
     "hf-static": _run_hf_static,
     "hf-continuous": _run_hf_continuous,
+    "vllm": _run_vllm,
 }
+
+
+def _mode_command(mode: str, config: BenchConfig, threads: int) -> tuple[str, dict[str, str]]:
+    """The interpreter a mode's worker runs under, and its extra environment."""
+    if mode != "vllm":
+        return sys.executable, {}
+    python = config.vllm_python or (
+        str(_VLLM_VENV_PYTHON) if _VLLM_VENV_PYTHON.exists() else sys.executable
+    )
+    # vLLM's CPU worker binds its OpenMP threads itself: give it the same cores as the others.
+    return python, {"VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}"}
 
 
 def _worker(mode: str, spec_path: str, out_path: str) -> None:
@@ -409,12 +479,22 @@ def run_bench(config: BenchConfig, log=print) -> BenchReport:
             "max_batch_size": config.max_batch_size,
             "max_num_tokens": config.max_num_tokens,
             "matmul_params": report.matmul_params,
+            "vllm_eager": config.vllm_eager,
+            "context_len": json.loads((model_dir / "config.json").read_text()).get(
+                "max_position_embeddings", 2048
+            ),
         }
         spec_path.write_text(json.dumps(spec))
         for mode in config.modes:
             out_path = Path(tmp) / f"{mode}.json"
-            env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
-            cmd = [sys.executable, "-m", "engines.bench", "--worker", mode, spec_path, out_path]
+            python, extra_env = _mode_command(mode, config, threads)
+            env = {
+                **os.environ,
+                "OMP_NUM_THREADS": str(threads),
+                "TOKENIZERS_PARALLELISM": "false",
+                **extra_env,
+            }
+            cmd = [python, "-m", "engines.bench", "--worker", mode, spec_path, out_path]
             try:
                 proc = subprocess.run(
                     [str(c) for c in cmd],
@@ -451,6 +531,13 @@ def format_summary(report: BenchReport) -> str:
     lines = []
     if report.speedup_vs_best_hf is not None:
         lines.append(f"reference vs best transformers mode: {report.speedup_vs_best_hf:.2f}x")
+    if report.speedup_vs_vllm is not None:
+        vllm = report.result("vllm")
+        ref = report.result("reference")
+        lines.append(
+            f"reference vs vllm: {report.speedup_vs_vllm:.2f}x "
+            f"(start-up {ref.load_s:.1f}s vs {vllm.load_s:.1f}s)"
+        )
     ref = report.result("reference")
     if ref and ref.decode_flops_per_s:
         lines.append(

@@ -45,7 +45,7 @@ from engines.api import (
     StepRecord,
     StreamDelta,
 )
-from engines.requests import admit, eos_token_ids, read_config
+from engines.requests import admit, context_length, eos_token_ids, read_config
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +148,14 @@ class VllmEngine:
             # costed with; vLLM only keeps them with stats on.
             disable_log_stats=False,
         )
+        context = max_model_len or context_length(config)
+        if kv_cache_tokens is not None and kv_cache_tokens < context:
+            # vLLM refuses to start unless one request of the whole context fits its KV cache.
+            raise EngineError(
+                f"engine.kv_cache_tokens ({kv_cache_tokens}) is smaller than the context "
+                f"({context} tokens): vLLM needs room for one whole request; raise "
+                f"kv_cache_tokens or set engine.max_model_len to at most {kv_cache_tokens}"
+            )
         kv_bytes = _kv_cache_bytes(config, kv_cache_tokens, kv_cache_memory_gb, on_cpu, dtype)
         if kv_bytes is not None:
             args["kv_cache_memory_bytes"] = kv_bytes

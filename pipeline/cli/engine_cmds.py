@@ -39,7 +39,8 @@ def bench(
     max_max_tokens: int = typer.Option(256, min=1, help="Most tokens a request generates."),
     seed: int = typer.Option(0, help="Workload seed (prompt ids and lengths)."),
     modes: str = typer.Option(
-        "reference,hf-static,hf-continuous", help="Comma-separated modes to run, in order."
+        "reference,hf-static,hf-continuous",
+        help="Comma-separated modes to run, in order: reference, hf-static, hf-continuous, vllm.",
     ),
     threads: int | None = typer.Option(None, min=1, help="Torch threads per mode (all cores)."),
     static_batch_size: int = typer.Option(32, min=1, help="hf-static: requests per batch."),
@@ -49,11 +50,19 @@ def bench(
         1200.0, min=1, help="Seconds a mode may run before it is reported as failed."
     ),
     json_path: Path | None = typer.Option(None, "--json", help="Also write the numbers here."),
+    vllm_python: Path | None = typer.Option(
+        None, help="vllm mode: the Python of vLLM's environment (default: .venv-vllm's)."
+    ),
+    vllm_eager: bool = typer.Option(
+        False, help="vllm mode: no graph compilation (starts in seconds; slower steps)."
+    ),
 ) -> None:
-    """Compare the reference engine with transformers (static and continuous batching).
+    """Compare the reference engine with transformers (static and continuous batching) and,
+    with mode vllm, with vLLM (its CPU build, in .venv-vllm: `make setup-vllm`).
 
     Prints useful generated tokens/s, TTFT p50/p95 and peak RSS per mode, the speed-up over
-    the best transformers mode, and decode FLOP/s against this CPU's matmul FLOP/s.
+    the best transformers mode and over vLLM, and decode FLOP/s against this CPU's matmul
+    FLOP/s.
     """
     import json
 
@@ -77,6 +86,8 @@ def bench(
         max_batch_size=max_batch_size,
         max_num_tokens=max_num_tokens,
         mode_timeout_s=mode_timeout,
+        vllm_python=str(vllm_python) if vllm_python else None,
+        vllm_eager=vllm_eager,
     )
     report = run_bench(config, log=typer.echo)
     summary = format_summary(report)

@@ -71,6 +71,6 @@ def test_bench_command_runs_modes_and_writes_json(tmp_path, modes) -> None:
 
 
 def test_bench_rejects_unknown_modes() -> None:
-    result = CliRunner().invoke(app, ["bench", "--modes", "reference,vllm"])
+    result = CliRunner().invoke(app, ["bench", "--modes", "reference,sglang"])
     assert result.exit_code != 0
-    assert "vllm" in result.output
+    assert "sglang" in result.output
