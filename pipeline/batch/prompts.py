@@ -200,12 +200,15 @@ def render_prompt(
     *,
     text: str | None = None,
     messages: str | Sequence[Any] | None = None,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> list[int]:
     """Token ids for one prompt: a chat (`messages`) or a user text (`text`).
 
     With `prompt.chat_template` the text becomes a one-turn chat (after the system prompt) and
     the tokenizer's chat template is applied with the generation prompt; without, the text is
-    tokenized as is (with the tokenizer's special tokens, e.g. BOS).
+    tokenized as is (with the tokenizer's special tokens, e.g. BOS). `template_kwargs` are
+    extra variables for the chat template (the endpoint's `chat_template_kwargs`, e.g.
+    enable_thinking); the caller keeps them off apply_chat_template's own parameters.
     """
     if (text is None) == (messages is None):
         raise PromptError("give exactly one of a prompt text or messages")
@@ -225,7 +228,9 @@ def render_prompt(
             "the text as is"
         )
     try:
-        rendered = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+        rendered = tokenizer.apply_chat_template(
+            chat, add_generation_prompt=True, tokenize=False, **(template_kwargs or {})
+        )
     except Exception as exc:
         raise PromptError(f"chat template failed: {type(exc).__name__}: {exc}") from None
     # The template already wrote any BOS it wants; adding special tokens again would double it.

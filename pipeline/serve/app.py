@@ -27,11 +27,14 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engines.api import EngineInfo, GenerationResult
+from engines.api import EngineInfo, EngineStats, GenerationResult
 from pipeline.serve.auth import KeyDigests
+from pipeline.serve.board import open_board
+from pipeline.serve.health import unready_models
 from pipeline.serve.metrics import CONTENT_TYPE, ServeMetrics
 from pipeline.serve.protocol import (
     SSE_DONE,
+    STRICT_HEADER,
     ApiError,
     Endpoint,
     Usage,
@@ -39,9 +42,10 @@ from pipeline.serve.protocol import (
     completion_body,
     parse_json_body,
     sse,
+    strict_mode,
     usage_chunk_body,
 )
-from pipeline.serve.replica import EngineReplica, ServedResult
+from pipeline.serve.replica import EngineReplica, ServedDelta, ServedResult
 from pipeline.serve.requests import (
     Prepared,
     engine_unavailable,
@@ -51,9 +55,13 @@ from pipeline.serve.requests import (
     usage_of,
 )
 from pipeline.serve.spec import ServedModelSpec, ServeSpec, engine_deployment_options
+from pipeline.serve.testhooks import hooks_enabled
 from pipeline.serve.tokens import PromptTokenizer
 
 logger = logging.getLogger(__name__)
+
+REPLICA_HEADER = "x-tokenmill-replica"  # which engine replica served a response
+READY_CACHE_S = 1.0  # probes more frequent than this share one Serve status call
 
 fastapi_app = FastAPI(title="tokenmill", docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -74,6 +82,44 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
     return JSONResponse(error.body(), status_code=exc.status_code)
 
 
+def result_error(name: str, result: GenerationResult | None) -> ApiError | None:
+    """The error a finished engine result stands for; None when it is an answer.
+
+    "cancelled" here never means this client went away: then Serve cancels the ingress call
+    and no result is read. It means the engine stopped the request (shutdown during a
+    rollout, a replica being replaced), so the client gets 503 and may retry, rather than a
+    truncated text passed off as finish_reason "stop".
+    """
+    if result is None:
+        return ApiError(
+            500,
+            "generation failed: stream ended without result",
+            type="server_error",
+            code="engine_error",
+        )
+    if result.finish_reason == "cancelled":
+        return ApiError(
+            503,
+            f"model '{name}' stopped this request before it finished (its replica is shutting "
+            "down or restarting); retry shortly",
+            type="server_error",
+            code="engine_unavailable",
+        )
+    if not result.ok:
+        return ApiError(
+            500, f"generation failed: {result.error}", type="server_error", code="engine_error"
+        )
+    return None
+
+
+def _app_name(default: str) -> str:
+    """The Serve application this ingress belongs to (the name it was deployed under)."""
+    try:
+        return serve.get_replica_context().replica_id.deployment_id.app_name
+    except Exception:  # built outside Serve
+        return default
+
+
 @serve.deployment
 @serve.ingress(fastapi_app)
 class OpenAIIngress:
@@ -92,29 +138,54 @@ class OpenAIIngress:
         self._tokenize_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self._metrics = ServeMetrics()
         self._created = int(time.time())
+        self._app_name = _app_name(spec.name)
+        self._deployments = {m.name: engine_deployment_options(m)["name"] for m in spec.models}
+        self._board = open_board(self._app_name)
+        self._ready_lock = asyncio.Lock()
+        self._ready_at = -READY_CACHE_S
+        self._unready: list[str] | None = None  # None: Serve's status could not be read
 
     # --- routes --------------------------------------------------------------------------
 
     @fastapi_app.get("/health")
     async def health(self) -> JSONResponse:
-        """Liveness plus a stats round trip to every model's replicas (no key needed)."""
-        try:
-            await asyncio.wait_for(
-                asyncio.gather(*(h.stats.remote() for h in self._engines.values())), timeout=10
-            )
-        except Exception as exc:
-            return JSONResponse({"status": "unavailable", "detail": str(exc)}, status_code=503)
+        """Liveness: this ingress answers. Calls no engine (a busy or broken engine is the
+        readiness probe's business, and must not get the ingress restarted)."""
         return JSONResponse({"status": "ok", "models": sorted(self._engines)})
+
+    @fastapi_app.get("/ready")
+    async def ready(self) -> JSONResponse:
+        """Readiness: every model has a replica Serve reports RUNNING (healthy). Reads Serve's
+        status, cached for READY_CACHE_S; never an engine call or a request slot."""
+        unready = await self._unready_models()
+        if unready is None:
+            return JSONResponse({"status": "unavailable"}, status_code=503)
+        if unready:
+            return JSONResponse({"status": "unavailable", "models": unready}, status_code=503)
+        return JSONResponse({"status": "ready", "models": sorted(self._engines)})
 
     @fastapi_app.get("/metrics")
     async def metrics(self) -> Response:
-        for name, handle in self._engines.items():
-            try:
-                stats = await asyncio.wait_for(handle.stats.remote(), timeout=5)
-            except Exception:
-                continue  # a scrape must not fail because one model is busy starting
-            self._metrics.observe_engine(name, stats)
+        # Engine stats come from the board the replicas post to: a scrape takes no slot.
+        for name, stats in (await self._engine_stats()).items():
+            if name in self._engines:
+                self._metrics.observe_engine(name, stats)
         return Response(self._metrics.render(), media_type=CONTENT_TYPE)
+
+    @fastapi_app.post("/debug/break-engine/{model:path}")
+    async def debug_break_engine(
+        self, model: str, request: Request, mode: str = "crash"
+    ) -> JSONResponse:
+        """Test hook: break one replica's engine step loop. Off (404, like any unknown route)
+        unless the server runs with TOKENMILL_TEST_HOOKS=1."""
+        if not hooks_enabled():
+            raise StarletteHTTPException(404, "Not Found")
+        self._authorize(request)
+        self._served(model, param=None)
+        if mode not in ("crash", "stall"):
+            raise ApiError(400, "mode must be crash or stall", param="mode", code="invalid_value")
+        replica = await self._engines[model].debug_break_engine.remote(mode)
+        return JSONResponse({"model": model, "mode": mode, "replica": replica})
 
     @fastapi_app.get("/v1/models")
     async def list_models(self, request: Request) -> JSONResponse:
@@ -123,7 +194,8 @@ class OpenAIIngress:
             {"object": "list", "data": [self._model_card(n) for n in self._engines]}
         )
 
-    @fastapi_app.get("/v1/models/{model}")
+    # `path`: served names may hold slashes (org/model-7b), as Hugging Face ids do.
+    @fastapi_app.get("/v1/models/{model:path}")
     async def get_model(self, model: str, request: Request) -> JSONResponse:
         self._authorize(request)
         self._served(model, param=None)
@@ -149,7 +221,10 @@ class OpenAIIngress:
             # grow the metric label set without bound.
             if isinstance(data.get("model"), str) and data["model"] in self._engines:
                 model = data["model"]
-            prepared = await self._prepare(data, endpoint)
+            strict = strict_mode(request.headers.get(STRICT_HEADER), self._spec.http.strict_fields)
+            prepared = await self._prepare(data, endpoint, strict)
+            if prepared.warnings:
+                logger.debug("request %s: %s", prepared.ids.id, "; ".join(prepared.warnings))
             model = prepared.served.name
             if prepared.stream:
                 return await self._stream(prepared, started)
@@ -205,6 +280,30 @@ class OpenAIIngress:
             )
         return served
 
+    async def _unready_models(self) -> list[str] | None:
+        """Models without a running replica; None when Serve's status is unreadable."""
+        async with self._ready_lock:
+            if time.monotonic() - self._ready_at >= READY_CACHE_S:
+                try:
+                    # serve.status() blocks on a controller call: off the event loop.
+                    status = await asyncio.wait_for(asyncio.to_thread(serve.status), timeout=10)
+                    self._unready = unready_models(status, self._app_name, self._deployments)
+                except Exception:
+                    logger.exception("reading Serve's status for /ready failed")
+                    self._unready = None
+                self._ready_at = time.monotonic()
+            return self._unready
+
+    async def _engine_stats(self) -> dict[str, EngineStats]:
+        try:
+            return await asyncio.wait_for(self._board.latest.remote(), timeout=5)
+        except Exception:
+            # The board died with the ingress replica that created it: make a new one; the
+            # replicas find it at their next post. This scrape goes without engine gauges.
+            logger.warning("engine stats board unreachable; re-creating it", exc_info=True)
+            self._board = open_board(self._app_name)
+            return {}
+
     def _model_card(self, name: str) -> dict[str, Any]:
         return {"id": name, "object": "model", "created": self._created, "owned_by": "tokenmill"}
 
@@ -219,8 +318,8 @@ class OpenAIIngress:
     async def _fetch_info(self, name: str) -> EngineInfo:
         return await self._engines[name].info.remote()
 
-    async def _prepare(self, data: dict[str, Any], endpoint: Endpoint) -> Prepared:
-        request = parse_request(data, endpoint)
+    async def _prepare(self, data: dict[str, Any], endpoint: Endpoint, strict: bool) -> Prepared:
+        request = parse_request(data, endpoint, strict=strict)
         served = self._served(request.model)
         info = await self._info(served.name)
         # Tokenizing a long prompt takes milliseconds: done off the event loop so the streams
@@ -281,14 +380,13 @@ class OpenAIIngress:
         finally:
             self._metrics.in_flight.labels(name).dec()
         result = served.result
-        if not result.ok:
-            raise ApiError(
-                500, f"generation failed: {result.error}", type="server_error", code="engine_error"
-            )
+        failed = result_error(name, result)
+        if failed is not None:
+            raise failed
         usage = self._usage(prepared.served, result, served.gpu_seconds)
         body = completion_body(prepared.ids, result.text, finish_reason(result), usage)
         self._finish(prepared, started, 200)
-        return JSONResponse(body)
+        return JSONResponse(body, headers={REPLICA_HEADER: served.replica, **prepared.headers})
 
     async def _stream(self, prepared: Prepared, started: float) -> Response:
         name = prepared.served.name
@@ -298,7 +396,7 @@ class OpenAIIngress:
         try:
             # The admitted marker: once it arrives the request holds a replica slot, so any
             # backpressure has already shown up here, while a 429 is still possible.
-            await deltas.__anext__()
+            admitted: ServedDelta = await deltas.__anext__()
         except BackPressureError as exc:
             self._metrics.in_flight.labels(name).dec()
             raise self._overloaded(exc) from None
@@ -313,7 +411,12 @@ class OpenAIIngress:
         return StreamingResponse(
             self._events(prepared, deltas, started),
             media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            headers={
+                "Cache-Control": "no-cache",
+                "X-Accel-Buffering": "no",
+                REPLICA_HEADER: admitted.replica,
+                **prepared.headers,
+            },
         )
 
     async def _events(
@@ -335,14 +438,11 @@ class OpenAIIngress:
                     continue
                 finished = True
                 result = delta.result
-                if result is None or not result.ok:
-                    error = result.error if result is not None else "stream ended without result"
-                    api_error = ApiError(
-                        500, f"generation failed: {error}", type="server_error", code="engine_error"
-                    )
+                api_error = result_error(name, result)
+                if api_error is not None:
                     self._metrics.errors.labels(api_error.kind).inc()
                     yield sse(api_error.body())
-                    self._finish(prepared, started, 500)
+                    self._finish(prepared, started, api_error.status)
                     return
                 usage = self._usage(prepared.served, result, item.gpu_seconds or 0.0)
                 yield sse(

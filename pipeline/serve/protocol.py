@@ -6,18 +6,26 @@ OpenAI's to an OpenAI client byte for byte where it matters, so shapes follow th
 reference: ids `chatcmpl-*` / `cmpl-*`, `object` names, chunk order in streams (role first,
 content deltas, a finish chunk, an optional usage chunk with empty choices, `[DONE]`).
 
-Parameters this server cannot honour are rejected by name (400), never silently ignored: a
-client asking for n=2 or tools would otherwise get a confidently wrong answer.
+Parameters this server knows but cannot honour are rejected by name (400) unless sent at
+their neutral value, never silently ignored: a client asking for n=2 or tools would otherwise
+get a confidently wrong answer. Parameters it does not know at all are ignored and named in the
+`x-tokenmill-warning` response header (as vLLM ignores them with a logged warning), so a newer
+client that sends a new field keeps working; strict mode (`x-tokenmill-strict: 1` or the serve
+file's `http.strict_fields`) turns them back into 400s.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
+
+WARNING_HEADER = "x-tokenmill-warning"  # what the server ignored or changed in a request
+STRICT_HEADER = "x-tokenmill-strict"  # "1": unknown request fields are a 400, not a warning
 
 # --- errors ----------------------------------------------------------------------------------
 
@@ -54,8 +62,9 @@ class ApiError(Exception):
 
 # --- requests --------------------------------------------------------------------------------
 
-# OpenAI parameters this server does not implement, each with the values that mean "off" and
-# are therefore harmless to accept (clients often send defaults explicitly).
+# OpenAI (and vLLM) parameters this server does not implement, each with the values that mean
+# "off" and are therefore harmless to accept (clients often send defaults explicitly). Any other
+# value changes what the answer means, so it is a 400 even outside strict mode.
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "n": (None, 1),
     "best_of": (None, 1),
@@ -65,7 +74,6 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""),
     "tools": (None, []),
     "tool_choice": (None, "none"),
-    "parallel_tool_calls": (None,),
     "functions": (None, []),
     "function_call": (None, "none"),
     "logit_bias": (None, {}),
@@ -77,10 +85,47 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "prediction": (None,),
     "reasoning_effort": (None,),
     "web_search_options": (None,),
-    "service_tier": (None, "auto", "default"),
-    "store": (None, False),
-    "metadata": (None, {}),
+    # vLLM's sampling and decoding extras the engines do not implement.
+    "min_p": (None, 0, 0.0),
+    "repetition_penalty": (None, 1, 1.0),
+    "min_tokens": (None, 0),
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1, 1.0),
+    "include_stop_str_in_output": (None, False),
+    "prompt_logprobs": (None, 0),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "structured_outputs": (None,),
+    "add_generation_prompt": (None, True),
+    "continue_final_message": (None, False),
+    "chat_template": (None,),
+    "documents": (None,),
 }
+
+# Names apply_chat_template (or the template itself) already uses: a chat_template_kwargs key
+# among them would replace the conversation, the template or the tokenization, not add a variable.
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
+MAX_NAMED_FIELDS = 16  # ignored fields named in the warning header; the rest are counted
 
 
 class _Request(BaseModel):
@@ -94,10 +139,29 @@ class _Request(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None  # accepted for compatibility; not used
-    # Extensions (vLLM spells them the same way).
-    top_k: int = Field(0, ge=0)
-    ignore_eos: bool = False
+    # Accepted with any value and unused: bookkeeping fields that do not change the answer.
+    user: str | None = None
+    parallel_tool_calls: bool | None = None  # meaningless without tools, which are refused
+    store: bool | None = None  # nothing is stored here either way
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None  # prefix caching is automatic
+    # Extensions (vLLM spells them the same way). top_k -1 is vLLM's "off", like 0.
+    top_k: int | None = Field(None, ge=-1)
+    ignore_eos: bool | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+
+    _ignored: tuple[str, ...] = PrivateAttr(default=())
+
+    @property
+    def ignored_fields(self) -> tuple[str, ...]:
+        """Unknown fields the request carried, dropped before validation (not strict mode)."""
+        return self._ignored
+
+    @property
+    def top_k_value(self) -> int:
+        return self.top_k if self.top_k and self.top_k > 0 else 0
 
     @property
     def stop_list(self) -> tuple[str, ...]:
@@ -143,10 +207,17 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    # vLLM extension: extra variables for the chat template (e.g. enable_thinking).
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def max_tokens_param(self) -> str:
+        """The name the client used, so a clamp or error message quotes it back."""
+        return "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
 
 
 class CompletionRequest(_Request):
@@ -156,10 +227,15 @@ class CompletionRequest(_Request):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    @property
+    def max_tokens_param(self) -> str:
+        return "max_tokens"
+
 
 _Request.model_rebuild()
 ChatCompletionRequest.model_rebuild()
 CompletionRequest.model_rebuild()
+RequestT = TypeVar("RequestT", ChatCompletionRequest, CompletionRequest)
 
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:
@@ -197,6 +273,76 @@ def _check_unsupported(data: dict[str, Any]) -> None:
         data.pop(name, None)
 
 
+def strict_mode(header: str | None, default: bool) -> bool:
+    """Whether unknown fields are refused: the request's STRICT_HEADER, else the serve file's
+    http.strict_fields. An unreadable header is a 400 rather than a guess either way."""
+    if header is None or not header.strip():
+        return default
+    value = header.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ApiError(
+        400,
+        f"Header {STRICT_HEADER} must be 1 or 0 (true/false), got {header[:40]!r}",
+        code="invalid_value",
+    )
+
+
+def _pop_unknown(data: dict[str, Any], model: type[_Request]) -> list[str]:
+    """Remove the fields neither the model nor the known-unsupported list knows; their names
+    (nested ones as `stream_options.x`). `data` is the caller's own copy."""
+    known = set(model.model_fields) | set(_NEUTRAL)
+    unknown = [name for name in data if name not in known]
+    for name in unknown:
+        del data[name]
+    options = data.get("stream_options")
+    if isinstance(options, dict):
+        extra = [name for name in options if name not in StreamOptions.model_fields]
+        if extra:
+            data["stream_options"] = {k: v for k, v in options.items() if k not in extra}
+            unknown += [f"stream_options.{name}" for name in extra]
+    return unknown
+
+
+def _unknown_error(names: list[str]) -> ApiError:
+    return ApiError(
+        400,
+        f"Unrecognized request argument supplied: {', '.join(names)} (strict mode refuses "
+        f"unknown fields; without it they are ignored with a {WARNING_HEADER} header)",
+        param=names[0],
+        code="unknown_parameter",
+    )
+
+
+def _header_safe(name: str) -> str:
+    """A client-chosen field name made safe and short for a response header value."""
+    return re.sub(r"[^A-Za-z0-9_.:/\[\]-]", "?", name)[:64]
+
+
+def ignored_warning(names: tuple[str, ...]) -> str:
+    """The warning header text naming ignored fields (at most MAX_NAMED_FIELDS of them)."""
+    shown = ", ".join(_header_safe(n) for n in names[:MAX_NAMED_FIELDS])
+    more = len(names) - MAX_NAMED_FIELDS
+    return f"ignored unknown fields: {shown}" + (f" and {more} more" if more > 0 else "")
+
+
+def _parse(data: dict[str, Any], model: type[RequestT], strict: bool) -> RequestT:
+    data = dict(data)
+    _check_unsupported(data)
+    unknown = _pop_unknown(data, model)
+    if unknown and strict:
+        raise _unknown_error(unknown)
+    try:
+        request = model.model_validate(data)
+    except ValidationError as exc:
+        raise _validation_error(exc) from None
+    request._ignored = tuple(unknown)
+    _check_stop(request)
+    return request
+
+
 def _validation_error(exc: ValidationError) -> ApiError:
     err = exc.errors()[0]
     loc = [str(p) for p in err["loc"]]
@@ -216,25 +362,14 @@ def _validation_error(exc: ValidationError) -> ApiError:
     return ApiError(400, message, param=param, code=code)
 
 
-def parse_chat_request(data: dict[str, Any]) -> ChatCompletionRequest:
-    data = dict(data)
-    _check_unsupported(data)
-    try:
-        request = ChatCompletionRequest.model_validate(data)
-    except ValidationError as exc:
-        raise _validation_error(exc) from None
-    _check_stop(request)
+def parse_chat_request(data: dict[str, Any], *, strict: bool = False) -> ChatCompletionRequest:
+    request = _parse(data, ChatCompletionRequest, strict)
+    _check_template_kwargs(request.chat_template_kwargs)
     return request
 
 
-def parse_completion_request(data: dict[str, Any]) -> CompletionRequest:
-    data = dict(data)
-    _check_unsupported(data)
-    try:
-        request = CompletionRequest.model_validate(data)
-    except ValidationError as exc:
-        raise _validation_error(exc) from None
-    _check_stop(request)
+def parse_completion_request(data: dict[str, Any], *, strict: bool = False) -> CompletionRequest:
+    request = _parse(data, CompletionRequest, strict)
     prompt = request.prompt
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) and len(prompt) > 1:
         raise ApiError(
@@ -246,6 +381,18 @@ def parse_completion_request(data: dict[str, Any]) -> CompletionRequest:
     if isinstance(prompt, list) and not prompt:
         raise ApiError(400, "'prompt' is empty", param="prompt", code="invalid_value")
     return request
+
+
+def _check_template_kwargs(kwargs: dict[str, Any] | None) -> None:
+    reserved = sorted(set(kwargs or {}) & _RESERVED_TEMPLATE_KWARGS)
+    if reserved:
+        raise ApiError(
+            400,
+            f"'chat_template_kwargs' may not set {', '.join(reserved)}: the server sets those "
+            "itself; pass only the template's own variables (e.g. enable_thinking)",
+            param=f"chat_template_kwargs.{reserved[0]}",
+            code="invalid_value",
+        )
 
 
 def _check_stop(request: _Request) -> None:

@@ -3,16 +3,22 @@
 Built with `open_engine` from the model's ModelSpec / EngineSpec, the same call the batch
 actors make, so a served model runs the engine, settings and code a nightly job does. The
 replica adds what Serve needs around the engine: cancellation when the caller goes away, and a
-per-request device-seconds figure (its share of engine time) for the response's cost.
+per-request device-seconds figure (its share of engine time) for the response's cost, and
+honest health (pipeline/serve/health.py): Serve's `check_health` fails once the engine is dead
+or its step loop has stalled, and requests in flight on such a replica fail at once with
+ReplicaUnhealthyError (the ingress answers 503) instead of waiting for a step that never comes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
+from typing import TypeVar
 
+import ray
 from ray import serve
 
 from engines.api import (
@@ -24,9 +30,23 @@ from engines.api import (
     StreamDelta,
 )
 from pipeline.cost import CostMeter
+from pipeline.serve.board import POST_INTERVAL_S, find_board
 from pipeline.serve.cost import EqualShareMeter
+from pipeline.serve.health import ReplicaHealth, StallWatch
 from pipeline.serve.spec import ServedModelSpec
+from pipeline.serve.testhooks import BreakMode, break_engine
 from pipeline.spec import StorageSpec
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# Idle stats do not change; posting them this often anyway keeps the board from dropping the
+# replica as stopped (board.STALE_AFTER_S).
+HEARTBEAT_S = 10.0
+# A request entering or leaving wakes the poster, which posts after this pause (the request
+# has reached, or left, the engine by then). It also spaces posts out under load.
+SETTLE_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -35,6 +55,7 @@ class ServedResult:
 
     result: GenerationResult
     gpu_seconds: float
+    replica: str = ""  # id of the replica that served it
 
 
 @dataclass(frozen=True)
@@ -48,6 +69,7 @@ class ServedDelta:
 
     delta: StreamDelta | None  # None only for the admitted marker
     gpu_seconds: float | None = None  # set on the finished item
+    replica: str = ""  # set on the admitted marker: id of the replica serving the stream
 
 
 @serve.deployment
@@ -73,6 +95,15 @@ class EngineReplica:
         else:
             self._equal_meter = EqualShareMeter(devices)
         self._cancelled: list[GenerationRequest] = []  # cancelled since the last drain
+        self._model = served.name
+        self._replica_id, self._app_name = _replica_identity()
+        self._health = ReplicaHealth(StallWatch(served.health.stall_timeout_s))
+        # Resolved when the replica turns unhealthy; every in-flight call races it. Created on
+        # the replica's event loop on first use (Serve may build the replica on another one).
+        self._failed: asyncio.Future[None] | None = None
+        self._poster: asyncio.Task[None] | None = None
+        self._stats_changed = asyncio.Event()
+        self._board: ray.actor.ActorHandle | None = None  # found by the poster
 
     def info(self) -> EngineInfo:
         return self._engine.info
@@ -80,14 +111,119 @@ class EngineReplica:
     def stats(self) -> EngineStats:
         return self._engine.stats()
 
-    def check_health(self) -> None:
-        """Serve's periodic health check: a dead step loop makes Serve replace the replica."""
+    async def check_health(self) -> None:
+        """Serve's periodic health check: raising marks the replica unhealthy, and Serve
+        replaces it after 3 failures in a row. Reads engine stats only: no request slot, no
+        engine step."""
+        self._ensure_poster()
         try:
-            self._engine.stats()
-        except EngineDeadError as exc:
-            raise RuntimeError(f"engine is dead: {exc}") from exc
+            stats = self._engine.stats()
+        except Exception as exc:
+            self._health.check(None, time.monotonic(), error=f"{type(exc).__name__}: {exc}")
+        else:
+            self._health.check(stats, time.monotonic())
+        if self._health.failure is not None:
+            self._mark_failed()
+            logger.error("replica %s unhealthy: %s", self._replica_id, self._health.failure)
+            self._health.raise_if_failed()
+
+    def debug_break_engine(self, mode: BreakMode) -> str:
+        """Test hook (TOKENMILL_TEST_HOOKS=1 only): break this replica's step loop."""
+        break_engine(self._engine, mode)  # PermissionError when the hooks are off
+        logger.warning("test hook: engine of replica %s broken (%s)", self._replica_id, mode)
+        return self._replica_id
+
+    # --- health --------------------------------------------------------------------------
+
+    def _failure_future(self) -> asyncio.Future[None]:
+        if self._failed is None:
+            self._failed = asyncio.get_running_loop().create_future()
+            if self._health.failure is not None:
+                self._failed.set_result(None)
+        return self._failed
+
+    def _mark_failed(self, reason: str | None = None) -> None:
+        if reason is not None:
+            self._health.fail(reason)
+        future = self._failure_future()
+        if not future.done():
+            future.set_result(None)
+
+    async def _unless_failed(self, awaitable: Awaitable[T]) -> T:
+        """Await an engine call, unless the replica turns unhealthy first: a stalled step loop
+        would never answer, so its callers get ReplicaUnhealthyError (503) instead."""
+        task = asyncio.ensure_future(awaitable)
+        try:
+            await asyncio.wait((task, self._failure_future()), return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            await _cancel(task)  # the caller went away: the engine call's cleanup aborts it
+            raise
+        if task.done():
+            try:
+                return task.result()
+            except EngineDeadError as exc:
+                self._mark_failed(f"engine dead: {exc}")
+                raise
+        # Wait for the cancellation to land, so the engine stream is no longer running when
+        # the caller closes it.
+        await _cancel(task)
+        self._health.raise_if_failed()
+        raise AssertionError("unreachable: the failure future resolved without a failure")
+
+    def _ensure_poster(self) -> None:
+        if self._poster is None or self._poster.done():
+            self._poster = asyncio.get_running_loop().create_task(self._post_stats())
+
+    def _post_now(self) -> None:
+        """Post the engine's stats at once, without waiting: called where a request has just
+        reached the engine, so a scrape made after the client saw its first token cannot read
+        the idle stats of before it (the post leaves before the token does)."""
+        if self._board is None:
+            return
+        try:
+            self._board.post.remote(self._model, self._replica_id, self._engine.stats())
+        except Exception:
+            self._board = None
+
+    async def _post_stats(self) -> None:
+        """Post engine stats to the app's board for /metrics (pipeline/serve/board.py)."""
+        last: EngineStats | None = None
+        last_post = 0.0
+        while True:
+            # Soon after requests come and go (so /metrics sees an idle engine as idle right
+            # away), and every POST_INTERVAL_S while steps run.
+            # asyncio.wait, not wait_for: wait_for (before 3.12) can swallow a cancellation
+            # that lands as the event fires, and this loop would then outlive its replica.
+            changed = asyncio.ensure_future(self._stats_changed.wait())
+            try:
+                await asyncio.wait((changed,), timeout=POST_INTERVAL_S)
+            finally:
+                changed.cancel()
+            self._stats_changed.clear()
+            await asyncio.sleep(SETTLE_S)
+            try:
+                stats = self._engine.stats()
+            except Exception:
+                continue  # the health check reports it
+            now = time.monotonic()
+            if self._board is not None and stats == last and now - last_post < HEARTBEAT_S:
+                continue
+            if self._board is None:
+                self._board = await asyncio.to_thread(find_board, self._app_name)
+                if self._board is None:
+                    continue  # no ingress yet
+            try:
+                await asyncio.wait_for(
+                    self._board.post.remote(self._model, self._replica_id, stats), timeout=5
+                )
+            except Exception:
+                self._board = None  # gone (its ingress replica stopped): look it up again
+                continue
+            last, last_post = stats, now
 
     def _enter(self, request: GenerationRequest) -> None:
+        self._ensure_poster()
+        self._stats_changed.set()
         now = time.monotonic()
         if self._step_meter is not None:
             self._step_meter.on_submit(request.request_id, now)
@@ -97,6 +233,8 @@ class EngineReplica:
     def _leave(self, request: GenerationRequest, result: GenerationResult | None) -> float:
         """The request's device-seconds, once it has left the engine (result None: cancelled)."""
         rid = request.request_id
+        self._post_now()
+        self._stats_changed.set()  # and again once an abort has landed
         if self._equal_meter is not None:
             return self._equal_meter.leave(rid, time.monotonic())
         assert self._step_meter is not None  # one of the two meters is always set
@@ -118,24 +256,35 @@ class EngineReplica:
         return meter.pop_row_seconds(rid)
 
     async def generate(self, request: GenerationRequest) -> ServedResult:
+        self._health.raise_if_failed()
         self._enter(request)
         try:
-            result = await self._engine.generate(request)
-        except asyncio.CancelledError:
-            # The caller went away (client disconnect or a cancelled handle call): free the
-            # request's KV blocks now rather than finishing work nobody will read.
+            result = await self._unless_failed(self._engine.generate(request))
+        except BaseException:
+            # The caller went away (client disconnect or a cancelled handle call) or the
+            # engine failed: free the request's KV blocks now rather than finishing work
+            # nobody will read.
             self._engine.abort(request.request_id)
             self._leave(request, None)
             raise
-        return ServedResult(result, self._leave(request, result))
+        return ServedResult(result, self._leave(request, result), self._replica_id)
 
     async def stream(self, request: GenerationRequest) -> AsyncIterator[ServedDelta]:
+        self._health.raise_if_failed()
         self._enter(request)
         deltas = self._engine.stream(request)
         finished = False
         try:
-            yield ServedDelta(None)
-            async for delta in deltas:
+            yield ServedDelta(None, replica=self._replica_id)
+            first = True
+            while True:
+                try:
+                    delta = await self._unless_failed(anext(deltas))
+                except StopAsyncIteration:
+                    return
+                if first:
+                    first = False
+                    self._post_now()
                 if delta.finished:
                     finished = True
                     yield ServedDelta(delta, self._leave(request, delta.result))
@@ -152,10 +301,29 @@ class EngineReplica:
                 self._leave(request, None)
 
     def __del__(self) -> None:
-        # Serve's documented replica teardown hook: stop the step loop, free memory.
+        # Serve's documented replica teardown hook: stop the step loop, free memory. Not for
+        # an unhealthy replica: joining a hung step loop would block until Serve's graceful
+        # shutdown timeout, holding the devices the replacement needs; the actor process
+        # exits right after this and frees them anyway.
         engine = getattr(self, "_engine", None)
-        if engine is not None:
+        health = getattr(self, "_health", None)
+        if engine is not None and (health is None or health.failure is None):
             engine.shutdown()
+
+
+async def _cancel(task: asyncio.Future) -> None:
+    task.cancel()
+    # Bounded: the engine call's cancellation cleanup only enqueues an abort.
+    await asyncio.wait((task,), timeout=5)
+
+
+def _replica_identity() -> tuple[str, str]:
+    """(replica id, application name) from Serve's replica context."""
+    try:
+        replica_id = serve.get_replica_context().replica_id
+    except Exception:  # built outside Serve (unit tests)
+        return "local", "local"
+    return replica_id.unique_id, replica_id.deployment_id.app_name
 
 
 def _cancelled_result(request: GenerationRequest) -> GenerationResult:

@@ -1,7 +1,8 @@
 """From a parsed OpenAI request to an engine request, and from an engine result to `usage`.
 
 Pure functions between the wire format (pipeline.serve.protocol) and the engine contract
-(engines.api): tokenization through the model's tokenizer, the token caps that turn into 400s,
+(engines.api): tokenization through the model's tokenizer, the token caps (an oversize prompt is
+a 400; a max_tokens over the server's cap or the context's room is clamped, with a warning),
 OpenAI's defaults (temperature 1, max_tokens 16 on /v1/completions), and the cost of a result.
 The ingress deployment calls these; keeping them out of it keeps them testable without Ray.
 """
@@ -14,12 +15,14 @@ from typing import Any
 from engines.api import EngineInfo, GenerationRequest, GenerationResult, SamplingParams
 from pipeline.cost import cost_usd, list_price_usd
 from pipeline.serve.protocol import (
+    WARNING_HEADER,
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
     Endpoint,
     ResponseIds,
     Usage,
+    ignored_warning,
     parse_chat_request,
     parse_completion_request,
 )
@@ -38,17 +41,33 @@ class Prepared:
     engine_request: GenerationRequest
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk with usage
+    warnings: tuple[str, ...] = ()  # what was ignored or clamped, for the warning header
     ids: ResponseIds = field(init=False)
 
     def __post_init__(self) -> None:
         ids = ResponseIds.new(self.endpoint, self.engine_request.request_id, self.served.name)
         object.__setattr__(self, "ids", ids)
 
+    @property
+    def headers(self) -> dict[str, str]:
+        """Response headers that tell the client what the server did not do as asked."""
+        return {WARNING_HEADER: "; ".join(self.warnings)} if self.warnings else {}
+
+
+@dataclass(frozen=True)
+class MaxTokens:
+    """The max_tokens a request runs with, and the warning when that is less than it asked."""
+
+    value: int
+    warning: str | None = None
+
 
 def parse_request(
-    data: dict[str, Any], endpoint: Endpoint
+    data: dict[str, Any], endpoint: Endpoint, *, strict: bool = False
 ) -> ChatCompletionRequest | CompletionRequest:
-    return parse_chat_request(data) if endpoint == "chat" else parse_completion_request(data)
+    if endpoint == "chat":
+        return parse_chat_request(data, strict=strict)
+    return parse_completion_request(data, strict=strict)
 
 
 def to_engine_request(
@@ -68,7 +87,7 @@ def to_engine_request(
                 code="unsupported_endpoint",
             )
         messages = [{"role": m.role, "content": m.text} for m in request.messages]
-        prompt_ids = tokenizer.chat_ids(messages)
+        prompt_ids = tokenizer.chat_ids(messages, request.chat_template_kwargs)
         prompt_param = "messages"
         default_max = served.limits.default_max_tokens
     else:
@@ -76,26 +95,39 @@ def to_engine_request(
         prompt_param = "prompt"
         default_max = COMPLETIONS_DEFAULT_MAX_TOKENS
     max_tokens = capped_max_tokens(
-        served, info, len(prompt_ids), request.requested_max_tokens, default_max, prompt_param
+        served,
+        info,
+        len(prompt_ids),
+        request.requested_max_tokens,
+        default_max,
+        prompt_param,
+        param=request.max_tokens_param,
     )
     try:
         sampling = SamplingParams(
-            max_tokens=max_tokens,
+            max_tokens=max_tokens.value,
             temperature=request.temperature,
             top_p=request.top_p,
-            top_k=request.top_k,
+            top_k=request.top_k_value,
             seed=request.seed,
             stop=request.stop_list,
-            ignore_eos=request.ignore_eos,
+            stop_token_ids=tuple(request.stop_token_ids or ()),
+            ignore_eos=bool(request.ignore_eos),
         )
     except ValueError as exc:
         raise ApiError(400, str(exc), code="invalid_value") from None
+    warnings = []
+    if request.ignored_fields:
+        warnings.append(ignored_warning(request.ignored_fields))
+    if max_tokens.warning:
+        warnings.append(max_tokens.warning)
     return Prepared(
         endpoint,
         served,
         GenerationRequest(prompt_token_ids=prompt_ids, sampling=sampling),
         stream=request.stream,
         include_usage=request.include_usage,
+        warnings=tuple(warnings),
     )
 
 
@@ -162,8 +194,12 @@ def capped_max_tokens(
     requested: int | None,
     default: int,
     prompt_param: str,
-) -> int:
-    """The request's max_tokens after the caps; a 400 names what to shorten."""
+    param: str = "max_tokens",
+) -> MaxTokens:
+    """The request's max_tokens after the caps. A prompt that leaves no room is a 400 naming
+    what to shorten; a max_tokens over the server's cap or the room the prompt leaves is
+    clamped (the engines would stop at the context anyway, with finish_reason "length"), and
+    the warning says so."""
     context = info.max_model_len
     prompt_cap = min(served.limits.max_prompt_tokens or context - 1, context - 1)
     if num_prompt > prompt_cap:
@@ -174,23 +210,19 @@ def capped_max_tokens(
             param=prompt_param,
             code="context_length_exceeded",
         )
-    room = context - num_prompt
+    room = context - num_prompt  # >= 1: the prompt cap keeps one token free
+    cap = served.limits.max_tokens
     if requested is None:
-        return max(1, min(default, served.limits.max_tokens, room))
-    if requested > served.limits.max_tokens:
-        raise ApiError(
-            400,
-            f"max_tokens is {requested}; this server allows at most {served.limits.max_tokens}",
-            param="max_tokens",
-            code="invalid_value",
+        return MaxTokens(max(1, min(default, cap, room)))
+    value = min(requested, cap, room)
+    if value == requested:
+        return MaxTokens(value)
+    # Name only the bound(s) that set the value, so the message says what to change.
+    reasons = []
+    if value == cap:
+        reasons.append(f"model '{served.name}' allows at most {cap}")
+    if value == room:
+        reasons.append(
+            f"the {num_prompt}-token {prompt_param} leaves {room} of the {context}-token context"
         )
-    if requested > room:
-        raise ApiError(
-            400,
-            f"This model's maximum context length is {context} tokens. However, you requested "
-            f"{num_prompt + requested} tokens ({num_prompt} in the {prompt_param}, {requested} in "
-            "the completion). Reduce the length of the prompt or max_tokens.",
-            param="max_tokens",
-            code="context_length_exceeded",
-        )
-    return requested
+    return MaxTokens(value, f"{param} {requested} clamped to {value} ({' and '.join(reasons)})")

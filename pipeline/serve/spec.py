@@ -76,7 +76,10 @@ class RequestLimitsSpec(_Strict):
         "Null: the engine's max_model_len minus one output token.",
     )
     max_tokens: int = Field(
-        1024, ge=1, description="Largest max_tokens a request may ask for; larger gets 400."
+        1024,
+        ge=1,
+        description="Largest max_tokens a request runs with; a larger one is clamped to it "
+        "(and the x-tokenmill-warning response header says so).",
     )
     default_max_tokens: int = Field(
         256,
@@ -90,6 +93,57 @@ class RequestLimitsSpec(_Strict):
         if self.default_max_tokens > self.max_tokens:
             raise ValueError("limits.default_max_tokens must be <= limits.max_tokens")
         return self
+
+
+# Graceful-shutdown default: long enough for the longest allowed generation to finish at a
+# slow decode speed, so a rollout or scale-down does not cut it off.
+SHUTDOWN_MARGIN_S = 30.0
+SHUTDOWN_FLOOR_S = 60.0
+
+
+class HealthSpec(_Strict):
+    check_period_s: float = Field(
+        10,
+        gt=0,
+        description="Seconds between Serve's health checks of each engine replica (Serve's "
+        "health_check_period_s). Serve replaces a replica after 3 failed checks in a row.",
+    )
+    check_timeout_s: float = Field(
+        60,
+        gt=0,
+        description="Seconds a health check may take before it counts as failed (Serve's "
+        "health_check_timeout_s). Generous: the check shares the replica's event loop with "
+        "streaming requests and can answer late under a full batch.",
+    )
+    stall_timeout_s: float = Field(
+        120,
+        gt=0,
+        description="A replica whose engine has requests waiting or running but has not "
+        "completed a step for this long is unhealthy (its step loop is hung); its in-flight "
+        "requests get 503 and Serve replaces it. Longer than the slowest single step.",
+    )
+    graceful_shutdown_timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description="Seconds a replica being stopped (rollout, scale-down) may spend finishing "
+        "its requests before it is killed (Serve's graceful_shutdown_timeout_s). Null: "
+        f"max({SHUTDOWN_FLOOR_S:g}, limits.max_tokens / shutdown_decode_tokens_per_s + "
+        f"{SHUTDOWN_MARGIN_S:g}).",
+    )
+    shutdown_decode_tokens_per_s: float = Field(
+        10,
+        gt=0,
+        description="Conservative decode speed of one request on a busy replica, in tokens/s; "
+        "only used to derive the default graceful_shutdown_timeout_s.",
+    )
+
+    def shutdown_timeout_s(self, max_tokens: int) -> float:
+        """The graceful-shutdown timeout: the configured one, or one long enough for a
+        request of `max_tokens` to finish at shutdown_decode_tokens_per_s."""
+        if self.graceful_shutdown_timeout_s is not None:
+            return self.graceful_shutdown_timeout_s
+        decode_s = max_tokens / self.shutdown_decode_tokens_per_s
+        return max(SHUTDOWN_FLOOR_S, decode_s + SHUTDOWN_MARGIN_S)
 
 
 class ServedModelSpec(_Strict):
@@ -117,6 +171,10 @@ class ServedModelSpec(_Strict):
     )
     limits: RequestLimitsSpec = Field(
         default_factory=RequestLimitsSpec, description="Per-request token caps."
+    )
+    health: HealthSpec = Field(
+        default_factory=HealthSpec,
+        description="Replica health checks, stall detection and graceful shutdown.",
     )
 
     @model_validator(mode="after")
@@ -160,6 +218,12 @@ class HttpSpec(_Strict):
         1, ge=1, description="Replicas of the HTTP ingress (parsing, auth, tokenization)."
     )
     cpus_per_ingress: float = Field(0.25, gt=0, description="CPUs reserved per ingress replica.")
+    strict_fields: bool = Field(
+        False,
+        description="Refuse request fields the server does not know with a 400 (off: they "
+        "are ignored and named in the x-tokenmill-warning response header). A request's "
+        "x-tokenmill-strict header (1 or 0) overrides it.",
+    )
 
 
 class ServeSpec(_Strict):
@@ -205,9 +269,9 @@ def engine_deployment_options(served: ServedModelSpec) -> dict[str, Any]:
             "num_cpus": replicas.cpus_per_replica,
             "num_gpus": replicas.devices_per_replica,
         },
-        # The health check shares the replica's event loop with streaming requests; under a
-        # full batch it can answer late, which must not get a working replica replaced.
-        "health_check_timeout_s": 60,
+        "health_check_period_s": served.health.check_period_s,
+        "health_check_timeout_s": served.health.check_timeout_s,
+        "graceful_shutdown_timeout_s": served.health.shutdown_timeout_s(served.limits.max_tokens),
     }
     if replicas.min_replicas == replicas.max_replicas:
         options["num_replicas"] = replicas.max_replicas

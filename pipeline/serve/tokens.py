@@ -24,13 +24,18 @@ class PromptTokenizer:
         self._prompt = prompt
         self.has_chat_template = bool(getattr(self._tokenizer, "chat_template", None))
 
-    def chat_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+    def chat_ids(
+        self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None
+    ) -> list[int]:
         """A chat through the chat template (generation prompt on; the model's system_prompt
-        first when the chat brings no system message)."""
+        first when the chat brings no system message); `template_kwargs` are the request's
+        chat_template_kwargs, already checked against the template's reserved names."""
         from pipeline.batch.prompts import PromptError, render_prompt
 
         try:
-            return render_prompt(self._tokenizer, self._prompt, messages=messages)
+            return render_prompt(
+                self._tokenizer, self._prompt, messages=messages, template_kwargs=template_kwargs
+            )
         except PromptError as exc:
             raise ApiError(400, str(exc), param="messages", code="invalid_value") from None
 

@@ -103,6 +103,10 @@ def auth(key: str = API_KEY) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
 
+def strict() -> dict[str, str]:
+    return {**auth(), "x-tokenmill-strict": "1"}
+
+
 def check_usage_cost(usage, expect_prompt: int, expect_completion: int) -> None:
     assert usage.prompt_tokens == expect_prompt
     assert usage.completion_tokens == expect_completion
@@ -276,8 +280,9 @@ ERROR_CASES = [
     ("n=2", auth(), with_(n=2), 400, "n", "unsupported_parameter"),
     ("tools", auth(), with_(tools=[{"type": "function"}]), 400, "tools", "unsupported_parameter"),
     ("logprobs", auth(), with_(logprobs=True), 400, "logprobs", "unsupported_parameter"),
-    ("unknown", auth(), with_(foo=1), 400, "foo", "unknown_parameter"),
-    ("max-tokens", auth(), with_(max_tokens=MAX_TOKENS_CAP + 1), 400, "max_tokens", None),
+    # Unknown fields are only refused in strict mode (the tolerant path: test_serve_tolerance).
+    ("unknown-strict", strict(), with_(foo=1), 400, "foo", "unknown_parameter"),
+    ("min_p", auth(), with_(min_p=0.2), 400, "min_p", "unsupported_parameter"),
     (
         "long-prompt",
         auth(),
@@ -468,6 +473,20 @@ def test_metrics_count_tokens_and_latency(server: ServerProcess, client: openai.
     assert grew("tokenmill_serve_cost_usd_total", model="tiny") == pytest.approx(
         response.usage.model_extra["cost_usd"]
     )
+
+
+def test_fault_injection_route_is_off_without_test_hooks(
+    server: ServerProcess, client: openai.OpenAI
+) -> None:
+    # This server runs without TOKENMILL_TEST_HOOKS: the route is an unknown route.
+    response = httpx.post(
+        server.base_url + "/debug/break-engine/tiny", params={"mode": "crash"}, headers=auth()
+    )
+    assert response.status_code == 404
+    assert response.json()["error"]["code"] == "not_found"
+    reply = client.completions.with_raw_response.create(model="tiny", prompt=PROMPT, max_tokens=2)
+    assert reply.parse().usage.completion_tokens == 2
+    assert reply.headers["x-tokenmill-replica"]
 
 
 def test_sigterm_stops_the_server_cleanly(server: ServerProcess) -> None:

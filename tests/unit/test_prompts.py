@@ -79,6 +79,23 @@ def test_chat_template_with_system_prompt_and_generation_prompt(tokenizer: Any) 
     )
 
 
+def test_template_kwargs_reach_the_chat_template(model_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    # A fresh copy: the module's tokenizer keeps its own template for the other tests.
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+        "{% if enable_thinking is defined and not enable_thinking %}no-think{% endif %}"
+    )
+    chat = [{"role": "user", "content": "hi"}]
+    plain = tokenizer.decode(render_prompt(tokenizer, PromptSpec(), messages=chat))
+    off = render_prompt(
+        tokenizer, PromptSpec(), messages=chat, template_kwargs={"enable_thinking": False}
+    )
+    assert "no-think" not in plain and tokenizer.decode(off).endswith("no-think")
+
+
 def test_plain_text_is_tokenized_as_is(tokenizer: Any) -> None:
     ids = render_prompt(tokenizer, PromptSpec(chat_template=False), text="the river runs")
     assert ids == tokenizer.encode("the river runs")

@@ -11,18 +11,22 @@ from engines.api import EngineInfo
 from pipeline.serve.auth import AuthConfigError, load_key_digests
 from pipeline.serve.cost import EqualShareMeter
 from pipeline.serve.protocol import (
+    MAX_NAMED_FIELDS,
+    WARNING_HEADER,
     ApiError,
     ResponseIds,
     Usage,
     chunk_body,
     completion_body,
+    ignored_warning,
     parse_chat_request,
     parse_completion_request,
     parse_json_body,
     sse,
+    strict_mode,
     usage_chunk_body,
 )
-from pipeline.serve.requests import capped_max_tokens
+from pipeline.serve.requests import capped_max_tokens, parse_request, to_engine_request
 from pipeline.serve.spec import (
     AuthSpec,
     ServedModelSpec,
@@ -163,7 +167,24 @@ def test_supported_parameters_map_through() -> None:
         ({"temperature": 3}, "temperature", "invalid_value"),
         ({"max_tokens": 0}, "max_tokens", "invalid_value"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "invalid_value"),
-        ({"bogus": 1}, "bogus", "unknown_parameter"),
+        # vLLM extras: min_p is known but not implemented; the others are type-checked.
+        ({"min_p": 0.1}, "min_p", "unsupported_parameter"),
+        ({"repetition_penalty": 1.2}, "repetition_penalty", "unsupported_parameter"),
+        ({"guided_json": {"type": "object"}}, "guided_json", "unsupported_parameter"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids.0", "invalid_value"),
+        ({"stop_token_ids": "2"}, "stop_token_ids", "invalid_value"),
+        ({"top_k": -2}, "top_k", "invalid_value"),
+        ({"top_k": 1.5}, "top_k", "invalid_value"),
+        ({"ignore_eos": "yes"}, "ignore_eos", "invalid_value"),
+        ({"chat_template_kwargs": [1]}, "chat_template_kwargs", "invalid_value"),
+        (
+            {"chat_template_kwargs": {"tokenize": True}},
+            "chat_template_kwargs.tokenize",
+            "invalid_value",
+        ),
+        # Harmless bookkeeping fields are accepted with any value, but typed.
+        ({"store": "yes"}, "store", "invalid_value"),
+        ({"metadata": {"a": 1}}, "metadata.a", "invalid_value"),
         ({"messages": None}, "messages", "invalid_value"),
     ],
 )
@@ -206,22 +227,171 @@ def _info(max_model_len: int) -> EngineInfo:
 
 def test_max_tokens_caps_and_defaults() -> None:
     served, info = _served(default_max_tokens=50), _info(120)
-    assert capped_max_tokens(served, info, 10, None, 50, "messages") == 50
-    assert capped_max_tokens(served, info, 100, None, 50, "messages") == 20  # clipped to room
-    assert capped_max_tokens(served, info, 10, 100, 50, "messages") == 100
-    cases = [
-        (10, 101, "max_tokens"),  # over the server's cap
-        (30, 100, "max_tokens"),  # prompt + max_tokens over the context
-        (120, None, "messages"),  # the prompt alone fills the context
-    ]
-    for num_prompt, requested, param in cases:
+    assert capped_max_tokens(served, info, 10, None, 50, "messages").value == 50
+    assert capped_max_tokens(served, info, 100, None, 50, "messages").value == 20  # room
+    exact = capped_max_tokens(served, info, 10, 100, 50, "messages")
+    assert exact.value == 100 and exact.warning is None
+    for num_prompt in (120, 200):  # the prompt alone fills the context: nothing to clamp
         with pytest.raises(ApiError) as err:
-            capped_max_tokens(served, info, num_prompt, requested, 50, "messages")
-        assert err.value.status == 400 and err.value.param == param
+            capped_max_tokens(served, info, num_prompt, None, 50, "messages")
+        assert err.value.status == 400 and err.value.param == "messages"
+        assert err.value.code == "context_length_exceeded"
     with pytest.raises(ApiError, match="at most 8 prompt tokens"):
         capped_max_tokens(
             _served(default_max_tokens=5, max_prompt_tokens=8), info, 9, None, 5, "prompt"
         )
+
+
+def test_max_tokens_over_the_cap_or_the_context_is_clamped_with_a_warning() -> None:
+    served, info = _served(default_max_tokens=50), _info(120)
+    over_cap = capped_max_tokens(served, info, 10, 5000, 50, "messages")
+    assert over_cap.value == 100
+    assert over_cap.warning == "max_tokens 5000 clamped to 100 (model 'm' allows at most 100)"
+    over_room = capped_max_tokens(served, info, 30, 100, 50, "prompt", param="max_tokens")
+    assert over_room.value == 90
+    assert (
+        over_room.warning is not None and "leaves 90 of the 120-token context" in over_room.warning
+    )
+    over_both = capped_max_tokens(served, info, 110, 5000, 50, "messages", "max_completion_tokens")
+    assert over_both.value == 10
+    assert over_both.warning == (  # only the bound that set the value is named
+        "max_completion_tokens 5000 clamped to 10 "
+        "(the 110-token messages leaves 10 of the 120-token context)"
+    )
+    tie = capped_max_tokens(served, info, 20, 5000, 50, "messages")
+    assert tie.value == 100 and tie.warning is not None
+    assert "at most 100 and the 20-token messages leaves 100" in tie.warning
+
+
+# --- tolerance: unknown fields, strict mode, extras -------------------------------------------
+
+
+def test_unknown_fields_are_ignored_and_named() -> None:
+    request = parse_chat_request(
+        {
+            "model": "m",
+            "messages": MESSAGES,
+            "verbosity": "low",  # a newer OpenAI field
+            "skip_special_tokens": True,  # a vLLM extra this server does not know
+            "stream": True,
+            "stream_options": {"include_usage": True, "include_obfuscation": False},
+        }
+    )
+    assert request.ignored_fields == (
+        "verbosity",
+        "skip_special_tokens",
+        "stream_options.include_obfuscation",
+    )
+    assert request.include_usage
+    completion = parse_completion_request({"model": "m", "prompt": "x", "chat_template_kwargs": {}})
+    assert completion.ignored_fields == ("chat_template_kwargs",)  # chat-only extension
+    assert parse_chat_request({"model": "m", "messages": MESSAGES}).ignored_fields == ()
+
+
+def test_strict_mode_refuses_unknown_fields_by_name() -> None:
+    body = {"model": "m", "messages": MESSAGES, "foo": 1, "bar": 2}
+    with pytest.raises(ApiError) as info:
+        parse_chat_request(body, strict=True)
+    assert info.value.status == 400 and info.value.code == "unknown_parameter"
+    assert info.value.param == "foo" and "foo, bar" in info.value.message
+    with pytest.raises(ApiError, match=r"stream_options\.x"):
+        parse_completion_request(
+            {"model": "m", "prompt": "x", "stream_options": {"x": 1}}, strict=True
+        )
+    # Known-but-unsupported values are refused in either mode.
+    with pytest.raises(ApiError, match="'n'"):
+        parse_chat_request({"model": "m", "messages": MESSAGES, "n": 2})
+
+
+def test_strict_mode_header_overrides_the_serve_file() -> None:
+    assert strict_mode(None, False) is False and strict_mode("", True) is True
+    assert strict_mode("1", False) is True and strict_mode(" TRUE ", False) is True
+    assert strict_mode("0", True) is False and strict_mode("no", True) is False
+    with pytest.raises(ApiError) as info:
+        strict_mode("maybe", False)
+    assert info.value.status == 400 and "x-tokenmill-strict" in info.value.message
+    spec = parse_serve_spec({"models": [{"name": "m", "model": {"path": "/x"}}]})
+    assert spec.http.strict_fields is False
+    strict = parse_serve_spec(
+        {"models": [{"name": "m", "model": {"path": "/x"}}], "http": {"strict_fields": True}}
+    )
+    assert strict.http.strict_fields is True
+
+
+def test_warning_names_are_header_safe_and_bounded() -> None:
+    names = tuple(f"f{i}\r\nSet-Cookie: x" for i in range(MAX_NAMED_FIELDS + 3))
+    warning = ignored_warning(names)
+    assert warning.isascii() and "\n" not in warning and "\r" not in warning
+    assert warning.startswith("ignored unknown fields: f0?") and warning.endswith(" and 3 more")
+
+
+def test_harmless_fields_are_accepted_with_any_value() -> None:
+    request = parse_chat_request(
+        {
+            "model": "m",
+            "messages": MESSAGES,
+            "n": 1,
+            "logprobs": False,
+            "parallel_tool_calls": True,
+            "store": True,
+            "metadata": {"team": "search"},
+            "user": "u1",
+            "service_tier": "flex",
+            "safety_identifier": "s",
+            "prompt_cache_key": "k",
+            "min_p": 0,
+            "repetition_penalty": 1.0,
+            "add_generation_prompt": True,
+        }
+    )
+    assert request.ignored_fields == ()
+
+
+class _FakeTokenizer:
+    """PromptTokenizer's interface: one token per character, template kwargs recorded."""
+
+    has_chat_template = True
+    vocab_size = 1000
+
+    def __init__(self) -> None:
+        self.template_kwargs: dict | None = None
+
+    def chat_ids(self, messages: list[dict], template_kwargs: dict | None = None) -> list[int]:
+        self.template_kwargs = template_kwargs
+        return [ord(c) for m in messages for c in m["content"]]
+
+    def completion_ids(self, text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+
+def test_extras_reach_sampling_params_and_warnings_reach_the_header() -> None:
+    served, info, tokenizer = _served(default_max_tokens=50), _info(120), _FakeTokenizer()
+    body = {
+        "model": "m",
+        "messages": MESSAGES,
+        "max_tokens": 5000,
+        "top_k": 7,
+        "stop_token_ids": [5, 9],
+        "ignore_eos": True,
+        "chat_template_kwargs": {"enable_thinking": False},
+        "foo": 1,
+    }
+    prepared = to_engine_request(parse_request(body, "chat"), "chat", served, tokenizer, info)
+    sampling = prepared.engine_request.sampling
+    assert (sampling.top_k, sampling.stop_token_ids, sampling.ignore_eos) == (7, (5, 9), True)
+    assert sampling.max_tokens == 100
+    assert tokenizer.template_kwargs == {"enable_thinking": False}
+    assert prepared.headers == {
+        WARNING_HEADER: "ignored unknown fields: foo; "
+        "max_tokens 5000 clamped to 100 (model 'm' allows at most 100)"
+    }
+    plain = {"model": "m", "prompt": "hello", "top_k": -1, "ignore_eos": None}
+    prepared = to_engine_request(
+        parse_request(plain, "completions"), "completions", served, tokenizer, info
+    )
+    sampling = prepared.engine_request.sampling
+    assert (sampling.top_k, sampling.ignore_eos, sampling.stop_token_ids) == (0, False, ())
+    assert sampling.max_tokens == 16 and prepared.headers == {}
 
 
 # --- response bodies -------------------------------------------------------------------------

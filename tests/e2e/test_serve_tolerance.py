@@ -1,0 +1,283 @@
+"""`tokenmill serve` tolerance: unknown fields, strict mode, max_tokens clamps, vLLM extras and
+a served model whose name holds a slash, through the official OpenAI client.
+
+One server for the module with a single model named `org/tiny-7b` (the name is the point:
+`/v1/models/{model}` must take slashes). Greedy and seeded outputs are checked against the
+reference engine run in this process on the same token ids.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import yaml
+
+from tests.e2e import serve_fixtures
+from tests.e2e.serve_fixtures import (
+    API_KEY,
+    MAX_MODEL_LEN,
+    MAX_TOKENS_CAP,
+    ServerProcess,
+    serve_config,
+    start_server,
+)
+
+serve_model_dir = serve_fixtures.serve_model_dir
+
+pytestmark = pytest.mark.timeout(600)
+
+MODEL = "org/tiny-7b"
+WARNING = "x-tokenmill-warning"
+STRICT = {"x-tokenmill-strict": "1"}
+CHAT = [{"role": "user", "content": "Tell me about the river and the bridge."}]
+
+
+def tolerance_config(model_dir: Path) -> dict:
+    """The shared test config cut to one model, renamed to hold a slash."""
+    config = serve_config(model_dir)
+    model = {**config["models"][0], "name": MODEL}
+    model["replicas"] = {"cpus_per_replica": 0.25, "max_ongoing_requests": 32}
+    return {**config, "name": "tokenmill-tolerance", "models": [model]}
+
+
+@pytest.fixture(scope="module")
+def server(
+    serve_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    config = tmp_path_factory.mktemp("serve-tolerance") / "serve.yaml"
+    config.write_text(yaml.safe_dump(tolerance_config(serve_model_dir)))
+    proc = start_server(config, {"TOKENMILL_API_KEYS": API_KEY}, [])
+    yield proc
+    proc.stop()
+    (config.parent / "server.log").write_text("".join(proc.lines))
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.api_url, api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(serve_model_dir: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(serve_model_dir))
+
+
+@pytest.fixture(scope="module")
+def engine(serve_model_dir: Path):
+    """The reference engine with the served model's settings, run in this process."""
+    from engines import load_engine
+    from pipeline.engine_setup import engine_settings
+    from pipeline.serve.spec import ServedModelSpec
+
+    served = ServedModelSpec.model_validate(tolerance_config(serve_model_dir)["models"][0])
+    eng = load_engine(
+        served.engine.kind, model=str(serve_model_dir), **engine_settings(served.engine)
+    )
+    yield eng
+    eng.shutdown()
+
+
+def run_engine(engine, prompt_ids: list[int], max_tokens: int, **sampling):
+    from engines import GenerationRequest, SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, **{"temperature": 0.0, **sampling})
+    request = GenerationRequest(prompt_token_ids=list(prompt_ids), sampling=params)
+    return asyncio.run(engine.generate(request))
+
+
+def chat_ids(tokenizer, messages) -> list[int]:
+    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+
+
+# --- model names with a slash ----------------------------------------------------------------
+
+
+def test_model_named_with_a_slash_is_listed_retrieved_and_served(
+    server: ServerProcess, client: openai.OpenAI
+) -> None:
+    assert [m.id for m in client.models.list()] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL  # the client sends org%2Ftiny-7b
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    raw = httpx.get(f"{server.api_url}/models/{MODEL}", headers=headers, timeout=30)
+    assert raw.status_code == 200 and raw.json()["id"] == MODEL
+    missing = httpx.get(f"{server.api_url}/models/org/nope", headers=headers, timeout=30)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+    reply = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2)
+    assert reply.model == MODEL and reply.usage.completion_tokens >= 1
+
+
+# --- unknown fields --------------------------------------------------------------------------
+
+
+def test_unknown_fields_are_ignored_and_named_in_the_header(client: openai.OpenAI) -> None:
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL,
+        messages=CHAT,
+        max_tokens=3,
+        temperature=0,
+        extra_body={"future_field": {"a": 1}, "skip_special_tokens": True},
+    )
+    assert raw.status_code == 200
+    assert raw.headers[WARNING] == "ignored unknown fields: future_field, skip_special_tokens"
+    assert raw.parse().usage.completion_tokens >= 1
+    # Without anything to report, no header.
+    clean = client.completions.with_raw_response.create(
+        model=MODEL, prompt="the river", max_tokens=2
+    )
+    assert clean.status_code == 200 and WARNING not in clean.headers
+
+
+def test_streamed_response_carries_the_warning_header(client: openai.OpenAI) -> None:
+    with client.completions.with_streaming_response.create(
+        model=MODEL,
+        prompt="the river",
+        max_tokens=3,
+        stream=True,
+        extra_body={"chat_template_kwargs": {"x": 1}},  # chat-only: unknown on completions
+    ) as response:
+        assert response.status_code == 200
+        assert response.headers[WARNING] == "ignored unknown fields: chat_template_kwargs"
+        lines = [line for line in response.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+
+
+def test_strict_mode_refuses_unknown_fields(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model=MODEL,
+            messages=CHAT,
+            max_tokens=2,
+            extra_body={"future_field": 1},
+            extra_headers=STRICT,
+        )
+    assert info.value.code == "unknown_parameter" and info.value.param == "future_field"
+    assert "future_field" in info.value.message
+    # Known semantics the server cannot honour are a 400 in either mode.
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model=MODEL, messages=CHAT, max_tokens=2, extra_body={"min_p": 0.5}
+        )
+    assert info.value.code == "unsupported_parameter" and info.value.param == "min_p"
+    # ... and at their neutral values they pass, strict or not.
+    ok = client.chat.completions.with_raw_response.create(
+        model=MODEL,
+        messages=CHAT,
+        max_tokens=2,
+        n=1,
+        logprobs=False,
+        store=False,
+        metadata={"team": "search"},
+        user="u1",
+        extra_body={"min_p": 0, "parallel_tool_calls": False},
+        extra_headers=STRICT,
+    )
+    assert ok.status_code == 200 and WARNING not in ok.headers
+
+
+# --- max_tokens clamps -----------------------------------------------------------------------
+
+
+def test_max_tokens_over_the_cap_is_clamped(client: openai.OpenAI, engine, tokenizer) -> None:
+    # Stop on the first greedy token, so a 2000-token allowance finishes at once.
+    ids = chat_ids(tokenizer, CHAT)
+    first = run_engine(engine, ids, max_tokens=1).output_token_ids[0]
+    asked = MAX_TOKENS_CAP + 3000
+    for name in ("max_tokens", "max_completion_tokens"):
+        raw = client.chat.completions.with_raw_response.create(
+            model=MODEL,
+            messages=CHAT,
+            temperature=0,
+            extra_body={name: asked, "stop_token_ids": [first]},
+        )
+        assert raw.status_code == 200
+        assert raw.headers[WARNING] == (
+            f"{name} {asked} clamped to {MAX_TOKENS_CAP} (model '{MODEL}' allows at most "
+            f"{MAX_TOKENS_CAP})"
+        )
+        reply = raw.parse()
+        assert reply.usage.completion_tokens == 1
+        assert reply.choices[0].finish_reason == "stop"
+
+
+def test_max_tokens_past_the_context_is_clamped_to_what_fits(
+    client: openai.OpenAI, tokenizer
+) -> None:
+    room = 4
+    prompt = [(7 * i) % (len(tokenizer) - 10) + 5 for i in range(MAX_MODEL_LEN - room)]
+    raw = client.completions.with_raw_response.create(
+        model=MODEL, prompt=prompt, max_tokens=100, extra_body={"ignore_eos": True}
+    )
+    assert raw.status_code == 200
+    assert raw.headers[WARNING] == (
+        f"max_tokens 100 clamped to {room} (the {len(prompt)}-token prompt leaves {room} of "
+        f"the {MAX_MODEL_LEN}-token context)"
+    )
+    reply = raw.parse()
+    assert reply.usage.completion_tokens == room and reply.choices[0].finish_reason == "length"
+
+
+# --- vLLM extras -----------------------------------------------------------------------------
+
+
+def test_vllm_extras_reach_the_engine(client: openai.OpenAI, engine, tokenizer) -> None:
+    ids = chat_ids(tokenizer, CHAT)
+    sampled = {"temperature": 0.9, "top_k": 3, "seed": 11, "ignore_eos": True}
+    expected = run_engine(engine, ids, max_tokens=12, **sampled)
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=CHAT,
+        max_tokens=12,
+        temperature=0.9,
+        seed=11,
+        extra_body={"top_k": 3, "ignore_eos": True},
+    )
+    assert reply.choices[0].message.content == expected.text
+    assert reply.usage.completion_tokens == 12  # ignore_eos: all of them, EOS or not
+
+    # stop_token_ids: the third greedy token ends the reply (kept in the count).
+    greedy = run_engine(engine, ids, max_tokens=8, ignore_eos=True)
+    stop_id = greedy.output_token_ids[2]
+    expected = run_engine(engine, ids, max_tokens=8, stop_token_ids=(stop_id,))
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=CHAT,
+        max_tokens=8,
+        temperature=0,
+        extra_body={"stop_token_ids": [stop_id], "top_k": -1},
+    )
+    assert reply.choices[0].message.content == expected.text
+    assert reply.usage.completion_tokens == len(expected.output_token_ids) <= 3
+    assert reply.choices[0].finish_reason == "stop"
+
+
+def test_chat_template_kwargs_are_passed_and_checked(client: openai.OpenAI) -> None:
+    plain = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, temperature=0)
+    # The tiny model's template has no such variable: same prompt, same greedy reply.
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL,
+        messages=CHAT,
+        max_tokens=6,
+        temperature=0,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+    )
+    assert WARNING not in raw.headers
+    reply = raw.parse()
+    assert reply.choices[0].message.content == plain.choices[0].message.content
+    assert reply.usage.prompt_tokens == plain.usage.prompt_tokens
+    for bad, param in (
+        ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs.tokenize"),
+        ({"chat_template_kwargs": "x"}, "chat_template_kwargs"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids.0"),
+        ({"ignore_eos": "yes"}, "ignore_eos"),
+    ):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model=MODEL, messages=CHAT, extra_body=bad)
+        assert info.value.param == param
