@@ -186,7 +186,7 @@ class StepRecord:
 class EngineInfo:
     """Static facts about a loaded engine, for manifests, cost and the Serve /v1/models."""
 
-    kind: str  # "reference" | "trtllm"
+    kind: str  # "reference" | "trtllm" | "vllm"
     model: str  # model path or name as given
     max_model_len: int  # prompt + output tokens the model accepts
     device: str  # "cpu", "cuda:0", ...
@@ -195,6 +195,9 @@ class EngineInfo:
     has_step_records: bool  # True: step-based cost split; False: interval-based
     eos_token_ids: tuple[int, ...] = ()
     load_seconds: float = 0.0  # time spent loading weights and warming up
+    # Known ways this engine departs from the request contract (e.g. seeds not honoured), one
+    # sentence each; surfaced in the run's manifest and logs so a user learns them up front.
+    limitations: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

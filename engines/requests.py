@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engines.api import EngineError, GenerationRequest
+from engines.api import EngineError, GenerationRequest, GenerationResult, RequestMetrics
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,17 @@ def admit(request: GenerationRequest, *, vocab_size: int, max_model_len: int) ->
             0,
         )
     return Admission(None, min(request.sampling.max_tokens, max_model_len - len(prompt)))
+
+
+def error_result(request: GenerationRequest, message: str, arrival: float) -> GenerationResult:
+    """A request that ends as a row error without output (refused at admission, or failed in
+    the engine), timed from `arrival` (time.monotonic()) to now."""
+    return GenerationResult.without_output(
+        request,
+        "error",
+        error=message,
+        metrics=RequestMetrics(arrival_time=arrival, finish_time=time.monotonic()),
+    )
 
 
 # --- checkpoint facts --------------------------------------------------------------------------

@@ -83,7 +83,13 @@ from engines.api import (
     StepRecord,
     StreamDelta,
 )
-from engines.requests import admit, context_length, eos_token_ids, read_config
+from engines.requests import (
+    admit,
+    context_length,
+    eos_token_ids,
+    error_result,
+    read_config,
+)
 
 log = logging.getLogger(__name__)
 
@@ -275,6 +281,7 @@ class TrtllmEngine:
             has_step_records=False,
             eos_token_ids=self._eos_ids,
             load_seconds=time.monotonic() - started,
+            limitations=self.limitations,
         )
 
     def _tensorrt_args(self, quantize, kv_cache_dtype, build_cache, build_cache_dir, calib, args):
@@ -398,11 +405,11 @@ class TrtllmEngine:
         arrival = time.monotonic()
         problem, max_tokens = self._admit(request)
         if problem is not None:
-            return _error_result(request, problem, arrival)
+            return error_result(request, problem, arrival)
         try:
             out, accounting = self._submit(request, max_tokens, streaming=False)
         except ValueError as exc:  # TensorRT-LLM's per-request input checks
-            return _error_result(request, str(exc), arrival)
+            return error_result(request, str(exc), arrival)
         try:
             out = await out
         except asyncio.CancelledError:
@@ -419,13 +426,13 @@ class TrtllmEngine:
         arrival = time.monotonic()
         problem, max_tokens = self._admit(request)
         if problem is not None:
-            result = _error_result(request, problem, arrival)
+            result = error_result(request, problem, arrival)
             yield StreamDelta(token_ids=[], text="", finished=True, result=result)
             return
         try:
             out, accounting = self._submit(request, max_tokens, streaming=True)
         except ValueError as exc:
-            result = _error_result(request, str(exc), arrival)
+            result = error_result(request, str(exc), arrival)
             yield StreamDelta(token_ids=[], text="", finished=True, result=result)
             return
         sent_ids, sent_text = 0, 0
@@ -464,7 +471,7 @@ class TrtllmEngine:
         if self._closed:
             raise EngineDeadError(f"the TensorRT-LLM engine is shut down: {exc}") from exc
         if isinstance(exc, (self._request_error, ValueError)):
-            return _error_result(request, f"TensorRT-LLM failed the request: {exc}", arrival)
+            return error_result(request, f"TensorRT-LLM failed the request: {exc}", arrival)
         self._dead = f"{type(exc).__name__}: {exc}"
         raise EngineDeadError(f"the TensorRT-LLM engine has stopped: {self._dead}") from exc
 
@@ -610,15 +617,6 @@ def _seconds(td: Any) -> float | None:
         return None
     value = td.total_seconds()
     return value if value > 0.0 else None
-
-
-def _error_result(request: GenerationRequest, message: str, arrival: float) -> GenerationResult:
-    return GenerationResult.without_output(
-        request,
-        "error",
-        error=message,
-        metrics=RequestMetrics(arrival_time=arrival, finish_time=time.monotonic()),
-    )
 
 
 # --- setup helpers ---------------------------------------------------------------------------

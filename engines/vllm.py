@@ -45,7 +45,13 @@ from engines.api import (
     StepRecord,
     StreamDelta,
 )
-from engines.requests import admit, context_length, eos_token_ids, read_config
+from engines.requests import (
+    admit,
+    context_length,
+    eos_token_ids,
+    error_result,
+    read_config,
+)
 
 log = logging.getLogger(__name__)
 
@@ -235,7 +241,7 @@ class VllmEngine:
         arrival = time.monotonic()
         outputs, problem = self._start(request, streaming=False)
         if outputs is None:
-            return _error_result(request, problem, arrival)
+            return error_result(request, problem, arrival)
         collected = _Collected()
         try:
             async for out in _until(outputs, self._live[request.request_id]):
@@ -251,7 +257,7 @@ class VllmEngine:
         arrival = time.monotonic()
         outputs, problem = self._start(request, streaming=True)
         if outputs is None:
-            result = _error_result(request, problem, arrival)
+            result = error_result(request, problem, arrival)
             yield StreamDelta(token_ids=[], text="", finished=True, result=result)
             return
         collected = _Collected()
@@ -280,7 +286,7 @@ class VllmEngine:
         if isinstance(exc, VllmDead) or self._llm.errored:
             raise EngineDeadError(f"the vLLM engine has stopped: {exc}") from exc
         if isinstance(exc, ValueError):  # vLLM's own per-request input checks
-            return _error_result(request, str(exc), arrival)
+            return error_result(request, str(exc), arrival)
         raise EngineError(f"vLLM failed: {type(exc).__name__}: {exc}") from exc
 
     def abort(self, request_id: str) -> None:
@@ -293,9 +299,14 @@ class VllmEngine:
 
     def stats(self) -> EngineStats:
         loads = self._loads
+        # vLLM's figures arrive after a step; an abort that empties the engine triggers no
+        # further step, so they can still count requests that are gone. No more requests can
+        # be running or waiting than are live here.
+        live = len(self._live)
+        running = min(loads.num_running, live)
         return EngineStats(
-            num_running=loads.num_running,
-            num_waiting=loads.num_waiting,
+            num_running=running,
+            num_waiting=min(loads.num_waiting, live - running),
             num_finished=self._num_finished,
             num_preemptions=loads.num_preemptions,
             kv_blocks_total=self._kv_blocks_total,
@@ -377,15 +388,6 @@ def _metrics(stats: Any, arrival: float, now: float, has_tokens: bool) -> Reques
         first_scheduled_time=None if scheduled is None else max(arrival, scheduled),
         first_token_time=None if first_token is None else max(arrival, first_token),
         finish_time=now,
-    )
-
-
-def _error_result(request: GenerationRequest, message: str, arrival: float) -> GenerationResult:
-    return GenerationResult.without_output(
-        request,
-        "error",
-        error=message,
-        metrics=RequestMetrics(arrival_time=arrival, finish_time=time.monotonic()),
     )
 
 

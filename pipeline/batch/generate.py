@@ -112,6 +112,7 @@ class EngineWorker:
             "incarnation": self.incarnation,
             "node_id": ray.get_runtime_context().get_node_id() if ray.is_initialized() else "",
             "pid": os.getpid(),
+            "limitations": list(self.engine.info.limitations),
         }
 
     def stop(self) -> None:

@@ -156,6 +156,7 @@ class Scheduler:
         self._stop_sent = False
         self._no_engine_since: float | None = time.monotonic()  # None while one is ready
         self._first_ready: float | None = None  # when the first engine actor answered
+        self._limitations_said: set[str] = set()  # engine limitations already logged
 
     # --- the loop ------------------------------------------------------------------------------
 
@@ -309,6 +310,10 @@ class Scheduler:
             self._first_ready = time.monotonic()
         if isinstance(answer, dict):
             slot.info = answer
+            for note in answer.get("limitations", ()):
+                if note not in self._limitations_said:  # once per job, not once per actor
+                    self._limitations_said.add(note)
+                    logger.warning("engine limitation: %s", note)
         logger.info("%s ready %s", slot.name, slot.info or "")
 
     def _on_prepared(self, call: _Preparing) -> None:

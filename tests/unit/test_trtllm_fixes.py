@@ -190,6 +190,7 @@ def test_zero_time_points_are_unset(trt):
 def test_pytorch_backend_says_once_that_seeds_are_ignored(trt, model_dir, caplog):
     engine = engine_for(model_dir)
     assert any("seed" in note for note in engine.limitations)
+    assert engine.info.limitations == engine.limitations  # what a job's log reports
     seeded = SamplingParams(max_tokens=4, temperature=0.8, seed=11)
     with caplog.at_level(logging.WARNING, logger="engines.trtllm"):
         run(engine.generate(GenerationRequest(PROMPT, greedy(4, seed=11))))
@@ -205,7 +206,7 @@ def test_pytorch_backend_says_once_that_seeds_are_ignored(trt, model_dir, caplog
 
 def test_tensorrt_backend_honours_seeds_without_a_warning(trt, model_dir, caplog):
     engine = engine_for(model_dir, backend="tensorrt")
-    assert engine.limitations == ()
+    assert engine.limitations == () == engine.info.limitations
     seeded = SamplingParams(max_tokens=6, temperature=0.8, seed=11)
     with caplog.at_level(logging.WARNING, logger="engines.trtllm"):
         first = run(engine.generate(GenerationRequest(PROMPT, seeded)))
