@@ -31,6 +31,7 @@ from engines.api import (
 )
 from pipeline.cost import CostMeter
 from pipeline.serve.board import POST_INTERVAL_S, find_board
+from pipeline.serve.coalesce import coalesce
 from pipeline.serve.cost import EqualShareMeter
 from pipeline.serve.health import ReplicaHealth, StallWatch
 from pipeline.serve.spec import ServedModelSpec
@@ -96,6 +97,7 @@ class EngineReplica:
             self._equal_meter = EqualShareMeter(devices)
         self._cancelled: list[GenerationRequest] = []  # cancelled since the last drain
         self._model = served.name
+        self._stream_interval_s = served.replicas.stream_interval_s
         self._replica_id, self._app_name = _replica_identity()
         self._health = ReplicaHealth(StallWatch(served.health.stall_timeout_s))
         # Resolved when the replica turns unhealthy; every in-flight call races it. Created on
@@ -272,7 +274,8 @@ class EngineReplica:
     async def stream(self, request: GenerationRequest) -> AsyncIterator[ServedDelta]:
         self._health.raise_if_failed()
         self._enter(request)
-        deltas = self._engine.stream(request)
+        engine_deltas = self._engine.stream(request)
+        deltas = coalesce(engine_deltas, self._stream_interval_s)
         finished = False
         try:
             yield ServedDelta(None, replica=self._replica_id)
@@ -294,7 +297,8 @@ class EngineReplica:
             if not finished:
                 # Cancelled mid-stream: closing the engine's iterator cancels the request
                 # there; abort as well in case the engine's iterator is not a generator.
-                close = getattr(deltas, "aclose", None)
+                await deltas.aclose()
+                close = getattr(engine_deltas, "aclose", None)
                 if close is not None:
                     await close()
                 self._engine.abort(request.request_id)

@@ -60,6 +60,14 @@ class ReplicaSpec(_Strict):
         0.5, gt=0, description="CPUs reserved per engine replica (fractional on small machines)."
     )
     devices_per_replica: float = Field(0, ge=0, description="GPUs per engine replica (0 on CPU).")
+    stream_interval_s: float = Field(
+        0.02,
+        ge=0,
+        description="Streamed responses: text produced within this many seconds goes to the "
+        "client as one chunk (the first token always at once). Each chunk is one Ray item "
+        "from replica to ingress, so merging raises how many streams a replica can feed; "
+        "0 sends every engine step's tokens on their own.",
+    )
 
     @model_validator(mode="after")
     def _bounds(self) -> ReplicaSpec:
