@@ -39,6 +39,7 @@ def serve_cmd(
 ) -> None:
     """Serve the models in CONFIG over OpenAI's HTTP API until Ctrl-C or SIGTERM."""
     from pipeline.serve.auth import AuthConfigError, load_key_digests
+    from pipeline.serve.keys import KeyFileError, load_key_file
     from pipeline.serve.run import ServerOptions, run_server
     from pipeline.serve.spec import load_serve_spec
     from pipeline.spec import SpecError
@@ -46,7 +47,11 @@ def serve_cmd(
     try:
         spec = load_serve_spec(config)
         keys = load_key_digests(spec.auth, insecure_no_auth=insecure_no_auth)
-    except (SpecError, AuthConfigError) as exc:
+        if spec.auth.keys_file:
+            # Checked here too, so a broken file fails before Ray starts (the ingress replicas
+            # read it themselves).
+            load_key_file(spec.auth.keys_file)
+    except (SpecError, AuthConfigError, KeyFileError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
     if make_demo_model:
@@ -70,6 +75,31 @@ def serve_cmd(
         options,
         on_ready=lambda url: typer.echo(f"serving {models} at {url}", err=False),
     )
+
+
+@app.command("key-digest")
+def key_digest_cmd(
+    name: str | None = typer.Option(
+        None, help="Print a keys-file entry with this name instead of the bare digest."
+    ),
+) -> None:
+    """SHA-256 digest of an API key for auth.keys_file. Reads the key from stdin (one line)
+    or, at a terminal, asks for it without echo; the key itself is never printed."""
+    import sys
+
+    from pipeline.serve.auth import digest
+    from pipeline.serve.keys import entry_snippet
+
+    if sys.stdin.isatty():
+        key = typer.prompt("API key", hide_input=True)
+    else:
+        key = sys.stdin.readline()
+    key = key.strip()
+    if not key:
+        typer.echo("error: no key given (pipe it in: echo -n KEY | tokenmill key-digest)", err=True)
+        raise typer.Exit(2)
+    value = digest(key)
+    typer.echo(entry_snippet(name, value) if name else value, nl=not name)
 
 
 def _make_missing_models(paths: list[str]) -> None:

@@ -4,11 +4,14 @@
                                          └─ handle ─► EngineReplica[model] × N (one Engine each)
 
 The ingress does everything that can reject a request before it takes an engine slot: key
-check (401), body size (413), JSON and parameter validation (400), model lookup (404), token
-caps (400). Dispatch goes through Serve handles, so replica choice, autoscaling and queue caps
-are Serve's: a full queue raises BackPressureError, answered as 429 with Retry-After. A client
-that disconnects makes Serve cancel the ingress call and, through the handle, the replica call,
-which aborts the request in the engine.
+check (401), its own slots (429 ingress_full), the key's limits (429 with Retry-After from the
+key's budget), body size (413), JSON and parameter validation (400), model lookup and the key's
+allowed models (404), prompt length from its bytes (400), the tokenizer queue (429
+tokenizer_busy), token caps (400) and the key's tokens per minute (429). Dispatch goes through
+Serve handles, so replica choice, autoscaling and queue caps are Serve's: a full queue raises
+BackPressureError, answered as 429 with Retry-After. A client that disconnects makes Serve
+cancel the ingress call and, through the handle, the replica call, which aborts the request in
+the engine. Requests that reach an engine are accounted per key (pipeline.serve.usage).
 """
 
 # No `from __future__ import annotations` here: FastAPI reads the route signatures at runtime
@@ -16,8 +19,9 @@ which aborts the request in the engine.
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -26,11 +30,14 @@ from ray import serve
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
 
 from engines.api import EngineInfo, EngineStats, GenerationResult
 from pipeline.serve.auth import KeyDigests
 from pipeline.serve.board import open_board
 from pipeline.serve.health import unready_models
+from pipeline.serve.keys import ApiKey, KeyFileWatcher
+from pipeline.serve.limits import Gate, Lease, Limiter, LimitExceeded, retry_after_header
 from pipeline.serve.metrics import CONTENT_TYPE, ServeMetrics
 from pipeline.serve.protocol import (
     SSE_DONE,
@@ -48,6 +55,7 @@ from pipeline.serve.protocol import (
 from pipeline.serve.replica import EngineReplica, ServedDelta, ServedResult
 from pipeline.serve.requests import (
     Prepared,
+    check_prompt_bytes,
     engine_unavailable,
     finish_reason,
     parse_request,
@@ -57,11 +65,15 @@ from pipeline.serve.requests import (
 from pipeline.serve.spec import ServedModelSpec, ServeSpec, engine_deployment_options
 from pipeline.serve.testhooks import hooks_enabled
 from pipeline.serve.tokens import PromptTokenizer
+from pipeline.serve.usage import CLIENT_CLOSED, UsageAccounting, UsageLog, sink_for
 
 logger = logging.getLogger(__name__)
 
 REPLICA_HEADER = "x-tokenmill-replica"  # which engine replica served a response
 READY_CACHE_S = 1.0  # probes more frequent than this share one Serve status call
+# Serve's own cap on the ingress sits this far above http.max_concurrent_requests, so probes,
+# /metrics and the ingress's own 429s still get in when every request slot is taken.
+INGRESS_HEADROOM = 64
 
 fastapi_app = FastAPI(title="tokenmill", docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -112,6 +124,57 @@ def result_error(name: str, result: GenerationResult | None) -> ApiError | None:
     return None
 
 
+@dataclass
+class _Held:
+    """What one request holds in this ingress: a request slot and its key's lease. Released
+    exactly once, by whoever finishes the response (a stream's body or its Response)."""
+
+    gate: Gate
+    slot: bool = False
+    lease: Lease | None = None
+
+    def close(self) -> None:
+        if self.lease is not None:
+            self.lease.release()
+        if self.slot:
+            self.slot = False
+            self.gate.give()
+
+
+@dataclass
+class _Call:
+    """A prepared request on its way to an engine, with what its accounting needs."""
+
+    prepared: Prepared
+    key: ApiKey
+    held: _Held
+    started: float
+    accounted: bool = field(default=False)  # its usage record is made
+    ended: bool = field(default=False)  # a stream's end-of-response bookkeeping is done
+
+
+class _HeldStreamingResponse(StreamingResponse):
+    """A stream that releases its request's hold when sent, or when it never starts (the
+    client went away before the body began: the body's own `finally` never runs then)."""
+
+    def __init__(self, *args: Any, on_close: Callable[[], None], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+def _replica_id() -> str:
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # built outside Serve
+        return "local"
+
+
 def _app_name(default: str) -> str:
     """The Serve application this ingress belongs to (the name it was deployed under)."""
     try:
@@ -144,6 +207,35 @@ class OpenAIIngress:
         self._ready_lock = asyncio.Lock()
         self._ready_at = -READY_CACHE_S
         self._unready: list[str] | None = None  # None: Serve's status could not be read
+        # Named keys: this replica reads (and re-reads) the keys file itself.
+        self._key_watcher = KeyFileWatcher(keys, spec.auth.keys_file, spec.auth.reload_interval_s)
+        self._key_watcher.start()
+        self._limiter = Limiter()
+        self._slots = Gate(spec.http.max_concurrent_requests)
+        self._tokenize_slots = Gate(spec.http.max_tokenizing_requests)
+        self._usage = UsageAccounting(self._metrics, self._open_usage_log(spec))
+
+    def _open_usage_log(self, spec: ServeSpec) -> UsageLog | None:
+        if spec.usage_log is None:
+            return None
+        log = UsageLog(
+            sink_for(spec.usage_log, spec.storage, _replica_id()),
+            spec.usage_log.flush_interval_s,
+            spec.usage_log.max_pending_records,
+            on_write_error=self._metrics.usage_write_errors.inc,
+        )
+        log.start()
+        return log
+
+    def __del__(self) -> None:
+        # Serve's replica teardown hook: stop polling the keys file and write the usage
+        # records still buffered, so a rollout loses none.
+        watcher = getattr(self, "_key_watcher", None)
+        if watcher is not None:
+            watcher.stop()
+        usage = getattr(self, "_usage", None)
+        if usage is not None and usage.log is not None:
+            usage.log.close()
 
     # --- routes --------------------------------------------------------------------------
 
@@ -165,12 +257,34 @@ class OpenAIIngress:
         return JSONResponse({"status": "ready", "models": sorted(self._engines)})
 
     @fastapi_app.get("/metrics")
-    async def metrics(self) -> Response:
+    async def metrics(self, request: Request) -> Response:
+        # Per-key usage is in here: a key allowed to read it, unless the file opens it.
+        if not self._spec.http.metrics_without_key:
+            key = self._authenticate(request)
+            if not key.metrics:
+                raise ApiError(
+                    403,
+                    f"key '{key.name}' may not read /metrics; use a key with metrics: true in "
+                    "the keys file (or one from the environment)",
+                    type="permission_error",
+                    code="permission_denied",
+                )
         # Engine stats come from the board the replicas post to: a scrape takes no slot.
         for name, stats in (await self._engine_stats()).items():
             if name in self._engines:
                 self._metrics.observe_engine(name, stats)
+        self._observe_limits()
         return Response(self._metrics.render(), media_type=CONTENT_TYPE)
+
+    def _observe_limits(self) -> None:
+        m = self._metrics
+        m.ingress_in_flight.set(self._slots.in_use)
+        m.tokenizing.set(self._tokenize_slots.in_use)
+        self._limiter.forget(set(self._key_watcher.ring.names))
+        for name, count in self._limiter.in_flight().items():
+            m.key_in_flight.labels(name).set(count)
+        if self._usage.log is not None:
+            m.usage_pending.set(self._usage.log.pending)
 
     @fastapi_app.post("/debug/break-engine/{model:path}")
     async def debug_break_engine(
@@ -180,8 +294,8 @@ class OpenAIIngress:
         unless the server runs with TOKENMILL_TEST_HOOKS=1."""
         if not hooks_enabled():
             raise StarletteHTTPException(404, "Not Found")
-        self._authorize(request)
-        self._served(model, param=None)
+        key = self._authenticate(request)
+        self._served(model, param=None, key=key)
         if mode not in ("crash", "stall"):
             raise ApiError(400, "mode must be crash or stall", param="mode", code="invalid_value")
         replica = await self._engines[model].debug_break_engine.remote(mode)
@@ -189,16 +303,15 @@ class OpenAIIngress:
 
     @fastapi_app.get("/v1/models")
     async def list_models(self, request: Request) -> JSONResponse:
-        self._authorize(request)
-        return JSONResponse(
-            {"object": "list", "data": [self._model_card(n) for n in self._engines]}
-        )
+        key = self._authenticate(request)
+        cards = [self._model_card(n) for n in self._engines if key.allows(n)]
+        return JSONResponse({"object": "list", "data": cards})
 
     # `path`: served names may hold slashes (org/model-7b), as Hugging Face ids do.
     @fastapi_app.get("/v1/models/{model:path}")
     async def get_model(self, model: str, request: Request) -> JSONResponse:
-        self._authorize(request)
-        self._served(model, param=None)
+        key = self._authenticate(request)
+        self._served(model, param=None, key=key)
         return JSONResponse(self._model_card(model))
 
     @fastapi_app.post("/v1/chat/completions")
@@ -214,39 +327,104 @@ class OpenAIIngress:
     async def _handle(self, request: Request, endpoint: Endpoint) -> Response:
         started = time.monotonic()
         model = "-"
+        key: ApiKey | None = None
+        call: _Call | None = None
+        held = _Held(self._slots)
+        handed_off = False  # a stream's response releases `held` once it is sent
         try:
-            self._authorize(request)
+            key = self._authenticate(request)
+            # Refuse, never queue, once this replica holds its maximum: bounded memory.
+            if not self._slots.try_take():
+                raise self._busy(
+                    "ingress_full",
+                    f"this server is handling its maximum of {self._slots.capacity} requests",
+                )
+            held.slot = True
+            held.lease = self._admit(key)
             data = parse_json_body(await self._read_body(request))
             # Label metrics with served names only: client-chosen strings would let anyone
             # grow the metric label set without bound.
             if isinstance(data.get("model"), str) and data["model"] in self._engines:
                 model = data["model"]
             strict = strict_mode(request.headers.get(STRICT_HEADER), self._spec.http.strict_fields)
-            prepared = await self._prepare(data, endpoint, strict)
+            prepared = await self._prepare(data, endpoint, strict, key)
             if prepared.warnings:
                 logger.debug("request %s: %s", prepared.ids.id, "; ".join(prepared.warnings))
             model = prepared.served.name
+            engine_request = prepared.engine_request
+            try:
+                # The most the request can use; settled to what it did use when it ends.
+                held.lease.charge_tokens(
+                    len(engine_request.prompt_token_ids) + engine_request.sampling.max_tokens
+                )
+            except LimitExceeded as exc:
+                held.lease = None  # charge_tokens gave it back
+                raise self._rate_limited(exc) from None
+            call = _Call(prepared, key, held, started)
             if prepared.stream:
-                return await self._stream(prepared, started)
-            return await self._complete(prepared, started)
+                response = await self._stream(call)
+                handed_off = True
+                return response
+            return await self._complete(call)
         except BackPressureError as exc:
             # Only the engine info fetch gets here; dispatch handles its own backpressure.
             error = self._overloaded(exc)
             self._metrics.errors.labels(error.kind).inc()
             self._metrics.requests.labels(model, endpoint, str(error.status)).inc()
+            if key is not None:
+                self._usage.refused(key.name, model, error.status)
             raise error from None
         except ApiError as exc:
             self._metrics.errors.labels(exc.kind).inc()
             self._metrics.requests.labels(model, endpoint, str(exc.status)).inc()
+            if key is not None and (call is None or not call.accounted):
+                self._usage.refused(key.name, model, exc.status)
             raise
+        finally:
+            if not handed_off:
+                held.close()
 
-    def _authorize(self, request: Request) -> None:
-        if not self._keys.accepts(request.headers.get("authorization")):
+    def _authenticate(self, request: Request) -> ApiKey:
+        # The ring is read once per request: a reload swaps it whole, never half.
+        key = self._key_watcher.ring.identify(request.headers.get("authorization"))
+        if key is None:
             raise ApiError(
                 401,
                 "Incorrect or missing API key. Send it as 'Authorization: Bearer <key>'.",
                 code="invalid_api_key",
             )
+        return key
+
+    def _admit(self, key: ApiKey) -> Lease:
+        try:
+            return self._limiter.admit(key)
+        except LimitExceeded as exc:
+            raise self._rate_limited(exc) from None
+
+    def _rate_limited(self, exc: LimitExceeded) -> ApiError:
+        """429 in OpenAI's shape for a key over its own limit; Retry-After from its budget."""
+        self._metrics.key_rate_limited.labels(exc.key, exc.limit).inc()
+        seconds = exc.retry_after_s
+        retry = retry_after_header(seconds) if seconds is not None else None
+        return ApiError(
+            429,
+            exc.message,
+            type="tokens" if exc.limit == "tokens_per_minute" else "requests",
+            code="concurrency_limit_exceeded"
+            if exc.limit == "max_concurrent"
+            else "rate_limit_exceeded",
+            headers={"Retry-After": retry or str(self._spec.http.retry_after_s)},
+        )
+
+    def _busy(self, code: str, what: str) -> ApiError:
+        retry = self._spec.http.retry_after_s
+        return ApiError(
+            429,
+            f"Server busy: {what}; retry after {retry} s",
+            type="rate_limit_error",
+            code=code,
+            headers={"Retry-After": str(retry)},
+        )
 
     async def _read_body(self, request: Request) -> bytes:
         limit = self._spec.http.max_body_bytes
@@ -269,8 +447,21 @@ class OpenAIIngress:
             chunks.append(chunk)
         return b"".join(chunks)
 
-    def _served(self, name: str, param: str | None = "model") -> ServedModelSpec:
+    def _served(
+        self, name: str, param: str | None = "model", key: ApiKey | None = None
+    ) -> ServedModelSpec:
         served = self._spec.model_named(name)
+        # A model the key may not use looks like one that does not exist (404, as OpenAI
+        # answers for a model a key cannot see): no listing of what other keys get.
+        if key is not None and key.models is not None and (served is None or not key.allows(name)):
+            available = ", ".join(n for n in sorted(self._engines) if key.allows(n))
+            raise ApiError(
+                404,
+                f"The model '{name}' does not exist or this key may not use it; available to "
+                f"this key: {available or 'none'}",
+                param=param,
+                code="model_not_found",
+            )
         if served is None:
             raise ApiError(
                 404,
@@ -318,24 +509,38 @@ class OpenAIIngress:
     async def _fetch_info(self, name: str) -> EngineInfo:
         return await self._engines[name].info.remote()
 
-    async def _prepare(self, data: dict[str, Any], endpoint: Endpoint, strict: bool) -> Prepared:
+    async def _prepare(
+        self, data: dict[str, Any], endpoint: Endpoint, strict: bool, key: ApiKey
+    ) -> Prepared:
         request = parse_request(data, endpoint, strict=strict)
-        served = self._served(request.model)
+        served = self._served(request.model, key=key)
         info = await self._info(served.name)
-        # Tokenizing a long prompt takes milliseconds: done off the event loop so the streams
-        # this ingress is sending meanwhile do not stall, on one thread because a Hugging Face
-        # tokenizer must not be used by two threads at once ("Already borrowed").
-        return await asyncio.get_running_loop().run_in_executor(
-            self._tokenize_thread,
-            to_engine_request,
-            request,
-            endpoint,
-            served,
-            self._tokenizers[served.name],
-            info,
-        )
+        tokenizer = self._tokenizers[served.name]
+        # A prompt whose bytes alone prove it too long never reaches the tokenizer.
+        check_prompt_bytes(request, served, info, tokenizer.max_bytes_per_token)
+        if not self._tokenize_slots.try_take():
+            raise self._busy(
+                "tokenizer_busy",
+                f"{self._tokenize_slots.capacity} requests are already waiting to be tokenized",
+            )
+        try:
+            # Tokenizing a long prompt takes milliseconds: done off the event loop so the
+            # streams this ingress is sending meanwhile do not stall, on one thread because a
+            # Hugging Face tokenizer must not be used by two threads at once ("Already
+            # borrowed").
+            return await asyncio.get_running_loop().run_in_executor(
+                self._tokenize_thread,
+                to_engine_request,
+                request,
+                endpoint,
+                served,
+                tokenizer,
+                info,
+            )
+        finally:
+            self._tokenize_slots.give()
 
-    def _usage(self, served: ServedModelSpec, result: GenerationResult, seconds: float) -> Usage:
+    def _usage_of(self, served: ServedModelSpec, result: GenerationResult, seconds: float) -> Usage:
         usage = usage_of(served, result, seconds)
         name = served.name
         self._metrics.prompt_tokens.labels(name).inc(usage.prompt_tokens)
@@ -351,6 +556,31 @@ class OpenAIIngress:
         self._metrics.requests.labels(name, prepared.endpoint, str(status)).inc()
         self._metrics.latency.labels(name, prepared.endpoint).observe(time.monotonic() - started)
 
+    def _account(self, call: _Call, status: int, usage: Usage | None) -> None:
+        """A request that reached an engine ended: settle its key's token charge (to what it
+        used; a failure refunds it, an abandoned request keeps it: its use is unknown) and
+        record its usage under the key's name."""
+        if call.accounted:
+            return
+        call.accounted = True
+        lease = call.held.lease
+        if lease is not None:
+            if status == CLIENT_CLOSED:
+                lease.settle(None)
+            else:
+                lease.settle(usage.prompt_tokens + usage.completion_tokens if usage else 0)
+        prepared = call.prepared
+        self._usage.finished(
+            key=call.key.name,
+            model=prepared.served.name,
+            endpoint=prepared.endpoint,
+            request_id=prepared.ids.id,
+            status=status,
+            stream=prepared.stream,
+            usage=usage,
+            latency_s=time.monotonic() - call.started,
+        )
+
     def _overloaded(self, exc: Exception) -> ApiError:
         retry = self._spec.http.retry_after_s
         return ApiError(
@@ -361,34 +591,50 @@ class OpenAIIngress:
             headers={"Retry-After": str(retry)},
         )
 
-    async def _complete(self, prepared: Prepared, started: float) -> Response:
+    def _refunded(self, call: _Call, error: ApiError) -> ApiError:
+        """A request the engine side refused before running it (queue full): its token charge
+        goes back; it is not a usage record."""
+        if call.held.lease is not None:
+            call.held.lease.settle(0)
+        return error
+
+    def _failed(self, call: _Call, error: ApiError) -> ApiError:
+        """An engine failure after dispatch: recorded (status, no usage), charge refunded."""
+        self._account(call, error.status, None)
+        return error
+
+    async def _complete(self, call: _Call) -> Response:
+        prepared, started = call.prepared, call.started
         name = prepared.served.name
-        call = self._engines[name].generate.remote(prepared.engine_request)
+        pending = self._engines[name].generate.remote(prepared.engine_request)
         self._metrics.in_flight.labels(name).inc()
         try:
-            served: ServedResult = await call
+            served: ServedResult = await pending
         except BackPressureError as exc:
-            raise self._overloaded(exc) from None
+            raise self._refunded(call, self._overloaded(exc)) from None
         except asyncio.CancelledError:
             # The client disconnected; Serve cancelled this call. Cancel the replica's too.
-            call.cancel()
+            pending.cancel()
             self._metrics.errors.labels("client_disconnected").inc()
+            self._account(call, CLIENT_CLOSED, None)
             raise
         except Exception as exc:
             logger.exception("engine call failed for model %s", name)
-            raise engine_unavailable(name, exc) from None
+            raise self._failed(call, engine_unavailable(name, exc)) from None
         finally:
             self._metrics.in_flight.labels(name).dec()
         result = served.result
         failed = result_error(name, result)
         if failed is not None:
-            raise failed
-        usage = self._usage(prepared.served, result, served.gpu_seconds)
+            raise self._failed(call, failed)
+        usage = self._usage_of(prepared.served, result, served.gpu_seconds)
         body = completion_body(prepared.ids, result.text, finish_reason(result), usage)
         self._finish(prepared, started, 200)
+        self._account(call, 200, usage)
         return JSONResponse(body, headers={REPLICA_HEADER: served.replica, **prepared.headers})
 
-    async def _stream(self, prepared: Prepared, started: float) -> Response:
+    async def _stream(self, call: _Call) -> Response:
+        prepared = call.prepared
         name = prepared.served.name
         handle = self._engines[name].options(stream=True)
         deltas = handle.stream.remote(prepared.engine_request)
@@ -399,17 +645,18 @@ class OpenAIIngress:
             admitted: ServedDelta = await deltas.__anext__()
         except BackPressureError as exc:
             self._metrics.in_flight.labels(name).dec()
-            raise self._overloaded(exc) from None
+            raise self._refunded(call, self._overloaded(exc)) from None
         except asyncio.CancelledError:
             self._metrics.in_flight.labels(name).dec()
             deltas.cancel()
+            self._account(call, CLIENT_CLOSED, None)
             raise
         except Exception as exc:
             self._metrics.in_flight.labels(name).dec()
             logger.exception("engine stream failed for model %s", name)
-            raise engine_unavailable(name, exc) from None
-        return StreamingResponse(
-            self._events(prepared, deltas, started),
+            raise self._failed(call, engine_unavailable(name, exc)) from None
+        return _HeldStreamingResponse(
+            self._events(call, deltas),
             media_type="text/event-stream",
             headers={
                 "Cache-Control": "no-cache",
@@ -417,11 +664,31 @@ class OpenAIIngress:
                 REPLICA_HEADER: admitted.replica,
                 **prepared.headers,
             },
+            # Also when the body never ran or was left suspended (the client went away
+            # before it began, or while a chunk was being sent): its `finally` may run late.
+            on_close=lambda: self._end_stream(call, deltas, finished=call.accounted),
         )
 
+    def _end_stream(
+        self, call: _Call, deltas: DeploymentResponseGenerator, *, finished: bool
+    ) -> None:
+        """A stream's response is over (once, whichever of its body and its Response gets
+        here first). Unfinished: the client went away, so the replica's generator is cancelled,
+        which closes the engine's stream and frees the request's KV blocks."""
+        if call.ended:
+            return
+        call.ended = True
+        self._metrics.in_flight.labels(call.prepared.served.name).dec()
+        if not finished:
+            deltas.cancel()
+            self._metrics.errors.labels("client_disconnected").inc()
+            self._account(call, CLIENT_CLOSED, None)
+        call.held.close()
+
     async def _events(
-        self, prepared: Prepared, deltas: DeploymentResponseGenerator, started: float
+        self, call: _Call, deltas: DeploymentResponseGenerator
     ) -> AsyncIterator[bytes]:
+        prepared, started = call.prepared, call.started
         ids, usage_on = prepared.ids, prepared.include_usage
         name = prepared.served.name
         finished = False
@@ -441,10 +708,14 @@ class OpenAIIngress:
                 api_error = result_error(name, result)
                 if api_error is not None:
                     self._metrics.errors.labels(api_error.kind).inc()
+                    self._failed(call, api_error)
                     yield sse(api_error.body())
                     self._finish(prepared, started, api_error.status)
                     return
-                usage = self._usage(prepared.served, result, item.gpu_seconds or 0.0)
+                usage = self._usage_of(prepared.served, result, item.gpu_seconds or 0.0)
+                # Accounted before the last bytes go: a client that leaves after seeing its
+                # finish chunk still got (and is billed for) the whole answer.
+                self._account(call, 200, usage)
                 yield sse(
                     chunk_body(ids, finish_reason=finish_reason(result), include_usage=usage_on)
                 )
@@ -457,14 +728,11 @@ class OpenAIIngress:
             logger.exception("engine stream failed for model %s", name)
             api_error = engine_unavailable(name, exc)
             self._metrics.errors.labels(api_error.kind).inc()
+            self._failed(call, api_error)
             yield sse(api_error.body())
         finally:
-            self._metrics.in_flight.labels(name).dec()
-            if not finished:
-                # Client gone mid-stream (or a failure): cancel the replica's generator, which
-                # closes the engine's stream and frees the request's KV blocks.
-                deltas.cancel()
-                self._metrics.errors.labels("client_disconnected").inc()
+            # Client gone mid-stream (or a failure): not finished.
+            self._end_stream(call, deltas, finished=finished)
 
 
 # --- assembly --------------------------------------------------------------------------------
@@ -479,8 +747,13 @@ def build_app(spec: ServeSpec, keys: KeyDigests) -> serve.Application:
     ingress = OpenAIIngress.options(
         num_replicas=spec.http.ingress_replicas,
         ray_actor_options={"num_cpus": spec.http.cpus_per_ingress},
-        # The ingress only parses and forwards; the engines' queues are where load is capped.
-        max_ongoing_requests=10_000,
+        # The ingress refuses requests beyond http.max_concurrent_requests itself (429 in
+        # OpenAI's shape); Serve's cap sits above it so probes and those refusals still get
+        # in. The proxy's queue of requests not yet assigned to an ingress replica is bounded
+        # too: a burst larger than it gets Serve's own 429 (plain-text body) with Retry-After.
+        max_ongoing_requests=spec.http.max_concurrent_requests + INGRESS_HEADROOM,
+        max_queued_requests=spec.http.max_concurrent_requests,
+        backpressure_config={"status_code": 429, "retry_after_s": spec.http.retry_after_s},
     )
     return ingress.bind(spec, engines, keys)
 
@@ -490,8 +763,12 @@ def app_builder(args: dict[str, str]) -> serve.Application:
     RayService serveConfigV2 (import_path + args). Keys come from this process's environment
     or secrets file; `insecure_no_auth=true` in args opts out explicitly."""
     from pipeline.serve.auth import load_key_digests
+    from pipeline.serve.keys import load_key_file
     from pipeline.serve.spec import load_serve_spec
 
     spec = load_serve_spec(args["config"])
     insecure = str(args.get("insecure_no_auth", "false")).lower() in ("1", "true", "yes")
-    return build_app(spec, load_key_digests(spec.auth, insecure_no_auth=insecure))
+    keys = load_key_digests(spec.auth, insecure_no_auth=insecure)
+    if spec.auth.keys_file:
+        load_key_file(spec.auth.keys_file)  # fail here, not in every ingress replica
+    return build_app(spec, keys)

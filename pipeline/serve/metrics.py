@@ -94,6 +94,79 @@ class ServeMetrics:
             registry=r,
         )
 
+        # Per key: labelled by the key's name (never the key), for usage and billing.
+        self.key_requests = Counter(
+            "tokenmill_serve_key_requests",
+            "Requests by key name, model and HTTP status (refusals included; model '-' when "
+            "the request named no served model).",
+            ["key", "model", "status"],
+            registry=r,
+        )
+        self.key_prompt_tokens = Counter(
+            "tokenmill_serve_key_prompt_tokens",
+            "Prompt tokens of answered requests, by key name and model.",
+            ["key", "model"],
+            registry=r,
+        )
+        self.key_cached_tokens = Counter(
+            "tokenmill_serve_key_cached_prompt_tokens",
+            "Prompt tokens served from the prefix cache, by key name and model.",
+            ["key", "model"],
+            registry=r,
+        )
+        self.key_completion_tokens = Counter(
+            "tokenmill_serve_key_completion_tokens",
+            "Tokens generated for answered requests, by key name and model.",
+            ["key", "model"],
+            registry=r,
+        )
+        self.key_cost_usd = Counter(
+            "tokenmill_serve_key_cost_usd",
+            "Device cost of answered requests, by key name and model.",
+            ["key", "model"],
+            registry=r,
+        )
+        self.key_rate_limited = Counter(
+            "tokenmill_serve_key_rate_limited",
+            "Requests refused with 429 by a key's own limit, by key name and limit.",
+            ["key", "limit"],
+            registry=r,
+        )
+        self.key_in_flight = Gauge(
+            "tokenmill_serve_key_requests_in_flight",
+            "Admitted requests of a key not yet finished (this ingress replica).",
+            ["key"],
+            registry=r,
+        )
+        # Overload bounds of this ingress replica.
+        self.ingress_in_flight = Gauge(
+            "tokenmill_serve_ingress_requests_in_flight",
+            "Requests this ingress replica holds (key check to last byte); at most "
+            "http.max_concurrent_requests.",
+            registry=r,
+        )
+        self.tokenizing = Gauge(
+            "tokenmill_serve_tokenizing_requests",
+            "Requests waiting for or in the tokenizer thread; at most "
+            "http.max_tokenizing_requests.",
+            registry=r,
+        )
+        self.usage_pending = Gauge(
+            "tokenmill_serve_usage_records_pending",
+            "Usage records buffered, not yet written to the usage log.",
+            registry=r,
+        )
+        self.usage_dropped = Counter(
+            "tokenmill_serve_usage_records_dropped",
+            "Usage records dropped because the usage log buffer was full.",
+            registry=r,
+        )
+        self.usage_write_errors = Counter(
+            "tokenmill_serve_usage_log_write_errors",
+            "Failed writes to the usage log (the records are kept for the next try).",
+            registry=r,
+        )
+
     def observe_engine(self, model: str, stats: EngineStats) -> None:
         self.engine_running.labels(model).set(stats.num_running)
         self.engine_waiting.labels(model).set(stats.num_waiting)

@@ -201,7 +201,7 @@ def capped_max_tokens(
     clamped (the engines would stop at the context anyway, with finish_reason "length"), and
     the warning says so."""
     context = info.max_model_len
-    prompt_cap = min(served.limits.max_prompt_tokens or context - 1, context - 1)
+    prompt_cap = prompt_token_cap(served, info)
     if num_prompt > prompt_cap:
         raise ApiError(
             400,
@@ -226,3 +226,44 @@ def capped_max_tokens(
             f"the {num_prompt}-token {prompt_param} leaves {room} of the {context}-token context"
         )
     return MaxTokens(value, f"{param} {requested} clamped to {value} ({' and '.join(reasons)})")
+
+
+def prompt_token_cap(served: ServedModelSpec, info: EngineInfo) -> int:
+    """Most prompt tokens a request may bring: the model's limit, and one below the context."""
+    context = info.max_model_len
+    return min(served.limits.max_prompt_tokens or context - 1, context - 1)
+
+
+def check_prompt_bytes(
+    request: ChatCompletionRequest | CompletionRequest,
+    served: ServedModelSpec,
+    info: EngineInfo,
+    max_bytes_per_token: int | None,
+) -> None:
+    """400 context_length_exceeded, before tokenizing, for a prompt whose byte length alone
+    proves it has more tokens than the cap: B bytes are at least B / max_bytes_per_token
+    tokens (pipeline.serve.tokens.bytes_per_token_bound). Chats count only the text of their
+    user messages (stripped), which every chat template renders in full; the template's own
+    text and other roles only add tokens, and templates may drop or trim other roles' text."""
+    if max_bytes_per_token is None:
+        return
+    if isinstance(request, ChatCompletionRequest):
+        size = sum(len(m.text.strip().encode()) for m in request.messages if m.role == "user")
+        param = "messages"
+    else:
+        prompt = request.prompt
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if not isinstance(prompt, str):
+            return  # token ids: counted exactly, and cheaply, when converted
+        size, param = len(prompt.encode()), "prompt"
+    cap = prompt_token_cap(served, info)
+    if size > cap * max_bytes_per_token:
+        least = -(-size // max_bytes_per_token)
+        raise ApiError(
+            400,
+            f"The prompt is at least {least} tokens ({size} bytes); model '{served.name}' "
+            f"accepts at most {cap} prompt tokens. Shorten the {param}.",
+            param=param,
+            code="context_length_exceeded",
+        )

@@ -199,12 +199,29 @@ class AuthSpec(_Strict):
     api_keys_env: str = Field(
         DEFAULT_API_KEYS_ENV,
         pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
-        description="Environment variable holding accepted bearer keys, comma-separated.",
+        description="Environment variable holding accepted bearer keys, comma-separated. They "
+        "are named env-1, env-2, ... in order, have no limits and may read /metrics.",
     )
     api_keys_file: str | None = Field(
         None,
         description="File with one accepted key per line (# comments allowed), e.g. a mounted "
-        "Kubernetes secret. Keys from it and from api_keys_env are both accepted.",
+        "Kubernetes secret. Keys from it and from api_keys_env are both accepted; they are "
+        "named file-1, file-2, ... in order, have no limits and may read /metrics. Read once "
+        "at start-up.",
+    )
+    keys_file: str | None = Field(
+        None,
+        description="YAML or JSON file of named keys: SHA-256 digests (never keys), optional "
+        "per-key limits and allowed models (see docs/serve.md). Every ingress replica reads it "
+        "itself and reloads it when it changes, without a restart; it must exist on every "
+        "node that runs an ingress replica (e.g. a mounted Kubernetes secret).",
+    )
+    reload_interval_s: float = Field(
+        1.0,
+        gt=0,
+        le=60,
+        description="Seconds between checks of keys_file for changes; a removed key is "
+        "refused at most about this long after the file changes.",
     )
 
 
@@ -232,6 +249,46 @@ class HttpSpec(_Strict):
         "are ignored and named in the x-tokenmill-warning response header). A request's "
         "x-tokenmill-strict header (1 or 0) overrides it.",
     )
+    max_concurrent_requests: int = Field(
+        1000,
+        ge=1,
+        description="Requests one ingress replica handles at once (from the key check to the "
+        "last byte sent, streams included); beyond it, 429 ingress_full. Bounds the "
+        "ingress's memory under a flood.",
+    )
+    max_tokenizing_requests: int = Field(
+        256,
+        ge=1,
+        description="Requests waiting for or in one ingress replica's tokenizer thread; "
+        "beyond it, 429 tokenizer_busy.",
+    )
+    metrics_without_key: bool = Field(
+        False,
+        description="true: /metrics answers without a key (only where the port is reachable "
+        "by your scraper alone). false: it needs a key allowed to read it (an env or "
+        "api_keys_file key, or a keys_file entry with metrics: true).",
+    )
+
+
+class UsageLogSpec(_Strict):
+    uri: str = Field(
+        description="Where usage records go, one JSON line per request sent to an engine. A "
+        "local path: one file, appended to. s3://bucket/prefix: a new object per flush under "
+        "the prefix (object stores cannot append), named usage-<UTC time>-<replica>-<seq>.jsonl.",
+    )
+    flush_interval_s: float = Field(
+        5.0,
+        gt=0,
+        description="Seconds between writes of the buffered records (and at shutdown). A "
+        "failed write keeps the records for the next one.",
+    )
+    max_pending_records: int = Field(
+        100_000,
+        ge=1,
+        description="Records buffered while the destination cannot be written; beyond it new "
+        "records are dropped (counted in tokenmill_serve_usage_records_dropped_total and "
+        "logged), so an unreachable store cannot exhaust the ingress's memory.",
+    )
 
 
 class ServeSpec(_Strict):
@@ -248,7 +305,13 @@ class ServeSpec(_Strict):
     )
     http: HttpSpec = Field(default_factory=HttpSpec, description="HTTP listener and limits.")
     storage: StorageSpec = Field(
-        default_factory=StorageSpec, description="Object storage for s3:// models (no keys)."
+        default_factory=StorageSpec,
+        description="Object storage for s3:// models and usage logs (no keys).",
+    )
+    usage_log: UsageLogSpec | None = Field(
+        None,
+        description="Append-only per-request usage log (JSONL) to bill keys from; null: "
+        "usage is only counted in /metrics.",
     )
 
     @model_validator(mode="after")

@@ -8,10 +8,14 @@ prompt served here and the same prompt in a nightly job reach the engine as iden
 
 from __future__ import annotations
 
+import json
+import logging
 from typing import Any
 
 from pipeline.serve.protocol import ApiError
 from pipeline.spec import ModelSpec, PromptSpec, StorageSpec
+
+logger = logging.getLogger(__name__)
 
 
 class PromptTokenizer:
@@ -23,6 +27,7 @@ class PromptTokenizer:
         self._tokenizer = load_tokenizer(model, storage)
         self._prompt = prompt
         self.has_chat_template = bool(getattr(self._tokenizer, "chat_template", None))
+        self.max_bytes_per_token = bytes_per_token_bound(self._tokenizer)
 
     def chat_ids(
         self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None
@@ -51,3 +56,91 @@ class PromptTokenizer:
     @property
     def vocab_size(self) -> int:
         return len(self._tokenizer)
+
+
+# --- prompt length from bytes -------------------------------------------------------------------
+#
+# A prompt too long for the context should be refused before the tokenizer thread spends time
+# on it. From its byte length alone that is certain only with an upper bound on the bytes one
+# token can cover: a text of B bytes then has at least B / bound tokens. The bound is the
+# longest token in the vocabulary (its raw UTF-8 form, which is never shorter than the text it
+# stands for: byte-level BPE writes each byte as one 1-2 byte character, SentencePiece writes a
+# space as the 3-byte "▁", byte-fallback tokens are "<0xAB>"), times how much the tokenizer's
+# normalizer can shrink the text before it is split (Unicode normalization and lowercasing map
+# a character of up to 4 bytes to one of at least 1: 4). Anything that can shrink text without
+# bound makes the check impossible, and it is then off: normalizers that strip whitespace or
+# accents, pre-tokenizers that drop whitespace or matches, added tokens that swallow the
+# spaces beside them, and models that map an unknown word to one token (WordPiece, Unigram,
+# BPE without byte coverage).
+
+_SHRINK_FACTOR = {"NFC": 4, "NFD": 4, "NFKC": 4, "NFKD": 4, "Lowercase": 4, "Prepend": 1}
+_KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "UnicodeScripts"}
+_SPLITTING_PRE_TOKENIZERS = {"Split", "Punctuation"}  # keep text unless behavior "Removed"
+
+
+def _normalizer_factor(node: dict[str, Any] | None) -> int | None:
+    if node is None:
+        return 1
+    kind = node.get("type")
+    if kind == "Sequence":
+        factor = 1
+        for child in node.get("normalizers", []):
+            child_factor = _normalizer_factor(child)
+            if child_factor is None:
+                return None
+            factor *= child_factor
+        return factor
+    if kind == "Replace":
+        pattern, content = node.get("pattern", {}), node.get("content", "")
+        if "String" not in pattern or not content:
+            return None  # a regex, or a deletion: no bound
+        return max(1, -(-len(pattern["String"].encode()) // len(content.encode())))
+    return _SHRINK_FACTOR.get(kind)
+
+
+def _pre_tokenizer_keeps_text(node: dict[str, Any] | None) -> bool:
+    if node is None:
+        return True
+    kind = node.get("type")
+    if kind == "Sequence":
+        return all(_pre_tokenizer_keeps_text(c) for c in node.get("pretokenizers", []))
+    if kind in _SPLITTING_PRE_TOKENIZERS:
+        return node.get("behavior") != "Removed"
+    return kind in _KEEPING_PRE_TOKENIZERS
+
+
+def _has_byte_level(node: dict[str, Any] | None) -> bool:
+    if node is None:
+        return False
+    if node.get("type") == "Sequence":
+        return any(_has_byte_level(c) for c in node.get("pretokenizers", []))
+    return node.get("type") == "ByteLevel"
+
+
+def bytes_per_token_bound(tokenizer: Any) -> int | None:
+    """Most bytes of prompt text one token can stand for; None when no bound is certain."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None  # a slow (Python) tokenizer: nothing to inspect
+    try:
+        config = json.loads(backend.to_str())
+    except Exception:
+        logger.warning("cannot inspect the tokenizer: prompt byte-length check off", exc_info=True)
+        return None
+    model = config.get("model") or {}
+    pre_tokenizer = config.get("pre_tokenizer")
+    factor = _normalizer_factor(config.get("normalizer"))
+    covers_bytes = model.get("type") == "BPE" and (
+        model.get("byte_fallback") or _has_byte_level(pre_tokenizer)
+    )
+    added = config.get("added_tokens") or []
+    if (
+        factor is None
+        or not covers_bytes
+        or not _pre_tokenizer_keeps_text(pre_tokenizer)
+        or any(t.get("lstrip") or t.get("rstrip") for t in added)
+    ):
+        return None
+    tokens = list(tokenizer.get_vocab()) + [t.get("content", "") for t in added]
+    longest = max((len(t.encode()) for t in tokens), default=0)
+    return longest * factor if longest else None

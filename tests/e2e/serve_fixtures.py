@@ -83,7 +83,14 @@ def serve_config(model_dir: Path) -> dict:
                 },
             },
         ],
-        "http": {"max_body_bytes": MAX_BODY_BYTES, "retry_after_s": 2, "cpus_per_ingress": 0.25},
+        "http": {
+            "max_body_bytes": MAX_BODY_BYTES,
+            "retry_after_s": 2,
+            "cpus_per_ingress": 0.25,
+            # The shared tests scrape /metrics without a key; tests/e2e/test_serve_keys.py
+            # checks the default (a key allowed to read it).
+            "metrics_without_key": True,
+        },
     }
 
 

@@ -90,3 +90,30 @@ def test_rayservice_builder_makes_the_same_app(monkeypatch: pytest.MonkeyPatch) 
     assert isinstance(app_builder({"config": config, "insecure_no_auth": "true"}), Application)
     monkeypatch.setenv("TOKENMILL_API_KEYS", "k1")
     assert isinstance(app_builder({"config": config}), Application)
+
+
+def test_a_broken_keys_file_is_named_before_ray_starts(tmp_path: Path) -> None:
+    keys = tmp_path / "keys.yaml"
+    keys.write_text(yaml.safe_dump({"keys": [{"name": "team-a", "sha256": "sk-" + "b" * 20}]}))
+    data = {**MINIMAL, "auth": {"keys_file": str(keys)}}
+    result = run_cli("serve", str(write(tmp_path, data)), env=no_keys_env())
+    assert result.returncode == 2
+    assert str(keys) in result.stderr and "keys[0] (name 'team-a').sha256" in result.stderr
+    assert "sk-" + "b" * 20 not in result.stderr  # never quoted: it may be a key
+    assert "Started a local Ray" not in result.stderr
+
+
+def test_key_digest_reads_stdin_and_never_prints_the_key() -> None:
+    import hashlib
+    import subprocess
+    import sys
+
+    from tests.e2e.serve_fixtures import REPO
+
+    key = "sk-test-0123456789"
+    cmd = [str(Path(sys.executable).parent / "tokenmill"), "key-digest", "--name", "team-a"]
+    result = subprocess.run(cmd, input=key + "\n", capture_output=True, text=True, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    assert key not in result.stdout + result.stderr
+    entry = yaml.safe_load("keys:\n" + result.stdout)["keys"][0]
+    assert entry == {"name": "team-a", "sha256": hashlib.sha256(key.encode()).hexdigest()}
