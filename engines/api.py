@@ -27,18 +27,95 @@ class EngineDeadError(EngineError):
     """The step loop has stopped; no further request can be served by this engine."""
 
 
+ResponseFormatKind = Literal["json_schema", "json_object", "regex", "choice"]
+# Alternatives per output token a request may ask for (OpenAI's top_logprobs limit).
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One output token's log probability and the most likely alternatives at its position
+    (highest first; may include the chosen token itself)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+# Row errors caused by a request's response_format start with this (Serve answers them 400).
+FORMAT_ERROR_PREFIX = "response_format"
+
+
+@dataclass(frozen=True)
+class ResponseFormat:
+    """A constraint on the output text, enforced token by token while sampling.
+
+    - json_schema: the text is JSON valid under `schema` (JSON text, so the params hash);
+    - json_object: the text is any JSON object;
+    - regex: the text matches `regex` in full;
+    - choice: the text is exactly one of `choices`.
+    """
+
+    kind: ResponseFormatKind
+    schema: str | None = None  # json_schema: the schema as JSON text
+    regex: str | None = None
+    choices: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        import json
+
+        object.__setattr__(self, "choices", tuple(self.choices))
+        kinds = ("json_schema", "json_object", "regex", "choice")
+        if self.kind not in kinds:
+            raise ValueError(f"response_format.type must be one of {', '.join(kinds)}")
+        if self.kind == "json_schema":
+            try:
+                schema = json.loads(self.schema) if isinstance(self.schema, str) else None
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"response_format.schema is not valid JSON: {exc}") from None
+            if not isinstance(schema, dict):
+                raise ValueError("response_format json_schema needs a schema: a JSON object")
+        if self.kind == "regex" and not (isinstance(self.regex, str) and self.regex):
+            raise ValueError("response_format regex needs a non-empty regex")
+        if self.kind == "choice" and (
+            not self.choices or any(not isinstance(c, str) or not c for c in self.choices)
+        ):
+            raise ValueError("response_format choice needs a list of non-empty strings")
+
+    @classmethod
+    def json(cls, schema: dict | None = None) -> ResponseFormat:
+        """json_schema for `schema`, or json_object without one."""
+        import json
+
+        if schema is None:
+            return cls("json_object")
+        return cls("json_schema", schema=json.dumps(schema, sort_keys=True))
+
+
+# Temperatures below this are greedy: dividing logits by ~0 overflows to inf / nan, and the
+# distribution is an argmax long before (vLLM uses the same 1e-5).
+GREEDY_TEMPERATURE = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens for one request. Invalid values raise ValueError naming the field."""
 
     max_tokens: int = 16  # tokens to generate at most (>= 1)
-    temperature: float = 1.0  # 0 means greedy
+    temperature: float = 1.0  # below GREEDY_TEMPERATURE (0 included) means greedy
     top_p: float = 1.0  # nucleus mass in (0, 1]; 1 disables
     top_k: int = 0  # keep the k most likely tokens; 0 disables
     seed: int | None = None  # same seed → same tokens, whatever else is in the batch
     stop: tuple[str, ...] = ()  # stop strings; the match is cut from the text
     stop_token_ids: tuple[int, ...] = ()  # extra token ids that end the request (kept in ids)
     ignore_eos: bool = False  # keep generating past the model's end-of-sequence token
+    # Constrain the text (JSON schema, JSON object, regex, choice); None: free text.
+    response_format: ResponseFormat | None = None
+    # Log probabilities of the output tokens: None off; k (0..MAX_LOGPROBS) returns each
+    # chosen token's logprob and the k most likely alternatives, from the model's own
+    # distribution (before temperature, top-k/top-p and response_format masks, as vLLM's
+    # default and OpenAI report them).
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Normalize lists (from YAML / JSON) to tuples so the params stay hashable.
@@ -59,12 +136,20 @@ class SamplingParams:
             problems.append(f"stop must be non-empty strings, got {self.stop!r}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             problems.append(f"stop_token_ids must be integers >= 0, got {self.stop_token_ids!r}")
+        if self.logprobs is not None and (
+            isinstance(self.logprobs, bool)
+            or not isinstance(self.logprobs, int)
+            or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            problems.append(
+                f"logprobs must be null or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"
+            )
         if problems:
             raise ValueError("invalid sampling params: " + "; ".join(problems))
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
 
 def _finite(x: object) -> bool:
@@ -125,6 +210,8 @@ class GenerationResult:
     stop_reason: str | int | None = None  # the stop string or stop token id that matched
     num_preemptions: int = 0  # times the request was evicted and recomputed
     metrics: RequestMetrics | None = None
+    # One per output token id (in order) when sampling.logprobs was set; else None.
+    logprobs: list[TokenLogprob] | None = None
 
     @property
     def ok(self) -> bool:
@@ -162,6 +249,7 @@ class StreamDelta:
     text: str
     finished: bool = False
     result: GenerationResult | None = None
+    logprobs: list[TokenLogprob] | None = None  # for token_ids, when requested
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,10 @@ Modes, each run in its own subprocess so its peak RSS is its own:
   `--vllm-python` points elsewhere) and pinned to the same number of cores.
 EOS is ignored everywhere, so every request produces exactly its max_tokens.
 
+With `profile_dir` the reference mode also records its first `profile_steps` engine steps
+with torch.profiler (a Chrome / Perfetto trace in that directory) and reports the time per
+step phase read back from the trace; its tokens/s then include the profiler's overhead.
+
 Reported per mode: useful generated tokens/s, TTFT p50/p95 (all requests arrive at t=0), peak
 RSS. Also the CPU's fp32 matmul FLOP/s measured in the same run, and the reference engine's
 achieved matmul FLOP/s over its pure-decode steps with batch >= 32 (from its step records:
@@ -54,6 +58,8 @@ class BenchConfig:
     mode_timeout_s: float = 1200.0  # a mode running longer is reported as failed
     vllm_python: str | None = None  # vllm mode: its interpreter; None: .venv-vllm, else this one
     vllm_eager: bool = False  # vllm mode: skip graph compilation (fast start, slower steps)
+    profile_dir: str | None = None  # reference mode: write a step trace here (profiling.py)
+    profile_steps: int = 50  # reference mode with profile_dir: engine steps the trace records
 
 
 @dataclass
@@ -68,6 +74,7 @@ class ModeResult:
     load_s: float = 0.0
     decode_flops_per_s: float | None = None  # reference only: achieved in wide decode steps
     decode_steps_counted: int = 0
+    profile: dict | None = None  # reference with profile_dir: profiling.PhaseTable as a dict
     error: str | None = None
 
     @classmethod
@@ -212,6 +219,8 @@ def _run_reference(spec: dict) -> ModeResult:
         max_batch_size=spec["max_batch_size"],
         max_num_tokens=spec["max_num_tokens"],
         kv_cache_tokens=_pool_tokens(spec["prompts"], spec["max_tokens"]),
+        profile_dir=spec.get("profile_dir"),
+        profile_steps=spec.get("profile_steps", 50),
     )
     requests = [
         GenerationRequest(p, SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True))
@@ -245,6 +254,11 @@ def _run_reference(spec: dict) -> ModeResult:
             flops_tokens += len(rec.decode_tokens)
             steps += 1
     useful = sum(r.completion_tokens for r in results)
+    profile = None
+    if engine.profile_trace is not None:
+        from engines.reference.profiling import read_phase_table
+
+        profile = asdict(read_phase_table(engine.profile_trace))
     return ModeResult.measured(
         "reference",
         useful,
@@ -255,6 +269,7 @@ def _run_reference(spec: dict) -> ModeResult:
         if flops_time
         else None,
         decode_steps_counted=steps,
+        profile=profile,
     )
 
 
@@ -480,6 +495,8 @@ def run_bench(config: BenchConfig, log=print) -> BenchReport:
             "max_num_tokens": config.max_num_tokens,
             "matmul_params": report.matmul_params,
             "vllm_eager": config.vllm_eager,
+            "profile_dir": config.profile_dir,
+            "profile_steps": config.profile_steps,
             "context_len": json.loads((model_dir / "config.json").read_text()).get(
                 "max_position_embeddings", 2048
             ),
@@ -512,6 +529,10 @@ def run_bench(config: BenchConfig, log=print) -> BenchReport:
                 result = ModeResult(mode=mode, error=f"timed out after {config.mode_timeout_s}s")
             report.results.append(result)
             log(format_result(result))
+            if result.profile is not None:
+                from engines.reference.profiling import PhaseTable, format_phase_table
+
+                log(format_phase_table(PhaseTable(**result.profile)))
     return report
 
 

@@ -12,7 +12,7 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 Arch = Literal["llama", "qwen2", "qwen3"]
 ARCHS: tuple[str, ...] = ("llama", "qwen2", "qwen3")
@@ -105,8 +105,12 @@ def make_tiny_model(
     seed: int = 0,
     initializer_range: float = 0.2,
     torch_dtype: str = "float32",
+    config_overrides: dict[str, Any] | None = None,
 ) -> Path:
-    """Write a random `arch` model of preset `size` and its tokenizer to `out_dir`."""
+    """Write a random `arch` model of preset `size` and its tokenizer to `out_dir`.
+
+    `config_overrides` are extra transformers config fields (e.g. attention_bias=True,
+    mlp_bias=True) for tests of config variants whose weights differ in shape or count."""
     import torch
     import transformers
 
@@ -135,6 +139,7 @@ def make_tiny_model(
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=None,
         rms_norm_eps=1e-6,
+        **(config_overrides or {}),
     )
     if arch == "llama":
         config = transformers.LlamaConfig(**common, rope_theta=10000.0)

@@ -104,6 +104,16 @@ DTYPES = ("auto", "float16", "bfloat16", "float32")
 _FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "cancelled"}
 # Timestamps further apart than this from our own clock are on another clock base: shift them.
 _CLOCK_SKEW_S = 5.0
+# Guided decoding (GuidedDecodingParams with the xgrammar backend) is not mapped yet: a
+# constrained row is refused rather than answered with unconstrained text.
+STRUCTURED_UNSUPPORTED = (
+    "response_format is not supported on engine.kind trtllm yet; run structured jobs on "
+    "engine.kind reference or vllm"
+)
+LOGPROBS_UNSUPPORTED = (
+    "logprobs are not supported on engine.kind trtllm yet; run jobs that need them on "
+    "engine.kind reference or vllm"
+)
 SEED_LIMITATION = (
     "TensorRT-LLM 1.2's PyTorch backend ignores per-request seeds (its sampler draws every "
     "request from one generator): seeded sampled rows are not reproducible; use backend "
@@ -325,6 +335,10 @@ class TrtllmEngine:
         admission = admit(request, vocab_size=self._vocab_size, max_model_len=self._max_model_len)
         if not admission.ok:
             return admission.error, 0
+        if request.sampling.response_format is not None:
+            return STRUCTURED_UNSUPPORTED, 0
+        if request.sampling.logprobs is not None:
+            return LOGPROBS_UNSUPPORTED, 0
         num_prompt = len(request.prompt_token_ids)
         if not self._chunked_prefill and num_prompt > self._max_num_tokens:
             return (

@@ -42,8 +42,10 @@ from engines.api import (
     GenerationRequest,
     GenerationResult,
     RequestMetrics,
+    ResponseFormat,
     StepRecord,
     StreamDelta,
+    TokenLogprob,
 )
 from engines.requests import (
     admit,
@@ -153,6 +155,10 @@ class VllmEngine:
             # Per-request stats (queue, scheduled, first token) are what rows are timed and
             # costed with; vLLM only keeps them with stats on.
             disable_log_stats=False,
+            # Structured output through xgrammar, as in the reference engine, and no free
+            # whitespace in JSON (vLLM reads this per engine, not per request), or a weak
+            # model fills max_tokens with spaces and tabs.
+            structured_outputs_config={"backend": "xgrammar", "disable_any_whitespace": True},
         )
         context = max_model_len or context_length(config)
         if kv_cache_tokens is not None and kv_cache_tokens < context:
@@ -214,6 +220,8 @@ class VllmEngine:
             ignore_eos=s.ignore_eos,
             include_stop_str_in_output=False,
             output_kind=RequestOutputKind.DELTA if streaming else RequestOutputKind.FINAL_ONLY,
+            structured_outputs=_structured(s.response_format),
+            logprobs=s.logprobs,  # vLLM's default mode reports the raw model logprobs too
         )
 
     def _start(self, request: GenerationRequest, streaming: bool):
@@ -242,7 +250,7 @@ class VllmEngine:
         outputs, problem = self._start(request, streaming=False)
         if outputs is None:
             return error_result(request, problem, arrival)
-        collected = _Collected()
+        collected = _Collected(request.sampling.logprobs or 0)
         try:
             async for out in _until(outputs, self._live[request.request_id]):
                 collected.add(out)
@@ -260,12 +268,12 @@ class VllmEngine:
             result = error_result(request, problem, arrival)
             yield StreamDelta(token_ids=[], text="", finished=True, result=result)
             return
-        collected = _Collected()
+        collected = _Collected(request.sampling.logprobs or 0)
         try:
             async for out in _until(outputs, self._live[request.request_id]):
-                ids, text = collected.add(out)
+                ids, text, logprobs = collected.add(out)
                 if ids or text:
-                    yield StreamDelta(token_ids=ids, text=text)
+                    yield StreamDelta(token_ids=ids, text=text, logprobs=logprobs)
             result = collected.result(request, arrival)
         except Exception as exc:
             result = self._failed(request, exc, arrival)
@@ -325,25 +333,48 @@ class VllmEngine:
         self._llm.shutdown()
 
 
+def _structured(fmt: ResponseFormat | None) -> Any:
+    """vLLM's StructuredOutputsParams for a response format (its xgrammar backend compiles it,
+    as the reference engine does); None for free text."""
+    if fmt is None:
+        return None
+    from vllm.sampling_params import StructuredOutputsParams
+
+    if fmt.kind == "json_schema":
+        return StructuredOutputsParams(json=fmt.schema)
+    if fmt.kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if fmt.kind == "regex":
+        return StructuredOutputsParams(regex=fmt.regex)
+    return StructuredOutputsParams(choice=list(fmt.choices))
+
+
 # --- output mapping ----------------------------------------------------------------------------
 
 
 class _Collected:
     """A request's outputs gathered from vLLM's delta / final-only RequestOutputs."""
 
-    def __init__(self) -> None:
+    def __init__(self, k: int = 0) -> None:
+        self.k = k  # top alternatives asked for per token
         self.token_ids: list[int] = []
         self.text = ""
         self.last: Any = None
         self.cancelled = False
+        self.logprobs: list[TokenLogprob] | None = None
 
-    def add(self, out: Any) -> tuple[list[int], str]:
+    def add(self, out: Any) -> tuple[list[int], str, list[TokenLogprob] | None]:
         completion = out.outputs[0]
         ids, text = list(completion.token_ids), completion.text or ""
         self.token_ids.extend(ids)
         self.text += text
         self.last = out
-        return ids, text
+        new = None
+        if completion.logprobs is not None:
+            k = self.k
+            new = [_token_logprob(t, d, k) for t, d in zip(ids, completion.logprobs, strict=False)]
+            self.logprobs = (self.logprobs or []) + new
+        return ids, text, new
 
     def result(self, request: GenerationRequest, arrival: float) -> GenerationResult:
         now = time.monotonic()
@@ -367,7 +398,19 @@ class _Collected:
             stop_reason=completion.stop_reason if completion and reason == "stop" else None,
             num_preemptions=int(getattr(stats, "num_preemptions", 0) or 0),
             metrics=_metrics(stats, arrival, now, has_tokens=bool(self.token_ids)),
+            logprobs=self.logprobs,
         )
+
+
+def _token_logprob(token: int, alternatives: dict[int, Any], k: int) -> TokenLogprob:
+    """vLLM's {token id: Logprob(logprob, rank)} of one position → TokenLogprob. The dict holds
+    the top-k by rank (1 = most likely) and the chosen token, whatever its rank."""
+    top = sorted(
+        (lp.rank, t, float(lp.logprob))
+        for t, lp in alternatives.items()
+        if lp.rank is not None and lp.rank <= k
+    )
+    return TokenLogprob(token, float(alternatives[token].logprob), tuple((t, v) for _, t, v in top))
 
 
 def _metrics(stats: Any, arrival: float, now: float, has_tokens: bool) -> RequestMetrics:

@@ -1,8 +1,9 @@
 """Model shape read from a Hugging Face `config.json`: the few facts the reference model needs.
 
-Supported families are decoder-only Llama, Mistral, Qwen2 (q/k/v bias) and Qwen3 (per-head
-q/k RMSNorm). Anything else is refused with the list of what is supported, so a job fails at
-load time instead of producing garbage.
+Supported families are decoder-only Llama (optional attention / MLP biases), Mistral, Qwen2
+(q/k/v bias) and Qwen3 (per-head q/k RMSNorm, optional attention bias). Anything else is
+refused with the list of what is supported, so a job fails at load time instead of producing
+garbage.
 """
 
 from __future__ import annotations
@@ -15,12 +16,31 @@ from typing import Any
 from engines.api import EngineError
 from engines.requests import context_length, eos_token_ids, read_config
 
-# model_type -> (architectures class name, q/k/v bias by default, per-head q/k norm)
-SUPPORTED_MODEL_TYPES: dict[str, tuple[str, bool, bool]] = {
-    "llama": ("LlamaForCausalLM", False, False),
-    "mistral": ("MistralForCausalLM", False, False),
-    "qwen2": ("Qwen2ForCausalLM", True, False),
-    "qwen3": ("Qwen3ForCausalLM", False, True),
+
+@dataclass(frozen=True)
+class Family:
+    """How one model family maps config.json onto the shared decoder.
+
+    A bias flag of None means "as config.json says" (`attention_bias` / `mlp_bias`, default
+    False); True / False means transformers hard-codes it for the family whatever the config
+    holds, so the engine must too (or it would expect tensors the checkpoint never has).
+    """
+
+    architecture: str  # the `architectures` class name
+    qkv_bias: bool | None  # q/k/v projections carry a bias
+    o_bias: bool | None  # o_proj carries a bias
+    mlp_bias: bool | None  # gate/up/down projections carry a bias
+    qk_norm: bool  # per-head RMSNorm on q and k before RoPE
+    # "none": no sliding window; "all": every layer slides (Mistral); "per_layer": Qwen2/3's
+    # `use_sliding_window` + `layer_types` / `max_window_layers`.
+    sliding: str
+
+
+SUPPORTED_FAMILIES: dict[str, Family] = {
+    "llama": Family("LlamaForCausalLM", None, None, None, qk_norm=False, sliding="none"),
+    "mistral": Family("MistralForCausalLM", False, False, False, qk_norm=False, sliding="all"),
+    "qwen2": Family("Qwen2ForCausalLM", True, False, False, qk_norm=False, sliding="per_layer"),
+    "qwen3": Family("Qwen3ForCausalLM", None, None, False, qk_norm=True, sliding="per_layer"),
 }
 
 
@@ -51,11 +71,16 @@ class ModelConfig:
     rms_norm_eps: float
     max_position_embeddings: int
     rope: RopeConfig
-    attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
+    attention_bias: bool  # q/k/v projections carry a bias (Qwen2; Llama/Qwen3 attention_bias)
+    o_proj_bias: bool  # o_proj carries a bias (Llama/Qwen3 attention_bias)
+    mlp_bias: bool  # gate/up/down carry a bias (Llama mlp_bias)
     qk_norm: bool  # RMSNorm over each q and k head before RoPE (Qwen3)
     tie_word_embeddings: bool  # the LM head reuses the input embedding
     eos_token_ids: tuple[int, ...]
-    sliding_window: int | None  # Mistral v0.1 style window; caps the usable context
+    # Window of the layers that slide (Mistral: all; Qwen2/3: per layer_types), None when no
+    # layer does. The engine serves such a model within the window (see resources), where
+    # sliding and full attention are the same computation.
+    sliding_window: int | None
     torch_dtype: str | None  # dtype the checkpoint was saved in, if stated
 
     @property
@@ -69,13 +94,13 @@ class ModelConfig:
 
 def _detect_model_type(raw: dict[str, Any], path: Path) -> str:
     model_type = raw.get("model_type")
-    if model_type in SUPPORTED_MODEL_TYPES:
+    if model_type in SUPPORTED_FAMILIES:
         return model_type
-    by_arch = {arch: mt for mt, (arch, _, _) in SUPPORTED_MODEL_TYPES.items()}
+    by_arch = {f.architecture: mt for mt, f in SUPPORTED_FAMILIES.items()}
     for arch in raw.get("architectures") or []:
         if arch in by_arch:
             return by_arch[arch]
-    supported = ", ".join(f"{a} ({mt})" for mt, (a, _, _) in SUPPORTED_MODEL_TYPES.items())
+    supported = ", ".join(f"{f.architecture} ({mt})" for mt, f in SUPPORTED_FAMILIES.items())
     raise EngineError(
         f"{path}: unsupported model (model_type={model_type!r}, "
         f"architectures={raw.get('architectures')!r}); the reference engine supports "
@@ -106,36 +131,71 @@ def _rope_config(raw: dict[str, Any]) -> RopeConfig:
     )
 
 
+def _flag(fixed: bool | None, from_config: bool) -> bool:
+    return from_config if fixed is None else fixed
+
+
+def _sliding_window(raw: dict[str, Any], family: Family, num_layers: int, path: Path) -> int | None:
+    """The window of the layers that slide, or None when every layer attends fully.
+
+    Mirrors transformers: Mistral slides every layer when `sliding_window` is set. Qwen2/3
+    ignore `sliding_window` unless `use_sliding_window` is true (many real configs carry a
+    window with the flag off), and then slide the layers `layer_types` marks
+    "sliding_attention"; without `layer_types`, the layers from `max_window_layers` on.
+    """
+    window = raw.get("sliding_window")
+    if family.sliding == "none" or not window:
+        return None
+    if family.sliding == "all":
+        return int(window)
+    if not raw.get("use_sliding_window", False):
+        return None
+    layer_types = raw.get("layer_types")
+    if layer_types is None:
+        first = int(raw.get("max_window_layers", num_layers))
+        layer_types = [
+            "sliding_attention" if i >= first else "full_attention" for i in range(num_layers)
+        ]
+    unknown = sorted(set(layer_types) - {"sliding_attention", "full_attention"})
+    if unknown:
+        raise EngineError(
+            f"{path}: layer_types {unknown} are not supported by the reference engine; "
+            "supported: full_attention, sliding_attention"
+        )
+    return int(window) if "sliding_attention" in layer_types else None
+
+
 def load_model_config(model_dir: str | Path) -> ModelConfig:
     """Read and check `model_dir/config.json`; errors name the file and the field."""
     path = Path(model_dir) / "config.json"
     raw = read_config(model_dir)
     model_type = _detect_model_type(raw, path)
-    _, default_bias, qk_norm = SUPPORTED_MODEL_TYPES[model_type]
+    family = SUPPORTED_FAMILIES[model_type]
     try:
         num_heads = int(raw["num_attention_heads"])
         hidden_size = int(raw["hidden_size"])
+        num_layers = int(raw["num_hidden_layers"])
         head_dim = raw.get("head_dim") or hidden_size // num_heads
-        sliding = raw.get("sliding_window")
-        if model_type == "qwen2" and not raw.get("use_sliding_window", False):
-            sliding = None
+        attention_bias = bool(raw.get("attention_bias", False))
         return ModelConfig(
             model_type=model_type,
             vocab_size=int(raw["vocab_size"]),
             hidden_size=hidden_size,
             intermediate_size=int(raw["intermediate_size"]),
-            num_layers=int(raw["num_hidden_layers"]),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
             head_dim=int(head_dim),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=context_length(raw),
             rope=_rope_config(raw),
-            attention_bias=bool(raw.get("attention_bias", default_bias)),
-            qk_norm=qk_norm,
+            attention_bias=_flag(family.qkv_bias, attention_bias),
+            o_proj_bias=_flag(family.o_bias, attention_bias),
+            mlp_bias=_flag(family.mlp_bias, bool(raw.get("mlp_bias", False))),
+            qk_norm=family.qk_norm,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             eos_token_ids=eos_token_ids(raw, model_dir),
-            sliding_window=int(sliding) if sliding else None,
+            sliding_window=_sliding_window(raw, family, num_layers, path),
             torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
         )
     except KeyError as exc:

@@ -39,9 +39,11 @@ from engines.api import (
     RequestMetrics,
     StepRecord,
     StreamDelta,
+    TokenLogprob,
 )
 from engines.reference.config import ModelConfig, load_model_config
 from engines.reference.detokenize import final_text
+from engines.reference.profiling import NO_PROFILER, NoProfiler, StepProfiler
 from engines.requests import admit
 
 _log = logging.getLogger(__name__)
@@ -58,6 +60,8 @@ SETTINGS = (
     "device",
     "max_model_len",
     "num_threads",
+    "profile_dir",
+    "profile_steps",
 )
 
 
@@ -97,6 +101,9 @@ class _Live:
     is_stream: bool
     detok: Any = None  # IncrementalDetokenizer when text is needed as it grows
     generator: Any = None  # torch.Generator for seeded sampling
+    grammar: Any = None  # compiled grammar of the request's response_format
+    matcher: Any = None  # its xgrammar matcher, advanced token by token
+    logprobs: list[TokenLogprob] | None = None  # one per output token, when requested
     sent_tokens: int = 0  # output tokens already streamed
     sent_chars: int = 0  # text characters already streamed
     stop_ids: frozenset[int] = field(default_factory=frozenset)
@@ -120,6 +127,9 @@ class ReferenceEngine:
         device: auto | cpu | cuda | cuda:N.
         max_model_len: prompt + output tokens per request (default: the model's).
         num_threads: torch threads for the step loop (default: all cores).
+        profile_dir: write a torch.profiler trace (Chrome / Perfetto JSON) of the first
+            `profile_steps` steps here, one named range per phase; None: no profiling.
+        profile_steps: steps the trace records.
     """
 
     def __init__(
@@ -137,6 +147,8 @@ class ReferenceEngine:
         device: str = "auto",
         max_model_len: int | None = None,
         num_threads: int | None = None,
+        profile_dir: str | None = None,
+        profile_steps: int = 20,
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -200,6 +212,16 @@ class ReferenceEngine:
             self._torch_dtype,
             self._torch_device,
         )
+        self._grammars: Any = None  # engines.reference.grammar.Grammars, on first use
+        self._grammars_lock = threading.Lock()
+        # Off: the no-op profiler, whose phase ranges cost nothing (engines/reference/profiling).
+        self._profiler: NoProfiler = NO_PROFILER
+        if profile_dir is not None:
+            try:
+                self._profiler = StepProfiler(profile_dir, profile_steps, self._torch_device)
+            except (ValueError, OSError) as exc:
+                raise EngineError(f"profile_dir={profile_dir!r}: {exc}") from exc
+        self.runner.profiler = self._profiler
         self._default_generator = torch.Generator(device=self._torch_device)
         self._default_generator.manual_seed(int.from_bytes(os.urandom(4), "little"))
 
@@ -278,6 +300,12 @@ class ReferenceEngine:
             num_steps=self._num_steps,
         )
 
+    @property
+    def profile_trace(self) -> Path | None:
+        """The trace file of `profile_dir` once written (after profile_steps steps, or at
+        shutdown if the engine stopped before); None when not profiling."""
+        return self._profiler.trace_path
+
     def shutdown(self) -> None:
         with self._cv:
             self._stopping = True
@@ -294,6 +322,11 @@ class ReferenceEngine:
 
         metrics = RequestMetrics(arrival_time=time.monotonic())
         error, max_tokens = self._check(request)
+        grammar = None
+        if error is None and request.sampling.response_format is not None:
+            # Compiled on the caller's thread: a bad format is this row's error at once, and
+            # the step loop never waits on a compile.
+            grammar, error = self._compile(request.sampling.response_format)
         with self._cv:
             if self._stopping or self._dead is not None:
                 raise EngineDeadError(
@@ -313,6 +346,7 @@ class ReferenceEngine:
                 sink=sink,
                 metrics=metrics,
                 is_stream=is_stream,
+                grammar=grammar,
             )
             self._in_flight.add(request.request_id)
             self._inbox.append(live)
@@ -329,6 +363,22 @@ class ReferenceEngine:
             return "stop strings need a tokenizer, and the model directory has none", 0
         max_tokens = admission.max_tokens
         return self.scheduler.admission_error(len(request.prompt_token_ids), max_tokens), max_tokens
+
+    def _compile(self, fmt: Any) -> tuple[Any, str | None]:
+        """(compiled grammar, None) or (None, why the format cannot be used)."""
+        from engines.reference.grammar import GrammarError, Grammars
+
+        if self.tokenizer is None:
+            return None, "response_format needs a tokenizer, and the model directory has none"
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = Grammars(
+                    self.tokenizer, self.config.vocab_size, self.config.eos_token_ids
+                )
+        try:
+            return self._grammars.compile(fmt), None
+        except GrammarError as exc:
+            return None, str(exc)
 
     # ---- step loop (engine thread) -------------------------------------------------------
     def _run(self) -> None:
@@ -349,11 +399,16 @@ class ReferenceEngine:
                 for request_id in aborts:
                     self._finish(request_id, "cancelled")
                 if self._live:
-                    self._step()
+                    with self._profiler.step():
+                        self._step()
         except Exception as exc:  # the loop must never die silently: callers get the cause
             _log.exception("reference engine step loop crashed")
             self._die(f"step loop crashed: {type(exc).__name__}: {exc}")
             return
+        finally:
+            # On the thread that recorded the steps; a run shorter than profile_steps still
+            # leaves its trace.
+            self._profiler.close()
         self._cancel_all()
 
     def _admit(self, live: _Live) -> None:
@@ -366,6 +421,10 @@ class ReferenceEngine:
                 self.tokenizer, live.request.prompt_token_ids, sampling.stop
             )
         live.generator = make_generator(sampling.seed, self._torch_device)
+        if live.grammar is not None:
+            live.matcher = self._grammars.matcher(live.grammar)
+        if sampling.logprobs is not None:
+            live.logprobs = []
         live.stop_ids = frozenset(sampling.stop_token_ids)
         self._live[live.request.request_id] = live
         self.scheduler.add_request(live.sched)
@@ -374,58 +433,88 @@ class ReferenceEngine:
         from engines.reference.runner import ChunkInput
         from engines.reference.sampler import sample
 
+        phase = self._profiler.phase  # named ranges in a profile; no-ops otherwise
         start = time.monotonic()
-        output = self.scheduler.schedule()
+        with phase("schedule"):
+            output = self.scheduler.schedule()
         if not output.chunks:
             # Cannot happen with admission checks in place; fail loudly rather than spin.
             head = self.scheduler.waiting[0].request_id
             self._finish(head, "error", error="the request could not be scheduled")
             return
-        inputs = []
-        for chunk in output.chunks:
-            live = self._live[chunk.request_id]
-            if live.metrics.first_scheduled_time is None:
-                live.metrics.first_scheduled_time = start
-            inputs.append(
-                ChunkInput(
-                    chunk,
-                    live.sched.token_ids,
-                    self.block_manager.block_ids(chunk.request_id),
+        with phase("build_inputs"):
+            inputs = []
+            for chunk in output.chunks:
+                live = self._live[chunk.request_id]
+                if live.metrics.first_scheduled_time is None:
+                    live.metrics.first_scheduled_time = start
+                inputs.append(
+                    ChunkInput(
+                        chunk,
+                        live.sched.token_ids,
+                        self.block_manager.block_ids(chunk.request_id),
+                    )
                 )
-            )
+        # build_inputs (tensors) and forward ranges of their own inside
         logits = self.runner.execute(inputs)  # [S, V]
         sampling_chunks = [c for c in output.chunks if c.is_sampling]
         lives = [self._live[c.request_id] for c in sampling_chunks]
-        tokens = sample(
-            logits,
-            [lv.request.sampling for lv in lives],
-            [lv.generator for lv in lives],
-            self._default_generator,
-        )
-        end = time.monotonic()
-        record = StepRecord(
-            start=start,
-            end=end,
-            prefill_tokens={
-                c.request_id: c.num_prefill_tokens for c in output.chunks if c.num_prefill_tokens
-            },
-            decode_tokens={c.request_id: 1 for c in sampling_chunks},
-        )
-        with self._records_lock:
-            self._records.append(record)
-        self._num_steps += 1
+        with phase("sample"):
+            wanting = [i for i, lv in enumerate(lives) if lv.logprobs is not None]
+            # The model's own distribution: taken before masks (which edit logits in place)
+            # and without temperature or top-k/top-p.
+            raw = logits[wanting].float().log_softmax(-1) if wanting else None
+            constrained = [i for i, lv in enumerate(lives) if lv.matcher is not None]
+            if constrained:
+                # Disallowed tokens get -inf for every constrained row at once, before sampling.
+                self._grammars.mask(logits, constrained, [lives[i].matcher for i in constrained])
+            tokens = sample(
+                logits,
+                [lv.request.sampling for lv in lives],
+                [lv.generator for lv in lives],
+                self._default_generator,
+            )
+            if raw is not None:
+                _record_logprobs(raw, [lives[i] for i in wanting], [tokens[i] for i in wanting])
+        # Stop checks, streaming and results; detokenization has ranges of its own inside.
+        with phase("deliver"):
+            end = time.monotonic()
+            record = StepRecord(
+                start=start,
+                end=end,
+                prefill_tokens={
+                    c.request_id: c.num_prefill_tokens
+                    for c in output.chunks
+                    if c.num_prefill_tokens
+                },
+                decode_tokens={c.request_id: 1 for c in sampling_chunks},
+            )
+            with self._records_lock:
+                self._records.append(record)
+            self._num_steps += 1
 
-        sampled = {c.request_id: t for c, t in zip(sampling_chunks, tokens, strict=True)}
-        self.scheduler.update_from_output(output, sampled)
-        for live, token in zip(lives, tokens, strict=True):
-            if live.metrics.first_token_time is None:
-                live.metrics.first_token_time = end
-            self._after_token(live, token)
+            sampled = {c.request_id: t for c, t in zip(sampling_chunks, tokens, strict=True)}
+            self.scheduler.update_from_output(output, sampled)
+            for live, token in zip(lives, tokens, strict=True):
+                if live.metrics.first_token_time is None:
+                    live.metrics.first_token_time = end
+                self._after_token(live, token)
 
     def _after_token(self, live: _Live, token: int) -> None:
         """Check the stop conditions for a freshly sampled token; stream or finish."""
         sampling = live.request.sampling
         request_id = live.request.request_id
+        if live.matcher is not None:
+            from engines.reference.grammar import accept, is_complete
+
+            if not accept(live.matcher, token):
+                self._finish(request_id, "error", error=f"token {token} breaks the response_format")
+                return
+            if is_complete(live.matcher):
+                # The text is whole: the grammar accepted its end (an EOS token), which ends
+                # the request even with ignore_eos, since nothing may follow.
+                self._finish(request_id, "stop", stop_reason=None, stop_token=True)
+                return
         # Like a stop string, a stop or EOS token ends the text without appearing in it (its
         # id stays in output_token_ids and is counted), as in vLLM and OpenAI's servers.
         if token in live.stop_ids:
@@ -434,7 +523,10 @@ class ReferenceEngine:
         if not sampling.ignore_eos and token in self.config.eos_token_ids:
             self._finish(request_id, "stop", stop_reason=None, stop_token=True)
             return
-        stop_string = live.detok.add(token) if live.detok is not None else None
+        stop_string = None
+        if live.detok is not None:
+            with self._profiler.phase("detokenize"):
+                stop_string = live.detok.add(token)
         if stop_string is not None:
             self._finish(request_id, "stop", stop_reason=stop_string)
         elif len(live.sched.output_token_ids) >= live.sched.max_tokens:
@@ -443,9 +535,12 @@ class ReferenceEngine:
             new_tokens = live.sched.output_token_ids[live.sent_tokens :]
             stable = live.detok.stable_text_len() if live.detok else 0
             text = live.detok.text[live.sent_chars : stable] if live.detok else ""
+            logprobs = None
+            if live.logprobs is not None:
+                logprobs = live.logprobs[live.sent_tokens : live.sent_tokens + len(new_tokens)]
             live.sent_tokens += len(new_tokens)
             live.sent_chars = max(live.sent_chars, stable)
-            live.sink.deliver(StreamDelta(list(new_tokens), text))
+            live.sink.deliver(StreamDelta(list(new_tokens), text, logprobs=logprobs))
 
     def _finish(
         self,
@@ -466,7 +561,10 @@ class ReferenceEngine:
             text = live.detok.text
         elif self.tokenizer is not None and output_ids:
             stopped_by_token = stop_token or isinstance(stop_reason, int)
-            text = final_text(self.tokenizer, output_ids[:-1] if stopped_by_token else output_ids)
+            with self._profiler.phase("detokenize"):
+                text = final_text(
+                    self.tokenizer, output_ids[:-1] if stopped_by_token else output_ids
+                )
         else:
             text = ""
         live.metrics.finish_time = time.monotonic()
@@ -480,13 +578,15 @@ class ReferenceEngine:
             stop_reason=stop_reason,
             cached=(sched.num_cached_tokens or 0) if sched else 0,
             preemptions=sched.num_preemptions if sched else 0,
+            logprobs=None if live.logprobs is None else live.logprobs[: len(output_ids)],
         )
         self._num_finished += 1
         with self._cv:
             self._in_flight.discard(request_id)
         if live.is_stream:
+            rest = None if result.logprobs is None else result.logprobs[live.sent_tokens :]
             delta = StreamDelta(
-                output_ids[live.sent_tokens :], text[live.sent_chars :], True, result
+                output_ids[live.sent_tokens :], text[live.sent_chars :], True, result, rest
             )
             live.sink.deliver(delta)
         else:
@@ -523,6 +623,7 @@ def _result(
     stop_reason: str | int | None = None,
     cached: int = 0,
     preemptions: int = 0,
+    logprobs: list[TokenLogprob] | None = None,
 ) -> GenerationResult:
     return GenerationResult(
         request_id=request.request_id,
@@ -536,4 +637,23 @@ def _result(
         stop_reason=stop_reason,
         num_preemptions=preemptions,
         metrics=metrics,
+        logprobs=logprobs,
     )
+
+
+def _record_logprobs(raw: Any, lives: list[_Live], tokens: list[int]) -> None:
+    """Append each row's chosen-token logprob and top alternatives: one gather and one top-k
+    for all rows, one host copy each (only in steps where some request asked)."""
+    import torch
+
+    chosen = raw.gather(1, torch.tensor(tokens, device=raw.device).unsqueeze(1))[:, 0].tolist()
+    k = max(lv.request.sampling.logprobs or 0 for lv in lives)
+    top_ids: list[list[int]] = [[] for _ in lives]
+    top_values: list[list[float]] = [[] for _ in lives]
+    if k > 0:
+        values, ids = raw.topk(min(k, raw.shape[-1]), dim=-1)
+        top_ids, top_values = ids.tolist(), values.tolist()
+    for row, (live, token) in enumerate(zip(lives, tokens, strict=True)):
+        want = live.request.sampling.logprobs or 0
+        top = tuple(zip(top_ids[row][:want], top_values[row][:want], strict=True))
+        live.logprobs.append(TokenLogprob(token, chosen[row], top))

@@ -53,14 +53,17 @@ def resolve_dtype(dtype: str, device) -> str:
 def resolve_max_model_len(cfg: ModelConfig, asked: int | None) -> int:
     limit = cfg.max_position_embeddings
     if cfg.sliding_window is not None:
-        # Full attention over a window-trained model would not match it: stay inside the window.
+        # Sliding layers attend to the last `sliding_window` tokens; within the window that is
+        # full attention, so capping the context keeps every layer exact without windowed masks
+        # in the attention path (Mistral, and Qwen2/3 with use_sliding_window).
         limit = min(limit, cfg.sliding_window)
     if asked is None:
         return limit
     if not isinstance(asked, int) or asked < 2 or asked > limit:
         raise EngineError(
             f"max_model_len={asked!r} is outside what the model supports (2..{limit} tokens, "
-            "from max_position_embeddings / sliding_window in config.json)"
+            "from max_position_embeddings, and sliding_window when the model has sliding-window "
+            "layers, in config.json)"
         )
     return asked
 

@@ -11,10 +11,22 @@ import torch
 
 from engines.reference.config import ModelConfig, rope_inv_freq
 from engines.reference.model import AttentionBatch, CausalLM, DecodeGroup, PrefillSeq
+from engines.reference.profiling import NO_PROFILER, NoProfiler
 from engines.reference.scheduler import ScheduledChunk
 
 # Decode requests attended together; smaller groups pad less, larger ones call SDPA less.
 _DECODE_GROUP_SIZE = 16
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """One step's model inputs on the device (what `prepare` builds and `forward` runs)."""
+
+    input_ids: torch.Tensor  # [T] int64
+    cos: torch.Tensor  # [T, 1, D]
+    sin: torch.Tensor  # [T, 1, D]
+    batch: AttentionBatch
+    logits_rows: torch.Tensor  # [S] int64
 
 
 @dataclass(frozen=True)
@@ -43,6 +55,7 @@ class ModelRunner:
         device: torch.device,
     ) -> None:
         self.model = model
+        self.profiler: NoProfiler = NO_PROFILER  # the engine's, when it profiles
         self.block_size = block_size
         self.device = device
         # Per layer: K and V pools, [KVH, num_blocks, block_size, D]. KV heads outermost so a
@@ -96,9 +109,24 @@ class ModelRunner:
             )
         return groups
 
-    @torch.inference_mode()
     def execute(self, inputs: Sequence[ChunkInput]) -> torch.Tensor:
         """Run one step; returns logits [S, V] (float32) for the sampling chunks, in order."""
+        with self.profiler.phase("build_inputs"):
+            step = self.prepare(inputs)
+        with self.profiler.phase("forward"):
+            return self.forward(step)
+
+    @torch.inference_mode()
+    def forward(self, step: StepInputs) -> torch.Tensor:
+        """The model over prepared inputs: logits [S, V] (float32)."""
+        return self.model(
+            step.input_ids, step.cos, step.sin, step.batch, self.kv_caches, step.logits_rows
+        )
+
+    @torch.inference_mode()
+    def prepare(self, inputs: Sequence[ChunkInput]) -> StepInputs:
+        """Flatten the scheduled chunks into model inputs (separate from `forward` so a
+        profile tells host-side batch building from the model's own time)."""
         dev, bs = self.device, self.block_size
         # Plain Python lists, one torch.tensor each at the end: per-request tensor ops would
         # cost more than the bookkeeping itself at large batch sizes.
@@ -142,13 +170,10 @@ class ModelRunner:
             decode_groups=groups,
             prefills=prefills,
         )
-        cos = self.cos[pos_t].unsqueeze(1)  # [T, 1, D]
-        sin = self.sin[pos_t].unsqueeze(1)
-        return self.model(
-            torch.tensor(input_ids, dtype=torch.int64, device=dev),
-            cos,
-            sin,
-            batch,
-            self.kv_caches,
-            torch.tensor(logits_rows, dtype=torch.int64, device=dev),
+        return StepInputs(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
+            cos=self.cos[pos_t].unsqueeze(1),  # [T, 1, D]
+            sin=self.sin[pos_t].unsqueeze(1),
+            batch=batch,
+            logits_rows=torch.tensor(logits_rows, dtype=torch.int64, device=dev),
         )

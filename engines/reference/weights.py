@@ -5,7 +5,9 @@ if `hf_quant_config.json` exists, hand the model and tensors to
 `engines.reference.quant.apply_quantized_checkpoint`, which swaps linears for quantized ones
 and consumes their scale tensors → fill every parameter still on meta from the tensor of the
 same dotted name (cast to the compute dtype) → FP8 KV scales left in the checkpoint become
-`Attention.k_scale` / `v_scale` → move to the device → fuse q/k/v and gate/up.
+`Attention.k_scale` / `v_scale` → any tensor left unread is an error naming it (a dropped
+bias or norm would otherwise load "fine" and generate garbage) → move to the device → fuse
+q/k/v and gate/up.
 """
 
 from __future__ import annotations
@@ -99,7 +101,9 @@ def _fill_meta(
     origin: dict[str, Path],
     dtype: torch.dtype,
     model_dir: Path,
-) -> None:
+) -> set[str]:
+    """Fill the meta parameters and buffers by name; returns the checkpoint names read."""
+    used: set[str] = set()
     filled: dict[int, torch.Tensor] = {}  # id(meta tensor) -> loaded; keeps tied weights tied
     for module_name, module in model.named_modules(remove_duplicate=False):
         for kind in ("_parameters", "_buffers"):
@@ -116,6 +120,7 @@ def _fill_meta(
                         f"({', '.join(sorted({p.name for p in origin.values()})) or 'no files'})"
                     )
                 tensor = tensors[name]
+                used.add(name)
                 if tuple(tensor.shape) != tuple(value.shape):
                     raise EngineError(
                         f"{origin[name]}: tensor {name!r} has shape {tuple(tensor.shape)}, "
@@ -127,6 +132,41 @@ def _fill_meta(
                     tensor = torch.nn.Parameter(tensor, requires_grad=False)
                 filled[id(value)] = tensor
                 getattr(module, kind)[local] = tensor
+    return used
+
+
+def _ignorable(name: str, cfg: ModelConfig) -> bool:
+    """Checkpoint tensors that are legitimately left unread (transformers skips them too)."""
+    # Rotary inverse frequencies some older exports saved as buffers: the engine derives them
+    # from config.json (rope_theta / rope_parameters), which is what the model was run with.
+    if name.endswith(".rotary_emb.inv_freq"):
+        return True
+    # Tied embeddings: the LM head IS embed_tokens; an exporter may still write the copy.
+    # transformers ties over it too, so reading it would diverge from the reference.
+    return cfg.tie_word_embeddings and name == "lm_head.weight"
+
+
+def _check_all_used(
+    tensors: dict[str, torch.Tensor],
+    used: set[str],
+    origin: dict[str, Path],
+    cfg: ModelConfig,
+    model_dir: Path,
+) -> None:
+    # Quantization scales and FP8 KV scales are not in this check by construction: quant.py
+    # and _apply_kv_scales pop what they consume, so a scale still here had no home either.
+    unused = sorted(n for n in tensors if n not in used and not _ignorable(n, cfg))
+    if not unused:
+        return
+    files = sorted({origin[n].name for n in unused if n in origin})
+    shown = ", ".join(repr(n) for n in unused[:8])
+    more = f" and {len(unused) - 8} more" if len(unused) > 8 else ""
+    raise EngineError(
+        f"{model_dir}: {len(unused)} checkpoint tensor(s) are not used by the "
+        f"{cfg.model_type} model that config.json describes: {shown}{more} "
+        f"(in {', '.join(files)}); config.json and the weights disagree (e.g. a bias flag such "
+        "as attention_bias / mlp_bias, tie_word_embeddings, num_hidden_layers)"
+    )
 
 
 def load_model(
@@ -142,7 +182,8 @@ def load_model(
         model.lm_head.weight = model.model.embed_tokens.weight
     _apply_quantization(model, tensors, model_dir)
     _apply_kv_scales(model, tensors)
-    _fill_meta(model, tensors, origin, dtype, model_dir)
+    used = _fill_meta(model, tensors, origin, dtype, model_dir)
+    _check_all_used(tensors, used, origin, cfg, model_dir)
     model = model.to(device).eval().requires_grad_(False)
     fuse_projections(model)
     return model

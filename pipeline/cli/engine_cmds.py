@@ -56,13 +56,21 @@ def bench(
     vllm_eager: bool = typer.Option(
         False, help="vllm mode: no graph compilation (starts in seconds; slower steps)."
     ),
+    profile: Path | None = typer.Option(
+        None,
+        help="reference mode: record engine steps with torch.profiler, write the Chrome / "
+        "Perfetto trace to this directory and print the time per step phase.",
+    ),
+    profile_steps: int = typer.Option(
+        50, min=1, help="With --profile: engine steps to record (from the first)."
+    ),
 ) -> None:
     """Compare the reference engine with transformers (static and continuous batching) and,
     with mode vllm, with vLLM (its CPU build, in .venv-vllm: `make setup-vllm`).
 
     Prints useful generated tokens/s, TTFT p50/p95 and peak RSS per mode, the speed-up over
     the best transformers mode and over vLLM, and decode FLOP/s against this CPU's matmul
-    FLOP/s.
+    FLOP/s. With --profile, also the reference engine's time per step phase (docs/engine.md).
     """
     import json
 
@@ -88,6 +96,8 @@ def bench(
         mode_timeout_s=mode_timeout,
         vllm_python=str(vllm_python) if vllm_python else None,
         vllm_eager=vllm_eager,
+        profile_dir=str(profile.resolve()) if profile else None,
+        profile_steps=profile_steps,
     )
     report = run_bench(config, log=typer.echo)
     summary = format_summary(report)

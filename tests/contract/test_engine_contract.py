@@ -14,16 +14,26 @@ What every engine must agree on, whatever its model:
   (finish_reason "error", the error names the problem), never an exception;
 - streaming yields the same ids and text as generate, ending with one finished delta;
 - after shutdown, requests in flight finish "cancelled" and new ones raise EngineDeadError;
-  after the engine dies, requests raise EngineDeadError.
+  after the engine dies, requests raise EngineDeadError;
+- a response_format constrains the text (JSON schema, choice), or, where a kind has no
+  structured output yet, the row is an error saying so: never unconstrained text.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
-from engines.api import EngineDeadError, GenerationRequest, GenerationResult, SamplingParams
+from engines.api import (
+    EngineDeadError,
+    GenerationRequest,
+    GenerationResult,
+    ResponseFormat,
+    SamplingParams,
+)
+from pipeline.formats import conforms
 from tests.contract.harness import MAX_MODEL_LEN, EngineHarness, kind_params
 
 PROMPT = [11, 42, 7, 300, 5, 99, 12]
@@ -56,6 +66,55 @@ def assert_ordered(result: GenerationResult) -> None:
         # Interval cost split needs a real interval: never-reached is None, not 0.
         assert m.first_scheduled_time is not None and m.first_scheduled_time > 0
         assert m.first_token_time is not None and m.first_token_time > 0
+
+
+# --- structured output ---------------------------------------------------------------------------
+
+CONTRACT_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "kind": {"enum": ["a", "b"]},
+        "n": {"type": "integer", "minimum": 0, "maximum": 9},
+        "tag": {"type": "string", "maxLength": 5},
+    },
+    "required": ["kind", "n", "tag"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("harness", KINDS, indirect=True)
+def test_response_format_constrains_the_text(harness: EngineHarness) -> None:
+    formats = [
+        ResponseFormat.json(CONTRACT_SCHEMA),
+        ResponseFormat("choice", choices=("left", "right")),
+    ]
+    for i, fmt in enumerate(formats):
+        sampling = SamplingParams(max_tokens=64, temperature=0.0, response_format=fmt)
+        result = generate(harness, PROMPT, sampling, f"fmt-{i}")
+        if harness.kind == "trtllm":  # not wired yet: refused, never free text
+            assert result.finish_reason == "error" and "response_format" in result.error
+            continue
+        assert result.finish_reason == "stop", (fmt.kind, result.text, result.error)
+        assert conforms(fmt, result.text), (fmt.kind, result.text)
+        if fmt.kind == "json_schema":
+            assert set(json.loads(result.text)) == {"kind", "n", "tag"}
+
+
+@pytest.mark.parametrize("harness", KINDS, indirect=True)
+def test_logprobs_one_per_token_with_sorted_alternatives(harness: EngineHarness) -> None:
+    result = generate(harness, PROMPT, greedy(6, logprobs=3), "logprobs")
+    if harness.kind == "trtllm":  # not wired yet: refused, never silently without logprobs
+        assert result.finish_reason == "error" and "logprobs" in result.error
+        return
+    assert result.logprobs is not None
+    assert [lp.token_id for lp in result.logprobs] == result.output_token_ids
+    for lp in result.logprobs:
+        assert len(lp.top) == 3 and lp.logprob <= 0
+        values = [v for _, v in lp.top]
+        assert values == sorted(values, reverse=True)
+        # Greedy: the chosen token is the most likely one (ties aside).
+        assert lp.logprob == pytest.approx(values[0], abs=1e-4)
+    assert generate(harness, PROMPT, greedy(2), "no-logprobs").logprobs is None
 
 
 # --- finishing and counting ----------------------------------------------------------------------

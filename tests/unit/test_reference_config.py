@@ -103,3 +103,70 @@ def test_llama3_inv_freq_matches_transformers(tmp_path) -> None:
     ours = rope_inv_freq(cfg.head_dim, cfg.rope)
     assert torch.equal(ours, expected)
     assert not torch.equal(ours, rope_inv_freq(cfg.head_dim, RopeConfig(theta=500000.0)))
+
+
+def test_bias_flags_follow_transformers_per_family(tmp_path) -> None:
+    cfg = load_model_config(_write(tmp_path, attention_bias=True, mlp_bias=True))
+    assert cfg.attention_bias and cfg.o_proj_bias and cfg.mlp_bias  # Llama: as configured
+    # Qwen2 hard-codes q/k/v bias on and o_proj / MLP bias off, whatever the config says.
+    cfg = load_model_config(
+        _write(tmp_path, model_type="qwen2", attention_bias=False, mlp_bias=True)
+    )
+    assert cfg.attention_bias and not cfg.o_proj_bias and not cfg.mlp_bias
+    cfg = load_model_config(_write(tmp_path, model_type="qwen3", attention_bias=True))
+    assert cfg.attention_bias and cfg.o_proj_bias and not cfg.mlp_bias
+    cfg = load_model_config(_write(tmp_path, model_type="mistral", attention_bias=True))
+    assert not (cfg.attention_bias or cfg.o_proj_bias or cfg.mlp_bias)
+
+
+@pytest.mark.parametrize(
+    ("changes", "window"),
+    [
+        # Real Qwen configs often carry a window with the flag off: no layer slides.
+        ({"sliding_window": 4096, "use_sliding_window": False}, None),
+        ({"sliding_window": 64, "use_sliding_window": True, "max_window_layers": 1}, 64),
+        # max_window_layers >= num_hidden_layers: every layer attends fully.
+        ({"sliding_window": 64, "use_sliding_window": True, "max_window_layers": 2}, None),
+        # layer_types, when written, decides (transformers 5 saves it).
+        (
+            {
+                "sliding_window": 64,
+                "use_sliding_window": True,
+                "max_window_layers": 0,
+                "layer_types": ["full_attention", "full_attention"],
+            },
+            None,
+        ),
+        (
+            {
+                "sliding_window": 64,
+                "use_sliding_window": True,
+                "layer_types": ["sliding_attention", "full_attention"],
+            },
+            64,
+        ),
+    ],
+)
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
+def test_qwen_sliding_window_follows_use_sliding_window(
+    tmp_path, model_type: str, changes: dict, window: int | None
+) -> None:
+    cfg = load_model_config(_write(tmp_path, model_type=model_type, **changes))
+    assert cfg.sliding_window == window
+
+
+def test_mistral_slides_every_layer_and_unknown_layer_types_are_refused(tmp_path) -> None:
+    assert (
+        load_model_config(_write(tmp_path, model_type="mistral", sliding_window=32)).sliding_window
+        == 32
+    )
+    assert load_model_config(_write(tmp_path, sliding_window=32)).sliding_window is None  # llama
+    _write(
+        tmp_path,
+        model_type="qwen3",
+        sliding_window=32,
+        use_sliding_window=True,
+        layer_types=["chunked_attention", "full_attention"],
+    )
+    with pytest.raises(EngineError, match=r"chunked_attention.*sliding_attention"):
+        load_model_config(tmp_path)
