@@ -75,13 +75,33 @@ cost:
   (file and line number in `error`), never a failed job. Blank lines are skipped.
 - `openai_batch`: OpenAI Batch API lines (`custom_id`, `method`, `url`, `body`). Supported
   urls: `/v1/chat/completions` (`body.messages`) and `/v1/completions` (`body.prompt`).
-  `body.max_tokens` / `max_completion_tokens`, `temperature`, `top_p` and `seed` override the
-  job's sampling for that row (columns `max_tokens`, `temperature`, `top_p`, `seed`);
-  `body.model` is ignored (the job's model answers). A `/v1/completions` prompt is a raw
-  continuation (tokenized without the chat template or system prompt), as in the OpenAI API.
-  Parameters that would change results and are not implemented (`n` > 1, `logprobs`, `tools`,
-  `stop`, penalties, `logit_bias`, `response_format` other than text, ...) make the row an
-  error row naming the parameter.
+  `body.max_tokens` / `max_completion_tokens`, `temperature`, `top_p`, `seed` and
+  `response_format` override the job's sampling for that row (columns `max_tokens`,
+  `temperature`, `top_p`, `seed`, `response_format`); `body.model` is ignored (the job's model
+  answers). A `/v1/completions` prompt is a raw continuation (tokenized without the chat
+  template or system prompt), as in the OpenAI API. Parameters that would change results and
+  are not implemented (`n` > 1, `logprobs`, `tools`, `stop`, penalties, `logit_bias`, ...)
+  make the row an error row naming the parameter.
+
+## Structured output
+
+`sampling.response_format` (or, per row, the column named by
+`sampling.overrides.response_format`, or an openai_batch line's `body.response_format`)
+constrains the text while it is generated: the engine masks every token that would leave the
+format, so even a weak model writes only valid output. Accepted shapes:
+
+- `{type: json_schema, json_schema: {name, schema, strict}}` (OpenAI's) or
+  `{type: json_schema, schema: {...}}`: JSON valid under the schema;
+- `{type: json_object}`: any JSON object;
+- `{type: regex, regex: "[A-Z]{2}-[0-9]{3}"}`: a full match of the regex;
+- `{type: choice, choices: [positive, negative]}`: exactly one of the strings;
+- `{type: text}`: free text (a row's way out of the job's format).
+
+JSON comes compact (one space after `:` and `,`). A format that cannot be compiled (an invalid
+schema or regex) makes its row an error row naming the column and the problem. The output then
+has a `parsed` column (bool): true when the row finished on its own (finish_reason `stop`) and
+its text is valid in its format, false when it was cut by max_tokens, null for rows without a
+format and for error rows. Give max_tokens room for the longest valid answer.
 
 Without an id column, a row's id is `<first 8 hex of sha256(file URI)>-<row index>` (JSONL: the
 0-based line number; Parquet: the 0-based row number).

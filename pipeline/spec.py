@@ -262,6 +262,16 @@ class EngineSpec(_Strict):
     max_model_len: int | None = Field(
         None, ge=16, description="Cap on prompt + output tokens; null: the model's context."
     )
+    profile_dir: str | None = Field(
+        None,
+        description="reference engine: record engine steps with torch.profiler and write a "
+        "Chrome / Perfetto trace (JSON) to this local directory on each node, one named range "
+        "per step phase (schedule, build_inputs, forward, sample, detokenize, deliver; NVTX "
+        "ranges too on CUDA). Null: no profiling and no overhead. See docs/engine.md.",
+    )
+    profile_steps: int = Field(
+        20, ge=1, description="reference engine with profile_dir: engine steps to record."
+    )
     scheduler_policy: Literal["guaranteed_no_evict", "max_utilization"] = Field(
         "guaranteed_no_evict", description="trtllm capacity scheduler policy."
     )
@@ -293,16 +303,50 @@ class SamplingSpec(_Strict):
     stop: list[str] = Field(default_factory=list, description="Stop strings (cut from the text).")
     stop_token_ids: list[int] = Field(default_factory=list, description="Extra stop token ids.")
     ignore_eos: bool = Field(False, description="Generate past end-of-sequence (benchmarks).")
+    response_format: dict[str, Any] | None = Field(
+        None,
+        description="Constrain every row's text while it is generated: "
+        "{type: json_schema, schema: {...}} (or OpenAI's {type: json_schema, json_schema: "
+        "{name, schema}}), {type: json_object}, {type: regex, regex: ...} or {type: choice, "
+        "choices: [...]}. Output rows get `parsed`: whether the text is whole and valid. "
+        "Null: free text.",
+    )
+    logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=20,
+        description="Per output token, its logprob and this many most likely alternatives "
+        "(0: the chosen token's only), from the model's own distribution (before temperature "
+        "and masks), in a nested `logprobs` output column. Null: none.",
+    )
     overrides: dict[str, str] = Field(
         default_factory=dict,
         description="Per-row overrides: sampling field -> input column, e.g. "
-        "{max_tokens: max_tokens_col}. A null cell keeps the default.",
+        "{max_tokens: max_tokens_col}. A null cell keeps the default. response_format's "
+        "column holds a format as JSON text or an object (a row may carry its own schema).",
     )
+
+    @field_validator("response_format")
+    @classmethod
+    def _readable_format(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        from pipeline.formats import parse_response_format
+
+        # FormatError is a ValueError: pydantic reports it under sampling.response_format.
+        parse_response_format(value, "sampling.response_format")
+        return value
 
     @field_validator("overrides")
     @classmethod
     def _known_override_fields(cls, value: dict[str, str]) -> dict[str, str]:
-        allowed = {"max_tokens", "temperature", "top_p", "top_k", "seed"}
+        allowed = {
+            "max_tokens",
+            "temperature",
+            "top_p",
+            "top_k",
+            "seed",
+            "response_format",
+            "logprobs",
+        }
         unknown = sorted(set(value) - allowed)
         if unknown:
             raise ValueError(
@@ -382,6 +426,17 @@ class ResourcesSpec(_Strict):
 class OutputSpec(_Strict):
     uri: str = Field(
         min_length=1, description="Output directory: local path, file:// or s3:// prefix."
+    )
+    format: Literal["parquet", "openai_batch"] = Field(
+        "parquet",
+        description="parquet: the Parquet parts only. openai_batch: besides them, per "
+        "committed part `part-<n>.parquet`, OpenAI Batch API output lines "
+        "(`openai-output-<n>.jsonl`: custom_id, response with a chat.completion / "
+        "text_completion body and usage) and error lines (`openai-errors-<n>.jsonl`: "
+        "custom_id, error), derived from the committed part and written before `_SUCCESS` (a "
+        "stopped run writes them for what it committed). Needs input.format openai_batch with "
+        "`url` in input.passthrough_columns (it picks the response object per request). See "
+        "docs/batch-api.md.",
     )
     rows_per_file: int = Field(10_000, ge=1, description="Rows per Parquet part at most.")
     include_token_ids: bool = Field(
@@ -494,12 +549,15 @@ RESERVED_COLUMNS: frozenset[str] = frozenset(
         "top_p",
         "top_k",
         "seed",
+        "response_format",
+        "logprobs",
         # generate, cost, write
         "text",
         "finish_reason",
         "cached_prompt_tokens",
         "completion_tokens",
         "completion_token_ids",
+        "parsed",
         "queue_s",
         "ttft_s",
         "decode_s",
@@ -549,6 +607,29 @@ class JobSpec(_Strict):
             raise ValueError(
                 f"input.passthrough_columns: {clashes} are written by the pipeline itself; "
                 "rename those input columns"
+            )
+        sampling = self.sampling
+        if self.engine.kind == "trtllm" and (
+            sampling.response_format is not None or "response_format" in sampling.overrides
+        ):
+            raise ValueError(
+                "sampling.response_format: engine.kind trtllm does not support structured "
+                "output yet; use engine.kind reference or vllm"
+            )
+        if self.engine.kind == "trtllm" and (
+            sampling.logprobs is not None or "logprobs" in sampling.overrides
+        ):
+            raise ValueError(
+                "sampling.logprobs: engine.kind trtllm does not support logprobs yet; use "
+                "engine.kind reference or vllm"
+            )
+        if self.output.format == "openai_batch" and (
+            inp.format != "openai_batch" or "url" not in inp.passthrough_columns
+        ):
+            raise ValueError(
+                "output.format openai_batch answers OpenAI Batch API requests: it needs "
+                "input.format openai_batch and `url` in input.passthrough_columns (the url "
+                "says whether a request gets a chat.completion or a text_completion)"
             )
         if inp.format == "openai_batch":
             if prompt.template is not None:

@@ -393,7 +393,7 @@ class EngineWorker:
             # has finished too.
             await finished.wait_for(lambda: self.meter.is_final(request.request_id))
         gpu_seconds = self.meter.pop_row_seconds(request.request_id)
-        return RowOutcome.from_result(result, gpu_seconds)
+        return RowOutcome.from_result(result, gpu_seconds, sampling.response_format)
 
     async def _generate(self, request: GenerationRequest) -> GenerationResult:
         try:

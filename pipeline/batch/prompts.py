@@ -10,6 +10,11 @@
   (openai_batch: the request body's values).
 - `seed` (int64, null): a per-row override as given; else, when `sampling.seed` is set,
   `derive_seed(sampling.seed, id)` so a row samples the same whatever its batch; else null.
+- `logprobs` (int32, null): alternatives per output token to report (override, else
+  `sampling.logprobs`); null: no logprobs.
+- `response_format` (string, null): the row's format as canonical JSON text (the override
+  column's, else `sampling.response_format`); null: free text. A format that cannot be read
+  makes the row an error row naming the column.
 - `error` (string, null): set when the row cannot be generated: invalid messages, an empty
   prompt, a template error, an invalid override value, or prompt_tokens + max_tokens above the
   context length, or an id that repeats an earlier row of the shard. Rows that arrive with
@@ -49,7 +54,11 @@ TEMPERATURE = "temperature"
 TOP_P = "top_p"
 TOP_K = "top_k"
 SEED = "seed"
-SAMPLING_COLUMNS = (MAX_TOKENS, TEMPERATURE, TOP_P, TOP_K, SEED)
+RESPONSE_FORMAT = "response_format"
+LOGPROBS = "logprobs"
+SAMPLING_COLUMNS = (MAX_TOKENS, TEMPERATURE, TOP_P, TOP_K, SEED, RESPONSE_FORMAT, LOGPROBS)
+# The response_format cell of a row that asks for free text although the job has a format.
+FREE_TEXT = '{"type": "text"}'
 STAGE_COLUMNS = (PROMPT_TOKEN_IDS, PROMPT_TOKENS, *SAMPLING_COLUMNS)
 
 # Start of the error of a row whose prompt + max_tokens exceed the context (plan counts them).
@@ -259,9 +268,21 @@ def derive_seed(base_seed: int, row_id: str) -> int:
     return int.from_bytes(digest[:8], "big") & (2**63 - 1)
 
 
+@functools.lru_cache(maxsize=256)
+def _format_cell(text: str, where: str) -> tuple[str | None, str | None]:
+    """(canonical JSON text or FREE_TEXT, None) or (None, what is wrong), from JSON text."""
+    from pipeline.formats import FormatError, parse_response_format, to_json
+
+    try:
+        fmt = parse_response_format(text, where)
+    except FormatError as exc:
+        return None, str(exc)
+    return (to_json(fmt) if fmt is not None else FREE_TEXT), None
+
+
 def _check_sampling(field: str, value: Any) -> str | None:
     """None if `value` is valid for the sampling field, else what is wrong with it."""
-    if field in ("max_tokens", "top_k", "seed") and (
+    if field in ("max_tokens", "top_k", "seed", "logprobs") and (
         isinstance(value, bool) or not isinstance(value, int)
     ):
         return "must be an integer"
@@ -269,6 +290,8 @@ def _check_sampling(field: str, value: Any) -> str | None:
         return "must be >= 1"
     if field == "top_k" and value < 0:
         return "must be >= 0 (0 disables)"
+    if field == "logprobs" and not 0 <= value <= 20:
+        return "must be in [0, 20]"
     if field == "seed" and not -(2**63) <= value < 2**63:
         return "must fit in int64"
     if field in ("temperature", "top_p"):
@@ -296,11 +319,26 @@ def resolve_sampling(
         TOP_P: base.top_p,
         TOP_K: base.top_k,
         SEED: None,
+        RESPONSE_FORMAT: None,
+        LOGPROBS: base.logprobs,
     }
+    if base.response_format is not None:
+        values[RESPONSE_FORMAT], _ = _format_cell(
+            json.dumps(base.response_format, sort_keys=True), "sampling.response_format"
+        )
     seed_overridden = False
     for field, column in overrides.items():
         value = row.get(column)
         if value is None or (isinstance(value, float) and math.isnan(value)):
+            continue
+        if field == RESPONSE_FORMAT:
+            if not isinstance(value, str):  # a Parquet struct column, or a reader's object
+                value = json.dumps(value)
+            values[RESPONSE_FORMAT], problem = _format_cell(
+                value, f"column {column!r} (sampling.overrides.response_format)"
+            )
+            if problem:
+                return values, problem
             continue
         problem = _check_sampling(field, value)
         if problem:
@@ -366,6 +404,8 @@ class PromptStage:
             TOP_P: pa.array([r[TOP_P] for r in results], type=pa.float64()),
             TOP_K: pa.array([r[TOP_K] for r in results], type=pa.int32()),
             SEED: pa.array([r[SEED] for r in results], type=pa.int64()),
+            RESPONSE_FORMAT: pa.array([r[RESPONSE_FORMAT] for r in results], type=pa.string()),
+            LOGPROBS: pa.array([r[LOGPROBS] for r in results], type=pa.int32()),
             ERROR: pa.array([r[ERROR] for r in results], type=pa.string()),
         }
         for name, array in columns.items():

@@ -12,7 +12,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from engines.api import GenerationResult, SamplingParams
+from engines.api import GenerationResult, ResponseFormat, SamplingParams
 from pipeline.batch.read import ROW
 from pipeline.spec import CostSpec, EngineSpec, JobSpec, ModelSpec, SamplingSpec, StorageSpec
 
@@ -30,6 +30,8 @@ class GenerateConfig:
     schema: pa.Schema  # the job's output schema (pipeline.batch.schema)
     passthrough: tuple[str, ...]  # input columns copied to the output
     include_token_ids: bool  # also emit completion_token_ids
+    structured: bool  # rows may carry a response format: emit `parsed`
+    logprobs: bool  # rows may ask for logprobs: emit `logprobs`
     max_in_flight: int  # requests in the engine at once, across shards
     batch_size: int  # rows taken from a shard at a time
     rows_per_file: int  # a part holds at most this many rows
@@ -40,6 +42,8 @@ class GenerateConfig:
 
     @classmethod
     def from_spec(cls, spec: JobSpec, schema: pa.Schema) -> GenerateConfig:
+        from pipeline.batch.schema import is_structured, wants_logprobs
+
         return cls(
             model=spec.model,
             engine=spec.engine,
@@ -50,6 +54,8 @@ class GenerateConfig:
             schema=schema,
             passthrough=tuple(spec.input.passthrough_columns),
             include_token_ids=spec.output.include_token_ids,
+            structured=is_structured(spec),
+            logprobs=wants_logprobs(spec),
             max_in_flight=spec.resources.max_in_flight,
             batch_size=spec.resources.batch_size,
             rows_per_file=spec.output.rows_per_file,
@@ -86,7 +92,25 @@ def row_sampling(row: dict[str, Any], sampling: SamplingSpec) -> SamplingParams:
         stop=tuple(sampling.stop),
         stop_token_ids=tuple(sampling.stop_token_ids),
         ignore_eos=sampling.ignore_eos,
+        response_format=row_format(row),
+        logprobs=_row_logprobs(row, sampling),
     )
+
+
+def _row_logprobs(row: dict[str, Any], sampling: SamplingSpec) -> int | None:
+    """The prompt stage's `logprobs` cell (override or job default); the job's without it."""
+    if "logprobs" in row:
+        value = row["logprobs"]
+        return None if value is None else int(value)
+    return sampling.logprobs
+
+
+def row_format(row: dict[str, Any]) -> ResponseFormat | None:
+    """The row's response format from the prompt stage's canonical `response_format` cell."""
+    from pipeline.formats import from_column
+
+    text = row.get("response_format")
+    return from_column(text) if text else None
 
 
 # --- one row's outcome -----------------------------------------------------------------------
@@ -110,6 +134,8 @@ class RowOutcome:
     gpu_seconds: float
     finished_at: dt.datetime
     served: bool  # reached this actor's engine (actor_id is set only then)
+    parsed: bool | None = None  # constrained rows: whole and valid in their format
+    logprobs: list[dict[str, Any]] | None = None  # rows that asked: the nested column's value
 
     @classmethod
     def failed(cls, error: str, prompt_tokens: int, served: bool) -> RowOutcome:
@@ -131,9 +157,19 @@ class RowOutcome:
         )
 
     @classmethod
-    def from_result(cls, result: GenerationResult, gpu_seconds: float) -> RowOutcome:
+    def from_result(
+        cls, result: GenerationResult, gpu_seconds: float, fmt: ResponseFormat | None = None
+    ) -> RowOutcome:
+        from pipeline.formats import conforms
+
         m = result.metrics
+        parsed = None
+        if fmt is not None:
+            # A cut text (finish "length") or an error row is not a usable answer.
+            parsed = result.finish_reason == "stop" and conforms(fmt, result.text)
         return cls(
+            parsed=parsed,
+            logprobs=_logprob_rows(result),
             text=result.text,
             finish_reason=result.finish_reason,
             error=result.error if result.finish_reason == "error" else None,
@@ -149,6 +185,20 @@ class RowOutcome:
             finished_at=dt.datetime.now(dt.timezone.utc),
             served=True,
         )
+
+
+def _logprob_rows(result: GenerationResult) -> list[dict[str, Any]] | None:
+    """A result's logprobs as the `logprobs` column's nested value."""
+    if result.logprobs is None:
+        return None
+    return [
+        {
+            "token_id": lp.token_id,
+            "logprob": lp.logprob,
+            "top": [{"token_id": t, "logprob": v} for t, v in lp.top],
+        }
+        for lp in result.logprobs
+    ]
 
 
 def prompt_tokens_of(row: dict[str, Any]) -> int:
@@ -168,7 +218,12 @@ def outcomes_to_table(
 ) -> pa.Table:
     """Output rows for `batch` (prepared rows) and their outcomes: `_row`, id, passthrough
     columns and the result columns of pipeline.batch.schema."""
-    from pipeline.batch.schema import RESULT_FIELDS, TOKEN_IDS_FIELD
+    from pipeline.batch.schema import (
+        LOGPROBS_FIELD,
+        PARSED_FIELD,
+        RESULT_FIELDS,
+        TOKEN_IDS_FIELD,
+    )
     from pipeline.cost import row_cost
 
     costs = [
@@ -212,5 +267,11 @@ def outcomes_to_table(
     if config.include_token_ids:
         columns[TOKEN_IDS_FIELD.name] = pa.array(
             [o.completion_token_ids for o in outcomes], type=TOKEN_IDS_FIELD.type
+        )
+    if config.structured:
+        columns[PARSED_FIELD.name] = pa.array([o.parsed for o in outcomes], type=pa.bool_())
+    if config.logprobs:
+        columns[LOGPROBS_FIELD.name] = pa.array(
+            [o.logprobs for o in outcomes], type=LOGPROBS_FIELD.type
         )
     return pa.table(columns)

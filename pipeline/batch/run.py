@@ -38,9 +38,11 @@ from pipeline.batch.read import sample_values
 from pipeline.batch.scheduler import JobFailed, JobFenced, Scheduler
 from pipeline.batch.schema import (
     INFER_SAMPLE_ROWS,
+    is_structured,
     output_schema,
     passthrough_fields,
     schema_to_json,
+    wants_logprobs,
 )
 from pipeline.batch.shards import ShardPlan, plan_shards
 from pipeline.batch.units import PartWritten, WorkUnit
@@ -173,7 +175,12 @@ def run_job(
     files = _preflight(spec)  # fails here, before any actor, on bad input or storage
     check_cpu_headroom(spec, known_cluster_cpus())
     plan, passthrough = plan_input(spec, files)
-    schema = output_schema(passthrough, spec.output.include_token_ids)
+    schema = output_schema(
+        passthrough,
+        spec.output.include_token_ids,
+        structured=is_structured(spec),
+        logprobs=wants_logprobs(spec),
+    )
     fingerprint = job_fingerprint(
         spec, files, shard_plan=plan.digest, schema=schema_to_json(schema)
     )
@@ -222,6 +229,7 @@ def _run(
     opened = committer.open()  # ResumeRefused: another job's output
     previous = opened.previous
     if opened.already_complete and not retry_errors and previous is not None:
+        _export_openai_batch(spec, committer)  # when output.format changed since
         return _nothing_to_do(
             out,
             previous,
@@ -301,11 +309,23 @@ def _run(
         status = "stopped_at_budget"
     if status == "complete" and _ids_from_data(spec) and committer.needs_duplicate_check():
         _check_duplicate_ids(spec, committer, schema, say)
+    _export_openai_batch(spec, committer)  # before finish writes `_SUCCESS`
     manifest = committer.finish(
         status, time.monotonic() - started, list(accounts.values()), events, budget_state
     )
     _write_report(spec, out, say)
     return _result(spec, committer, manifest, status, limit, events)
+
+
+def _export_openai_batch(spec: JobSpec, committer: Committer) -> None:
+    """output.format openai_batch: OpenAI-format lines of exactly the committed parts
+    (pipeline.batch.openai_output); a stopped or incomplete run exports what it committed."""
+    if spec.output.format != "openai_batch":
+        return
+    from pipeline.batch.openai_output import LineContext, export_committed
+
+    context = LineContext(committer.fingerprint.value, spec.cost.price_per_million is not None)
+    export_committed(committer.out, committer.ledger.records(), context)
 
 
 def _ids_from_data(spec: JobSpec) -> bool:

@@ -43,6 +43,24 @@ RESULT_FIELDS: tuple[pa.Field, ...] = (
     pa.field("finished_at", pa.timestamp("ms", tz="UTC")),  # wall time the row finished
 )
 TOKEN_IDS_FIELD = pa.field("completion_token_ids", pa.list_(pa.int32()))
+# Jobs that can constrain output (sampling.response_format, its override, openai_batch): is
+# the text whole and valid in its format? Null on unconstrained rows.
+PARSED_FIELD = pa.field("parsed", pa.bool_())
+# Jobs that ask for logprobs (sampling.logprobs, its override, openai_batch): per output token
+# its id, logprob and top alternatives. Null on rows without logprobs.
+_ALTERNATIVE = pa.struct([("token_id", pa.int32()), ("logprob", pa.float32())])
+LOGPROBS_FIELD = pa.field(
+    "logprobs",
+    pa.list_(
+        pa.struct(
+            [
+                ("token_id", pa.int32()),
+                ("logprob", pa.float32()),
+                ("top", pa.list_(_ALTERNATIVE)),
+            ]
+        )
+    ),
+)
 
 # `input.passthrough_types` names → Arrow types. "json" keeps any value as JSON text.
 PASSTHROUGH_TYPES: dict[str, pa.DataType] = {
@@ -59,13 +77,38 @@ INFER_SAMPLE_ROWS = 1000
 
 
 def output_schema(
-    passthrough: Iterable[pa.Field] = (), include_token_ids: bool = False
+    passthrough: Iterable[pa.Field] = (),
+    include_token_ids: bool = False,
+    structured: bool = False,
+    logprobs: bool = False,
 ) -> pa.Schema:
     """The one schema of every part of a job: id, passthrough columns, results."""
     fields = [pa.field("id", pa.string()), *passthrough, *RESULT_FIELDS]
     if include_token_ids:
         fields.append(TOKEN_IDS_FIELD)
+    if structured:
+        fields.append(PARSED_FIELD)
+    if logprobs:
+        fields.append(LOGPROBS_FIELD)
     return pa.schema(fields)
+
+
+def wants_logprobs(spec: JobSpec) -> bool:
+    """Whether a job's rows can ask for logprobs (and its output has a `logprobs` column)."""
+    return (
+        spec.sampling.logprobs is not None
+        or "logprobs" in spec.sampling.overrides
+        or spec.input.format == "openai_batch"
+    )
+
+
+def is_structured(spec: JobSpec) -> bool:
+    """Whether a job's rows can carry a response format (and its output a `parsed` column)."""
+    return (
+        spec.sampling.response_format is not None
+        or "response_format" in spec.sampling.overrides
+        or spec.input.format == "openai_batch"
+    )
 
 
 def schema_to_json(schema: pa.Schema) -> list[list[str]]:

@@ -32,12 +32,14 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
-from engines.api import EngineInfo, EngineStats, GenerationResult
+from engines.api import FORMAT_ERROR_PREFIX, EngineInfo, EngineStats, GenerationResult
+from pipeline.serve import batch_routes
 from pipeline.serve.auth import KeyDigests
 from pipeline.serve.board import open_board
 from pipeline.serve.health import unready_models
 from pipeline.serve.keys import ApiKey, KeyFileWatcher
 from pipeline.serve.limits import Gate, Lease, Limiter, LimitExceeded, retry_after_header
+from pipeline.serve.logprobs import LogprobsBody
 from pipeline.serve.metrics import CONTENT_TYPE, ServeMetrics
 from pipeline.serve.protocol import (
     SSE_DONE,
@@ -76,6 +78,7 @@ READY_CACHE_S = 1.0  # probes more frequent than this share one Serve status cal
 INGRESS_HEADROOM = 64
 
 fastapi_app = FastAPI(title="tokenmill", docs_url=None, redoc_url=None, openapi_url=None)
+fastapi_app.include_router(batch_routes.router)  # /v1/files, /v1/batches (serve file batch_api)
 
 
 @fastapi_app.exception_handler(ApiError)
@@ -117,6 +120,10 @@ def result_error(name: str, result: GenerationResult | None) -> ApiError | None:
             type="server_error",
             code="engine_unavailable",
         )
+    if not result.ok and (result.error or "").startswith(FORMAT_ERROR_PREFIX):
+        # The engine could not compile the request's format (a schema feature or regex it
+        # does not support): the request's fault, not the server's.
+        return ApiError(400, result.error, param="response_format", code="invalid_value")
     if not result.ok:
         return ApiError(
             500, f"generation failed: {result.error}", type="server_error", code="engine_error"
@@ -214,6 +221,7 @@ class OpenAIIngress:
         self._slots = Gate(spec.http.max_concurrent_requests)
         self._tokenize_slots = Gate(spec.http.max_tokenizing_requests)
         self._usage = UsageAccounting(self._metrics, self._open_usage_log(spec))
+        batch_routes.install(spec, self._authenticate)
 
     def _open_usage_log(self, spec: ServeSpec) -> UsageLog | None:
         if spec.usage_log is None:
@@ -628,7 +636,12 @@ class OpenAIIngress:
         if failed is not None:
             raise self._failed(call, failed)
         usage = self._usage_of(prepared.served, result, served.gpu_seconds)
-        body = completion_body(prepared.ids, result.text, finish_reason(result), usage)
+        logprobs = None
+        if result.logprobs is not None:
+            logprobs = self._logprobs(prepared).body(result.logprobs, result)
+        body = completion_body(
+            prepared.ids, result.text, finish_reason(result), usage, logprobs=logprobs
+        )
         self._finish(prepared, started, 200)
         self._account(call, 200, usage)
         return JSONResponse(body, headers={REPLICA_HEADER: served.replica, **prepared.headers})
@@ -685,6 +698,11 @@ class OpenAIIngress:
             self._account(call, CLIENT_CLOSED, None)
         call.held.close()
 
+    def _logprobs(self, prepared: Prepared) -> LogprobsBody:
+        return LogprobsBody(
+            prepared.ids.endpoint, self._tokenizers[prepared.served.name].token_text
+        )
+
     async def _events(
         self, call: _Call, deltas: DeploymentResponseGenerator
     ) -> AsyncIterator[bytes]:
@@ -692,6 +710,9 @@ class OpenAIIngress:
         ids, usage_on = prepared.ids, prepared.include_usage
         name = prepared.served.name
         finished = False
+        logprobs = None
+        if prepared.engine_request.sampling.logprobs is not None:
+            logprobs = self._logprobs(prepared)
         try:
             if ids.endpoint == "chat":
                 yield sse(chunk_body(ids, role=True, include_usage=usage_on))
@@ -699,8 +720,13 @@ class OpenAIIngress:
                 delta = item.delta
                 if delta is None:
                     continue
-                if delta.text:
-                    yield sse(chunk_body(ids, text=delta.text, include_usage=usage_on))
+                entries = None
+                if logprobs is not None and delta.logprobs:
+                    entries = logprobs.body(delta.logprobs, delta.result)
+                if delta.text or (entries and (entries.get("content") or entries.get("tokens"))):
+                    yield sse(
+                        chunk_body(ids, text=delta.text, include_usage=usage_on, logprobs=entries)
+                    )
                 if not delta.finished:
                     continue
                 finished = True

@@ -21,11 +21,15 @@ from engines.api import StreamDelta
 
 def merge(first: StreamDelta, then: StreamDelta) -> StreamDelta:
     """`first` followed by `then` as one delta (finished and result from `then`)."""
+    logprobs = None
+    if first.logprobs is not None or then.logprobs is not None:
+        logprobs = [*(first.logprobs or ()), *(then.logprobs or ())]
     return StreamDelta(
         token_ids=[*first.token_ids, *then.token_ids],
         text=first.text + then.text,
         finished=then.finished,
         result=then.result,
+        logprobs=logprobs,
     )
 
 

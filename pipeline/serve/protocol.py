@@ -24,6 +24,8 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
+from engines.api import MAX_LOGPROBS
+
 WARNING_HEADER = "x-tokenmill-warning"  # what the server ignored or changed in a request
 STRICT_HEADER = "x-tokenmill-strict"  # "1": unknown request fields are a 400, not a warning
 
@@ -68,8 +70,6 @@ class ApiError(Exception):
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "n": (None, 1),
     "best_of": (None, 1),
-    "logprobs": (None, False, 0),
-    "top_logprobs": (None, 0),
     "echo": (None, False),
     "suffix": (None, ""),
     "tools": (None, []),
@@ -79,7 +79,6 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "logit_bias": (None, {}),
     "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0),
-    "response_format": (None, {"type": "text"}),
     "modalities": (None, ["text"]),
     "audio": (None,),
     "prediction": (None,),
@@ -151,6 +150,9 @@ class _Request(BaseModel):
     top_k: int | None = Field(None, ge=-1)
     ignore_eos: bool | None = None
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    # OpenAI's response_format (text, json_object, json_schema) and tokenmill's regex and
+    # choice in the same style; read by pipeline.formats, enforced by the engine.
+    response_format: dict[str, Any] | None = None
 
     _ignored: tuple[str, ...] = PrivateAttr(default=())
 
@@ -209,10 +211,24 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: int | None = Field(None, ge=1)
     # vLLM extension: extra variables for the chat template (e.g. enable_thinking).
     chat_template_kwargs: dict[str, Any] | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def requested_logprobs(self) -> int | None:
+        """Alternatives per token to report (chat: logprobs true, top_logprobs k); None: off."""
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(
+                400,
+                "top_logprobs needs logprobs: true",
+                param="top_logprobs",
+                code="invalid_value",
+            )
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def max_tokens_param(self) -> str:
@@ -222,10 +238,15 @@ class ChatCompletionRequest(_Request):
 
 class CompletionRequest(_Request):
     prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+    @property
+    def requested_logprobs(self) -> int | None:
+        return self.logprobs
 
     @property
     def max_tokens_param(self) -> str:
@@ -462,18 +483,24 @@ class ResponseIds:
         }
 
 
-def completion_body(ids: ResponseIds, text: str, finish_reason: str, usage: Usage) -> dict:
+def completion_body(
+    ids: ResponseIds,
+    text: str,
+    finish_reason: str,
+    usage: Usage,
+    logprobs: dict[str, Any] | None = None,
+) -> dict:
     """A whole (non-streamed) chat.completion or text_completion."""
     if ids.endpoint == "chat":
         choice: dict[str, Any] = {
             "index": 0,
             "message": {"role": "assistant", "content": text, "refusal": None},
-            "logprobs": None,
+            "logprobs": logprobs,
             "finish_reason": finish_reason,
         }
         body = ids._head("chat.completion")
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         body = ids._head("text_completion")
     body["choices"] = [choice]
     body["usage"] = usage.body()
@@ -487,6 +514,7 @@ def chunk_body(
     role: bool = False,
     finish_reason: str | None = None,
     include_usage: bool = False,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict:
     """One streamed chunk with a single choice: a role opener, a text delta, or the finish."""
     if ids.endpoint == "chat":
@@ -498,12 +526,17 @@ def chunk_body(
         choice: dict[str, Any] = {
             "index": 0,
             "delta": delta,
-            "logprobs": None,
+            "logprobs": logprobs,
             "finish_reason": finish_reason,
         }
         body = ids._head("chat.completion.chunk")
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        choice = {
+            "index": 0,
+            "text": text or "",
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+        }
         body = ids._head("text_completion")
     body["choices"] = [choice]
     if include_usage:

@@ -14,6 +14,7 @@ from typing import Any
 
 from engines.api import EngineInfo, GenerationRequest, GenerationResult, SamplingParams
 from pipeline.cost import cost_usd, list_price_usd
+from pipeline.formats import FormatError, parse_response_format
 from pipeline.serve.protocol import (
     WARNING_HEADER,
     ApiError,
@@ -104,6 +105,20 @@ def to_engine_request(
         param=request.max_tokens_param,
     )
     try:
+        response_format = parse_response_format(request.response_format)
+    except FormatError as exc:
+        raise ApiError(400, str(exc), param="response_format", code="invalid_value") from None
+    logprobs = request.requested_logprobs
+    for param, asked in (("response_format", response_format), ("logprobs", logprobs)):
+        if asked is not None and info.kind == "trtllm":
+            raise ApiError(
+                400,
+                f"model '{served.name}' runs on TensorRT-LLM, which does not support {param} "
+                "here yet; send the request without it",
+                param=param,
+                code="unsupported_parameter",
+            )
+    try:
         sampling = SamplingParams(
             max_tokens=max_tokens.value,
             temperature=request.temperature,
@@ -113,6 +128,8 @@ def to_engine_request(
             stop=request.stop_list,
             stop_token_ids=tuple(request.stop_token_ids or ()),
             ignore_eos=bool(request.ignore_eos),
+            response_format=response_format,
+            logprobs=logprobs,
         )
     except ValueError as exc:
         raise ApiError(400, str(exc), code="invalid_value") from None

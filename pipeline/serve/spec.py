@@ -22,6 +22,7 @@ from pipeline.spec import (
     EngineSpec,
     ModelSpec,
     PromptSpec,
+    ResourcesSpec,
     SpecError,
     StorageSpec,
     format_validation_error,
@@ -154,6 +155,36 @@ class HealthSpec(_Strict):
         return max(SHUTDOWN_FLOOR_S, decode_s + SHUTDOWN_MARGIN_S)
 
 
+class ModelBatchSpec(_Strict):
+    """How `/v1/batches` runs this model: a pipeline job built from the model's own sections
+    (model, prompt, cost) with these settings (see docs/batch-api.md)."""
+
+    engine: EngineSpec | None = Field(
+        None,
+        description="Engine settings of the batch job's actors (e.g. a larger max_batch_size "
+        "than interactive serving wants); null: the served model's engine section.",
+    )
+    resources: ResourcesSpec = Field(
+        default_factory=ResourcesSpec,
+        description="The batch job's engine actors (count, CPUs and GPUs each, batching); the "
+        "cluster must have room for them besides the Serve replicas.",
+    )
+    batch_discount: float = Field(
+        0.5,
+        ge=0,
+        lt=1,
+        description="Discount on the model's list prices (cost.price_per_million) for batch "
+        "requests: each row's list_price_usd and the batch's cost carry it (0.5: half price, as "
+        "OpenAI's Batch API).",
+    )
+    max_tokens: int = Field(
+        256,
+        ge=1,
+        description="max_tokens of a batch request whose body names none (a request's own "
+        "max_tokens / max_completion_tokens wins).",
+    )
+
+
 class ServedModelSpec(_Strict):
     name: str = Field(
         description="Model name clients send in `model` (and /v1/models lists).",
@@ -183,6 +214,11 @@ class ServedModelSpec(_Strict):
     health: HealthSpec = Field(
         default_factory=HealthSpec,
         description="Replica health checks, stall detection and graceful shutdown.",
+    )
+    batch: ModelBatchSpec | None = Field(
+        None,
+        description="Template of the pipeline job `/v1/batches` runs for this model (needs the "
+        "top-level batch_api section); null: batches naming this model are refused (400).",
     )
 
     @model_validator(mode="after")
@@ -291,6 +327,48 @@ class UsageLogSpec(_Strict):
     )
 
 
+class BatchApiSpec(_Strict):
+    """`/v1/files` and `/v1/batches` (docs/batch-api.md)."""
+
+    uri: str = Field(
+        min_length=1,
+        description="Object-storage prefix (s3:// or a local path every node can read) holding "
+        "uploaded files (files/<key>/), batch records and their jobs' output (batches/<key>/). "
+        "Batch state lives here, so it survives a restart of the Serve application.",
+    )
+    jobs_address: str = Field(
+        "http://127.0.0.1:8265",
+        description="Ray Jobs API (dashboard) URL batch jobs are submitted to, as with "
+        "`tokenmill submit --address`; its auth token comes from RAY_AUTH_TOKEN / "
+        "RAY_AUTH_TOKEN_PATH in the ingress's environment.",
+    )
+    max_file_bytes: int = Field(
+        200 * 1024**2,
+        ge=1024,
+        description="Largest upload accepted (bytes); larger gets 413. The upload is held in "
+        "the ingress's memory while it is validated.",
+    )
+    max_file_lines: int = Field(
+        50_000, ge=1, description="Most requests (lines) one uploaded batch file may hold."
+    )
+    ship_code: bool = Field(
+        False,
+        description="Upload the pipeline and engines packages with each batch job (as "
+        "`tokenmill submit --ship-code`); false: the cluster's own `tokenmill` runs it.",
+    )
+    env_from: list[str] | None = Field(
+        None,
+        description="Environment variables of the ingress passed to batch jobs (storage "
+        "credentials); null: the standard AWS variables that are set.",
+    )
+    cancel_grace_s: int = Field(
+        120,
+        ge=1,
+        description="After a cancel (or expiry), how long a batch job may take to commit and "
+        "export what it finished before Ray kills it (RAY_JOB_STOP_WAIT_TIME_S).",
+    )
+
+
 class ServeSpec(_Strict):
     name: str = Field(
         "tokenmill",
@@ -312,6 +390,11 @@ class ServeSpec(_Strict):
         None,
         description="Append-only per-request usage log (JSONL) to bill keys from; null: "
         "usage is only counted in /metrics.",
+    )
+    batch_api: BatchApiSpec | None = Field(
+        None,
+        description="OpenAI's /v1/files and /v1/batches over the batch pipeline; null: those "
+        "routes answer 404.",
     )
 
     @model_validator(mode="after")

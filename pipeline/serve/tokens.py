@@ -17,6 +17,9 @@ from pipeline.spec import ModelSpec, PromptSpec, StorageSpec
 
 logger = logging.getLogger(__name__)
 
+# Distinct token texts kept per tokenizer for logprobs (a full vocabulary is ~150k short strings).
+TOKEN_TEXT_CACHE = 200_000
+
 
 class PromptTokenizer:
     """One model's tokenizer, loaded once per ingress replica."""
@@ -28,6 +31,7 @@ class PromptTokenizer:
         self._prompt = prompt
         self.has_chat_template = bool(getattr(self._tokenizer, "chat_template", None))
         self.max_bytes_per_token = bytes_per_token_bound(self._tokenizer)
+        self._token_texts: dict[int, str] = {}
 
     def chat_ids(
         self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None
@@ -43,6 +47,16 @@ class PromptTokenizer:
             )
         except PromptError as exc:
             raise ApiError(400, str(exc), param="messages", code="invalid_value") from None
+
+    def token_text(self, token_id: int) -> str:
+        """One token decoded on its own (logprobs name tokens by their text); cached, as the
+        same tokens recur in every response."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._tokenizer.decode([token_id])
+            if len(self._token_texts) < TOKEN_TEXT_CACHE:
+                self._token_texts[token_id] = text
+        return text
 
     def completion_ids(self, text: str) -> list[int]:
         """A /v1/completions prompt: a raw continuation, no chat template, no system prompt."""

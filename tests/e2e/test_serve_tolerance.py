@@ -9,11 +9,14 @@ reference engine run in this process on the same token ids.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Annotated, Literal
 
 import httpx
 import openai
+import pydantic
 import pytest
 import yaml
 
@@ -281,3 +284,132 @@ def test_chat_template_kwargs_are_passed_and_checked(client: openai.OpenAI) -> N
         with pytest.raises(openai.BadRequestError) as info:
             client.chat.completions.create(model=MODEL, messages=CHAT, extra_body=bad)
         assert info.value.param == param
+
+
+# --- structured output ---------------------------------------------------------------------------
+
+
+class Pet(pydantic.BaseModel):
+    """What openai-python's .parse() turns into a strict json_schema response_format."""
+
+    kind: Literal["cat", "dog"]
+    age: Annotated[int, pydantic.Field(ge=0, le=30)]
+    # Bounded: a random model would otherwise write one string until max_tokens.
+    name: Annotated[str, pydantic.Field(max_length=8)]
+
+
+def test_parse_with_a_pydantic_model_returns_a_valid_object(client: openai.OpenAI) -> None:
+    completion = client.chat.completions.parse(
+        model=MODEL, messages=CHAT, response_format=Pet, max_tokens=120, temperature=0
+    )
+    choice = completion.choices[0]
+    assert choice.finish_reason == "stop", choice.message.content
+    pet = choice.message.parsed
+    assert isinstance(pet, Pet) and pet.kind in ("cat", "dog")
+
+
+def test_json_object_streams_valid_json_and_choice_via_extension(client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=CHAT,
+        response_format={"type": "json_object"},
+        max_tokens=120,
+        temperature=0.8,
+        seed=3,
+        stream=True,
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finish = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
+    if finish == ["stop"]:
+        assert isinstance(json.loads(text), dict)
+    labels = ["left", "right", "up"]
+    answer = client.completions.create(
+        model=MODEL,
+        prompt="Which way?",
+        max_tokens=8,
+        extra_body={"response_format": {"type": "choice", "choices": labels}},
+    )
+    assert answer.choices[0].text in labels
+
+
+def test_bad_response_formats_are_400_naming_the_field(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model=MODEL, messages=CHAT, response_format={"type": "xml"}, max_tokens=4
+        )
+    assert info.value.body["param"] == "response_format"
+    # A regex the grammar engine cannot compile is found in the engine: still a 400.
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(
+            model=MODEL,
+            prompt="x",
+            max_tokens=4,
+            extra_body={"response_format": {"type": "regex", "regex": "a(b"}},
+        )
+    assert info.value.body["param"] == "response_format"
+    assert "parenthesis" in info.value.body["message"]
+
+
+# --- logprobs --------------------------------------------------------------------------------
+
+
+def test_chat_logprobs_match_the_engine_and_stream_alike(
+    client: openai.OpenAI, engine, tokenizer
+) -> None:
+    reply = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=8, temperature=0, logprobs=True, top_logprobs=3
+    )
+    choice = reply.choices[0]
+    content = choice.logprobs.content
+    visible = reply.usage.completion_tokens - (choice.finish_reason == "stop")
+    assert len(content) == visible
+    assert "".join(c.token for c in content) == choice.message.content
+    expected = run_engine(engine, chat_ids(tokenizer, CHAT), 8, logprobs=3).logprobs
+    for got, want in zip(content, expected, strict=False):
+        assert got.logprob == pytest.approx(want.logprob, abs=1e-4)
+        assert [t.logprob for t in got.top_logprobs] == pytest.approx(
+            [v for _, v in want.top], abs=1e-4
+        )
+        assert got.bytes == list(got.token.encode())
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=CHAT,
+        max_tokens=8,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+        stream=True,
+    )
+    streamed = [
+        item
+        for chunk in stream
+        if chunk.choices and chunk.choices[0].logprobs
+        for item in chunk.choices[0].logprobs.content
+    ]
+    assert [(c.token, round(c.logprob, 4)) for c in streamed] == [
+        (c.token, round(c.logprob, 4)) for c in content
+    ]
+
+
+def test_completion_logprobs_and_their_checks(client: openai.OpenAI) -> None:
+    reply = client.completions.create(
+        model=MODEL,
+        prompt="the river",
+        max_tokens=6,
+        temperature=0,
+        logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
+    lp = reply.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    assert "".join(lp.tokens) == reply.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
+    assert all(len(top) <= 2 for top in lp.top_logprobs)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, top_logprobs=2)
+    assert info.value.body["param"] == "top_logprobs"
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2, logprobs=21)

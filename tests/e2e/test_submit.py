@@ -46,6 +46,7 @@ class RayHead:
     address: str  # Jobs API URL, http://127.0.0.1:<dashboard port>
     env: dict[str, str]  # environment for client processes (token path, venv on PATH)
     token: str
+    gcs_address: str = ""  # 127.0.0.1:<port>: what a driver joining the head gets as RAY_ADDRESS
 
 
 def _free_port() -> int:
@@ -158,7 +159,7 @@ def ray_head() -> Iterator[RayHead]:
             if time.monotonic() > deadline:
                 pytest.fail(f"Ray head not up in 90 s: {(tmp / 'head.log').read_text()[-3000:]}")
             time.sleep(0.5)
-        yield RayHead(address, env, token)
+        yield RayHead(address, env, token, f"127.0.0.1:{ports['port']}")
     finally:
         _stop(proc, tmp)
         log.close()

@@ -205,6 +205,8 @@ def test_resolve_sampling_defaults_and_overrides(model_dir: Path) -> None:
         TOP_P: 1.0,
         TOP_K: 5,
         SEED: derive_seed(11, "a"),
+        "response_format": None,
+        "logprobs": None,
     }
     values, _ = resolve_sampling({"id": "a", "s": 99}, spec, {"seed": "s"})
     assert values[SEED] == 99  # an explicit per-row seed is used as given
@@ -329,3 +331,29 @@ def test_openai_batch_completions_are_raw_text(model_dir: Path, tokenizer: Any) 
     chat = {"id": "m", "prompt": None, "messages": '[{"role": "user", "content": "hi"}]'}
     text = tokenizer.decode(stage.process_row({**chat, "error": None})[PROMPT_TOKEN_IDS])
     assert text.startswith("<|im_start|>system\nBe brief.") and "hi" in text
+
+
+def test_logprobs_and_response_format_resolve_per_row(model_dir: Path) -> None:
+    spec = make_spec(
+        model_dir,
+        sampling={
+            "logprobs": 3,
+            "response_format": {"type": "json_object"},
+            "overrides": {"logprobs": "lp", "response_format": "fmt"},
+        },
+    )
+    overrides = {"logprobs": "lp", "response_format": "fmt"}
+    values, problem = resolve_sampling({"id": "a"}, spec, overrides)
+    assert problem is None
+    assert values["logprobs"] == 3
+    assert json.loads(values["response_format"]) == {"type": "json_object"}
+    row = {"id": "b", "lp": 0, "fmt": {"type": "choice", "choices": ["x"]}}
+    values, problem = resolve_sampling(row, spec, overrides)
+    assert problem is None and values["logprobs"] == 0
+    assert json.loads(values["response_format"])["choices"] == ["x"]
+    values, problem = resolve_sampling({"id": "c", "fmt": '{"type": "text"}'}, spec, overrides)
+    assert problem is None and json.loads(values["response_format"]) == {"type": "text"}
+    _, problem = resolve_sampling({"id": "d", "lp": 25}, spec, overrides)
+    assert "'lp'" in problem and "[0, 20]" in problem
+    _, problem = resolve_sampling({"id": "e", "fmt": '{"type": "nope"}'}, spec, overrides)
+    assert "'fmt'" in problem and "type must be one of" in problem

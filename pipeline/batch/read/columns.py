@@ -16,7 +16,8 @@ Columns of a table that `read_shard` returns (names are the constants below):
   field; a value that is not a number makes the row an error row naming column and value.
 
 openai_batch lines fill the fixed override columns `max_tokens` (body.max_completion_tokens
-or body.max_tokens), `temperature`, `top_p` and `seed` (see `override_columns`).
+or body.max_tokens), `temperature`, `top_p`, `seed` and `response_format` (JSON text; see
+`override_columns`).
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ BATCH_OVERRIDE_COLUMNS: dict[str, str] = {
     "temperature": "temperature",
     "top_p": "top_p",
     "seed": "seed",
+    "response_format": "response_format",
+    "logprobs": "logprobs",
 }
 # The Python type each overridable sampling field is coerced to.
 OVERRIDE_TYPES: dict[str, type] = {
@@ -53,6 +56,8 @@ OVERRIDE_TYPES: dict[str, type] = {
     "top_p": float,
     "top_k": int,
     "seed": int,
+    "logprobs": int,
+    "response_format": str,  # JSON text; read and checked by the prompt stage
 }
 
 
@@ -91,6 +96,12 @@ def coerce_override(
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return None, None
     where = label or f"column {column!r} (sampling.overrides.{field})"
+    if OVERRIDE_TYPES[field] is str:
+        if isinstance(value, (dict, list)):
+            return json.dumps(value), None
+        if isinstance(value, str):
+            return value, None
+        return None, f"{where}: {value!r} is not a JSON object or JSON text"
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None, f"{where}: {value!r} is not a number"
     if OVERRIDE_TYPES[field] is int:
@@ -149,7 +160,8 @@ def column_types(spec: JobSpec, passthrough: list[pa.Field]) -> dict[str, pa.Dat
     for field in passthrough:
         types[field.name] = field.type
     for field, column in override_columns(spec).items():
-        types[column] = pa.int64() if OVERRIDE_TYPES[field] is int else pa.float64()
+        kind = OVERRIDE_TYPES[field]
+        types[column] = pa.int64() if kind is int else pa.string() if kind is str else pa.float64()
     return types
 
 

@@ -29,8 +29,6 @@ SUPPORTED_BATCH_URLS = ("/v1/chat/completions", "/v1/completions")
 UNSUPPORTED_BODY: dict[str, Any] = {
     "n": lambda v: v not in (None, 1),
     "best_of": lambda v: v not in (None, 1),
-    "logprobs": lambda v: bool(v),
-    "top_logprobs": lambda v: v is not None,
     "echo": lambda v: bool(v),
     "suffix": lambda v: bool(v),
     "stream": lambda v: bool(v),
@@ -38,7 +36,6 @@ UNSUPPORTED_BODY: dict[str, Any] = {
     "tool_choice": lambda v: v not in (None, "none"),
     "functions": lambda v: bool(v),
     "function_call": lambda v: v not in (None, "none"),
-    "response_format": lambda v: v not in (None, {"type": "text"}),
     "logit_bias": lambda v: bool(v),
     "presence_penalty": lambda v: v not in (None, 0, 0.0),
     "frequency_penalty": lambda v: v not in (None, 0, 0.0),
@@ -93,6 +90,8 @@ def parse_batch_request(obj: dict[str, Any]) -> dict[str, Any]:
         "temperature": body.get("temperature"),
         "top_p": body.get("top_p"),
         "seed": body.get("seed"),
+        "response_format": body.get("response_format"),
+        "logprobs": _logprobs(url, body),
     }
     for field, value in values.items():
         column = BATCH_OVERRIDE_COLUMNS[field]
@@ -102,6 +101,17 @@ def parse_batch_request(obj: dict[str, Any]) -> dict[str, Any]:
             out[ERROR] = problem
             return out
     return out
+
+
+def _logprobs(url: str, body: dict[str, Any]) -> Any:
+    """Alternatives per token asked for, in one number: chat says `logprobs: true` plus
+    `top_logprobs: k`; completions say `logprobs: k`. None: no logprobs."""
+    if url == "/v1/chat/completions":
+        if not body.get("logprobs"):
+            return None
+        top = body.get("top_logprobs")
+        return 0 if top is None else top
+    return body.get("logprobs")
 
 
 def batch_row(spec: JobSpec, obj: dict[str, Any], row: dict[str, Any], where: str) -> None:

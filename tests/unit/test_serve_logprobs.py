@@ -1,0 +1,42 @@
+"""OpenAI logprobs objects from engine logprobs: shapes, stop tokens left out, offsets."""
+
+from __future__ import annotations
+
+from engines.api import GenerationResult, TokenLogprob
+from pipeline.serve.logprobs import LogprobsBody
+
+TEXTS = {1: "Hel", 2: "lo", 3: " w", 9: "<eos>"}
+ENTRIES = [
+    TokenLogprob(1, -0.1, ((1, -0.1), (2, -2.5))),
+    TokenLogprob(2, -0.3, ((2, -0.3), (3, -1.5))),
+    TokenLogprob(9, -0.01, ((9, -0.01), (1, -5.0))),
+]
+
+
+def _result(stop_reason) -> GenerationResult:
+    return GenerationResult("r", [1, 2, 9], "Hello", "stop", 3, 3, stop_reason=stop_reason)
+
+
+def test_chat_shape_and_the_eos_is_left_out() -> None:
+    body = LogprobsBody("chat", TEXTS.__getitem__).body(ENTRIES, _result(None))
+    assert body["refusal"] is None
+    assert [c["token"] for c in body["content"]] == ["Hel", "lo"]
+    first = body["content"][0]
+    assert first == {
+        "token": "Hel",
+        "logprob": -0.1,
+        "bytes": list(b"Hel"),
+        "top_logprobs": [
+            {"token": "Hel", "logprob": -0.1, "bytes": list(b"Hel")},
+            {"token": "lo", "logprob": -2.5, "bytes": list(b"lo")},
+        ],
+    }
+
+
+def test_a_stop_string_keeps_every_token_and_offsets_run_across_chunks() -> None:
+    formatter = LogprobsBody("completions", TEXTS.__getitem__)
+    first = formatter.body(ENTRIES[:2])
+    assert first["tokens"] == ["Hel", "lo"] and first["text_offset"] == [0, 3]
+    assert first["top_logprobs"][1] == {"lo": -0.3, " w": -1.5}
+    last = formatter.body(ENTRIES[2:], _result("STOP"))  # stopped by a string: token kept
+    assert last["tokens"] == ["<eos>"] and last["text_offset"] == [5]
