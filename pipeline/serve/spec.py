@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -61,6 +61,20 @@ class ReplicaSpec(_Strict):
         0.5, gt=0, description="CPUs reserved per engine replica (fractional on small machines)."
     )
     devices_per_replica: float = Field(0, ge=0, description="GPUs per engine replica (0 on CPU).")
+    routing: Literal["prefix", "load"] = Field(
+        "prefix",
+        description="How requests pick a replica: prefix sends prompts that share a prefix "
+        "(system prompt, few-shot preamble, chat history) to the replica that computed it, so "
+        "its prefix cache hits, unless that replica is `imbalance` requests busier than the "
+        "least loaded (pipeline/serve/routing.py); load is Serve's default (two random "
+        "replicas, the shorter queue). One replica: no difference.",
+    )
+    routing_imbalance: int = Field(
+        8,
+        ge=1,
+        description="Prefix routing gives up affinity when the preferred replica holds this "
+        "many more requests than the least loaded one.",
+    )
     stream_interval_s: float = Field(
         0.02,
         ge=0,
@@ -427,6 +441,19 @@ def engine_deployment_options(served: ServedModelSpec) -> dict[str, Any]:
         "health_check_timeout_s": served.health.check_timeout_s,
         "graceful_shutdown_timeout_s": served.health.shutdown_timeout_s(served.limits.max_tokens),
     }
+    if replicas.routing == "prefix":
+        from ray.serve.config import RequestRouterConfig
+
+        from pipeline.serve.routing import ROUTER_PATH
+
+        options["request_router_config"] = RequestRouterConfig(
+            request_router_class=ROUTER_PATH,
+            request_router_kwargs={
+                # The engine's own block size, so a routed prefix is one its cache can hold.
+                "block_tokens": served.engine.block_size,
+                "imbalance": replicas.routing_imbalance,
+            },
+        )
     if replicas.min_replicas == replicas.max_replicas:
         options["num_replicas"] = replicas.max_replicas
     else:
