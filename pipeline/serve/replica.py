@@ -104,6 +104,7 @@ class EngineReplica:
         # the replica's event loop on first use (Serve may build the replica on another one).
         self._failed: asyncio.Future[None] | None = None
         self._poster: asyncio.Task[None] | None = None
+        self._posted_busy: bool | None = None  # busy state of the last stats posted
         self._stats_changed = asyncio.Event()
         self._board: ray.actor.ActorHandle | None = None  # found by the poster
 
@@ -177,15 +178,24 @@ class EngineReplica:
             self._poster = asyncio.get_running_loop().create_task(self._post_stats())
 
     def _post_now(self) -> None:
-        """Post the engine's stats at once, without waiting: called where a request has just
-        reached the engine, so a scrape made after the client saw its first token cannot read
-        the idle stats of before it (the post leaves before the token does)."""
+        """Post the engine's stats at once, without waiting, when the engine turned busy or
+        idle since the last post: called where a request has just reached or left the engine,
+        so a scrape made after the client saw its first token cannot read the idle stats of
+        before it, nor one made after the reply the busy stats (the post leaves before the
+        token does). Under steady load nothing flips and the poster's periodic posts suffice:
+        an actor call per request here would cost more than the request's own Ray hops."""
         if self._board is None:
             return
+        stats = self._engine.stats()
+        busy = stats.num_running + stats.num_waiting > 0
+        if busy == self._posted_busy:
+            return
         try:
-            self._board.post.remote(self._model, self._replica_id, self._engine.stats())
+            self._board.post.remote(self._model, self._replica_id, stats)
         except Exception:
             self._board = None
+            return
+        self._posted_busy = busy
 
     async def _post_stats(self) -> None:
         """Post engine stats to the app's board for /metrics (pipeline/serve/board.py)."""
@@ -222,6 +232,7 @@ class EngineReplica:
                 self._board = None  # gone (its ingress replica stopped): look it up again
                 continue
             last, last_post = stats, now
+            self._posted_busy = stats.num_running + stats.num_waiting > 0
 
     def _enter(self, request: GenerationRequest) -> None:
         self._ensure_poster()

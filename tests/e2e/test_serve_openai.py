@@ -279,7 +279,15 @@ ERROR_CASES = [
     ("unknown-model", auth(), with_(model="gpt-9"), 404, "model", "model_not_found"),
     ("n=2", auth(), with_(n=2), 400, "n", "unsupported_parameter"),
     ("tools", auth(), with_(tools=[{"type": "function"}]), 400, "tools", "unsupported_parameter"),
-    ("logprobs", auth(), with_(logprobs=True), 400, "logprobs", "unsupported_parameter"),
+    ("top_logprobs", auth(), with_(top_logprobs=2), 400, "top_logprobs", "invalid_value"),
+    (
+        "penalty",
+        auth(),
+        with_(presence_penalty=0.5),
+        400,
+        "presence_penalty",
+        "unsupported_parameter",
+    ),
     # Unknown fields are only refused in strict mode (the tolerant path: test_serve_tolerance).
     ("unknown-strict", strict(), with_(foo=1), 400, "foo", "unknown_parameter"),
     ("min_p", auth(), with_(min_p=0.2), 400, "min_p", "unsupported_parameter"),
