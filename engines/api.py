@@ -212,6 +212,11 @@ class GenerationResult:
     metrics: RequestMetrics | None = None
     # One per output token id (in order) when sampling.logprobs was set; else None.
     logprobs: list[TokenLogprob] | None = None
+    # Speculative decoding: tokens proposed for this request and verified by the model, and
+    # how many of them it accepted (0 and 0 without speculation, or where the engine does
+    # not report them per request).
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     @property
     def ok(self) -> bool:
@@ -263,7 +268,13 @@ class StepRecord:
     start: float  # monotonic seconds
     end: float
     prefill_tokens: dict[str, int]  # request_id -> prompt tokens computed in this step
-    decode_tokens: dict[str, int]  # request_id -> output tokens produced in this step
+    # request_id -> positions computed for its output in this step: 1 for a plain decode,
+    # 1 + k when it verified k speculative proposals (all of them its cost, accepted or not).
+    decode_tokens: dict[str, int]
+    # Speculative decoding, for the requests that verified proposals in this step:
+    # request_id -> tokens proposed, and of them accepted.
+    spec_proposed_tokens: dict[str, int] = field(default_factory=dict)
+    spec_accepted_tokens: dict[str, int] = field(default_factory=dict)
 
     @property
     def request_ids(self) -> set[str]:
@@ -299,6 +310,9 @@ class EngineStats:
     kv_blocks_total: int
     kv_blocks_used: int
     num_steps: int
+    # Speculative decoding since load: tokens proposed and verified, and of them accepted.
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 @runtime_checkable

@@ -140,6 +140,7 @@ SETTINGS = (
     "calibration",
     "tensor_parallel_size",
     "check_gpu",
+    "speculative",
 )
 
 
@@ -184,6 +185,7 @@ class TrtllmEngine:
         calibration: dict[str, Any] | None = None,
         tensor_parallel_size: int = 1,
         check_gpu: bool = True,
+        speculative: Any = None,
         **unknown: Any,
     ) -> None:
         """Settings beyond the shared EngineSpec fields (pass them in engine.extra):
@@ -202,6 +204,8 @@ class TrtllmEngine:
             seed); null: the built-in text sample. Never a download.
         tensor_parallel_size: GPUs this engine spans.
         check_gpu: check the GPU's compute capability against the checkpoint first.
+        speculative: engine.speculative as a dict (engines.speculative); becomes the LLM API's
+            speculative_config (see `speculative_config`). PyTorch backend only.
         """
         if unknown:
             raise TypeError(
@@ -209,6 +213,14 @@ class TrtllmEngine:
                 f"accepted: {', '.join(SETTINGS)}"
             )
         _check_settings(backend, scheduler_policy, dtype, kv_cache_dtype, quantize, build_cache)
+        from engines.speculative import resolve
+
+        spec = resolve("trtllm", speculative)
+        if spec is not None and backend != "pytorch":
+            raise EngineError(
+                "engine.speculative needs TensorRT-LLM's pytorch backend (its decoding configs "
+                "do not apply to backend tensorrt)"
+            )
         if calibration is not None and quantize is None:
             raise EngineError("engine.extra.calibration applies with engine.extra.quantize only")
         started = time.monotonic()
@@ -269,6 +281,12 @@ class TrtllmEngine:
                 args["cuda_graph_config"] = _cuda_graph_config(
                     cuda_graphs, cuda_graph_max_batch_size or max_batch_size, cuda_graph_padding
                 )
+                if spec is not None:
+                    args["speculative_config"] = speculative_config(spec)
+                    # The drafters need the previous step's tokens before they propose: the
+                    # overlap scheduler (which runs a step ahead) is off with them, as
+                    # TensorRT-LLM's examples set it.
+                    args["disable_overlap_scheduler"] = True
             try:
                 self._llm = llm_cls(str(model_dir), **args)
             except (ValueError, TypeError) as exc:
@@ -520,6 +538,52 @@ class TrtllmEngine:
 # --- mapping ---------------------------------------------------------------------------------
 
 
+def speculative_config(spec: Any) -> Any:
+    """engines.speculative.SpeculativeConfig → TensorRT-LLM 1.2's decoding config object
+    (tensorrt_llm.llmapi: NGramDecodingConfig, DraftTargetDecodingConfig,
+    Eagle3DecodingConfig, MTPDecodingConfig). disable_above_batch_size is max_concurrency
+    (speculation off above that many requests); null leaves speculation always on."""
+    from tensorrt_llm.llmapi import (
+        DraftTargetDecodingConfig,
+        Eagle3DecodingConfig,
+        MTPDecodingConfig,
+        NGramDecodingConfig,
+    )
+
+    common: dict[str, Any] = {}
+    if spec.disable_above_batch_size is not None:
+        common["max_concurrency"] = spec.disable_above_batch_size
+    if spec.method == "ngram":
+        return NGramDecodingConfig(
+            max_draft_len=spec.num_tokens,
+            max_matching_ngram_size=spec.prompt_lookup_max,
+            # Each request looks up its own prompt + output (as the reference engine does),
+            # not a pool shared by all requests.
+            is_public_pool=False,
+            **common,
+        )
+    if spec.method == "draft":
+        return DraftTargetDecodingConfig(
+            max_draft_len=spec.num_tokens, speculative_model=spec.model, **common
+        )
+    if spec.method == "eagle3":
+        return Eagle3DecodingConfig(
+            max_draft_len=spec.num_tokens, speculative_model=spec.model, **common
+        )
+    return MTPDecodingConfig(num_nextn_predict_layers=spec.num_layers or spec.num_tokens, **common)
+
+
+def _spec_counts(perf: Any) -> dict[str, int]:
+    """Per-request draft and accepted token counts from request_perf_metrics, when reported."""
+    stats = getattr(perf, "speculative_decoding", None)
+    if stats is None:
+        return {}
+    return {
+        "spec_proposed_tokens": int(getattr(stats, "total_draft_tokens", 0) or 0),
+        "spec_accepted_tokens": int(getattr(stats, "total_accepted_draft_tokens", 0) or 0),
+    }
+
+
 class _Accounting:
     """One request's TensorRT-LLM output → the reference engine's accounting."""
 
@@ -556,6 +620,7 @@ class _Accounting:
             error=error,
             stop_reason=stop_reason if reason == "stop" else None,
             metrics=_metrics(getattr(completion, "request_perf_metrics", None), arrival, ids),
+            **_spec_counts(getattr(completion, "request_perf_metrics", None)),
         )
 
     def _account(self, completion: Any) -> tuple[list[int], str, str | None, str | int | None]:

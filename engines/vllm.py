@@ -83,6 +83,7 @@ SETTINGS = (
     "tensor_parallel_size",
     "enforce_eager",
     "quantization",
+    "speculative",
 )
 
 
@@ -106,6 +107,7 @@ class VllmEngine:
         tensor_parallel_size: int = 1,
         enforce_eager: bool = False,
         quantization: str | None = None,
+        speculative: Any = None,
         **engine_args: Any,
     ) -> None:
         """Settings beyond the shared EngineSpec fields (pass them in engine.extra):
@@ -115,10 +117,15 @@ class VllmEngine:
             minute; slower steps). Tests and short jobs on CPU use it.
         quantization: vLLM's quantization method; null reads the checkpoint's own config, which
             is how ModelOpt FP8 / NVFP4 checkpoints from `tokenmill quantize` load ("modelopt").
+        speculative: engine.speculative as a dict (engines.speculative): ngram or draft, sent
+            as vLLM's speculative_config (see `speculative_config`).
         Any other key of vLLM's AsyncEngineArgs passes through verbatim (an unknown key is an
         error naming it).
         """
         started = time.monotonic()
+        from engines.speculative import resolve
+
+        spec = resolve("vllm", speculative)
         if dtype not in DTYPES:
             raise EngineError(f"engine dtype {dtype!r} is not supported; choose one of {DTYPES}")
         vllm = _import_vllm()
@@ -160,6 +167,8 @@ class VllmEngine:
             # model fills max_tokens with spaces and tabs.
             structured_outputs_config={"backend": "xgrammar", "disable_any_whitespace": True},
         )
+        if spec is not None:
+            args["speculative_config"] = speculative_config(spec)
         context = max_model_len or context_length(config)
         if kv_cache_tokens is not None and kv_cache_tokens < context:
             # vLLM refuses to start unless one request of the whole context fits its KV cache.
@@ -320,6 +329,8 @@ class VllmEngine:
             kv_blocks_total=self._kv_blocks_total,
             kv_blocks_used=round(loads.kv_cache_usage * self._kv_blocks_total),
             num_steps=loads.num_steps,
+            spec_proposed_tokens=loads.spec_draft_tokens,
+            spec_accepted_tokens=loads.spec_accepted_tokens,
         )
 
     def shutdown(self) -> None:
@@ -464,6 +475,8 @@ class _LoadTracker:
         self.num_steps = 0
         self.num_preemptions = 0
         self.kv_cache_usage = 0.0
+        self.spec_draft_tokens = 0  # speculative decoding, summed over steps
+        self.spec_accepted_tokens = 0
 
     def factory(self, vllm_config: Any, engine_index: int = 0) -> Any:
         from vllm.v1.metrics.loggers import StatLoggerBase
@@ -480,6 +493,10 @@ class _LoadTracker:
                     tracker.num_waiting = scheduler_stats.num_waiting_reqs
                     tracker.kv_cache_usage = scheduler_stats.kv_cache_usage
                     tracker.num_steps += 1
+                    spec = getattr(scheduler_stats, "spec_decoding_stats", None)
+                    if spec is not None:
+                        tracker.spec_draft_tokens += spec.num_draft_tokens
+                        tracker.spec_accepted_tokens += spec.num_accepted_tokens
                 if iteration_stats is not None:
                     tracker.num_preemptions += getattr(iteration_stats, "num_preempted_reqs", 0)
 
@@ -490,6 +507,21 @@ class _LoadTracker:
 
 
 # --- setup helpers -----------------------------------------------------------------------------
+
+
+def speculative_config(spec: Any) -> dict[str, Any]:
+    """engines.speculative.SpeculativeConfig → vLLM 0.32's speculative_config dict
+    (vllm/config/speculative.py: method "ngram" with prompt_lookup_min/max, or method
+    "draft_model" with the draft's directory as `model`). vLLM reports acceptance for the
+    whole engine only (stats()), not per request."""
+    if spec.method == "ngram":
+        return {
+            "method": "ngram",
+            "num_speculative_tokens": spec.num_tokens,
+            "prompt_lookup_min": spec.prompt_lookup_min,
+            "prompt_lookup_max": spec.prompt_lookup_max,
+        }
+    return {"method": "draft_model", "model": spec.model, "num_speculative_tokens": spec.num_tokens}
 
 
 def _import_vllm() -> Any:

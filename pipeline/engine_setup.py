@@ -23,6 +23,10 @@ def engine_settings(engine: EngineSpec) -> dict[str, Any]:
         for name in EngineSpec.model_fields
         if name in accepted and getattr(engine, name) is not None
     }
+    if "speculative" in settings:
+        # Engines take plain data (they never import the pipeline); unset fields get the
+        # engine's own defaults.
+        settings["speculative"] = engine.speculative.model_dump(exclude_none=True)
     settings.update(engine.extra)
     return settings
 

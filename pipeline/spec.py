@@ -209,6 +209,54 @@ class ModelSpec(_Strict):
         return self.name or self.path.rstrip("/").rsplit("/", 1)[-1]
 
 
+class SpeculativeSpec(_Strict):
+    method: Literal["ngram", "draft", "eagle3", "mtp"] = Field(
+        description="ngram (prompt lookup: propose the tokens that followed the last match of "
+        "the request's own recent tokens in its prompt + output; no second model) | draft (a "
+        "small model with the same tokenizer proposes) | eagle3 (an EAGLE-3 head proposes) | "
+        "mtp (the checkpoint's multi-token-prediction layers). Engine kinds: reference ngram; "
+        "vllm ngram, draft; trtllm ngram, draft, eagle3, mtp. See docs/speculative-decoding.md."
+    )
+    num_tokens: int | None = Field(
+        None,
+        ge=1,
+        le=32,
+        description="Tokens proposed per request per step; the target model scores them all "
+        "(plus one) in one forward pass. Null: 4 (mtp: num_layers).",
+    )
+    prompt_lookup_min: int | None = Field(
+        None,
+        ge=1,
+        description="ngram: shortest match (in tokens) of the request's last tokens that may "
+        "propose. Null: 2 (trtllm matches down to 1 and needs null or 1).",
+    )
+    prompt_lookup_max: int | None = Field(
+        None,
+        ge=1,
+        description="ngram: longest match tried first (longer matches propose more reliably). "
+        "Null: 4 (trtllm: max_matching_ngram_size).",
+    )
+    model: str | None = Field(
+        None,
+        description="draft: the draft model directory (same tokenizer as the model); eagle3: the "
+        "EAGLE-3 head checkpoint directory. Local paths on every node.",
+    )
+    num_layers: int | None = Field(
+        None,
+        ge=1,
+        description="mtp: MTP layers used (trtllm num_nextn_predict_layers; each proposes "
+        "one token). Null: num_tokens.",
+    )
+    disable_above_batch_size: int | None = Field(
+        None,
+        ge=0,
+        description="Speculate only in engine steps with at most this many running requests: "
+        "verification costs compute, which a large batch no longer has spare. Null: the engine "
+        "kind's default (reference 8, measured on CPU, see docs/speculative-decoding.md; trtllm "
+        "always on). Not available on vllm 0.32.",
+    )
+
+
 class EngineSpec(_Strict):
     kind: Literal["reference", "trtllm", "vllm"] = Field(
         "reference",
@@ -275,6 +323,12 @@ class EngineSpec(_Strict):
     scheduler_policy: Literal["guaranteed_no_evict", "max_utilization"] = Field(
         "guaranteed_no_evict", description="trtllm capacity scheduler policy."
     )
+    speculative: SpeculativeSpec | None = Field(
+        None,
+        description="Speculative decoding: {method: ngram | draft | eagle3 | mtp, num_tokens, "
+        "...}. Greedy output is unchanged token for token; sampled output keeps the model's "
+        "distribution. Null: off. See docs/speculative-decoding.md.",
+    )
     extra: dict[str, Any] = Field(
         default_factory=dict, description="Engine-specific options passed through verbatim."
     )
@@ -285,6 +339,18 @@ class EngineSpec(_Strict):
         "plan` uses it for the time and cost estimate (or --tokens-per-s / --measure). Not "
         "passed to the engine.",
     )
+
+    @model_validator(mode="after")
+    def _speculative_runs_on_kind(self) -> EngineSpec:
+        from engines.speculative import problems
+
+        if self.speculative is not None:
+            found = problems(self.kind, self.speculative.model_dump())
+            if self.kind == "trtllm" and self.extra.get("backend", "pytorch") != "pytorch":
+                found.append("trtllm speculates on its pytorch backend only (engine.extra.backend)")
+            if found:
+                raise ValueError("engine.speculative: " + "; ".join(found))
+        return self
 
 
 # --- sampling --------------------------------------------------------------------------------

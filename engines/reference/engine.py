@@ -5,9 +5,11 @@ piece of mutable engine state (scheduler, block manager, runner). The two sides 
 inbox (new requests and aborts, under a condition variable) and in per-request sinks that the
 step loop resolves with `loop.call_soon_threadsafe`.
 
-A step is: schedule → run the model → sample → append the StepRecord → update requests →
-deliver. The record is appended before any result of that step is delivered, so when a caller
-sees a request finish, every step it took part in is already recorded (cost relies on this).
+A step is: (propose) → schedule → run the model → sample (or verify proposals) → append the
+StepRecord → update requests → deliver. With `speculative` set, decoding requests get n-gram
+proposals that the same forward pass verifies (engines/reference/speculative.py). The record
+is appended before any result of that step is delivered, so when a caller sees a request
+finish, every step it took part in is already recorded (cost relies on this).
 
 Shutdown: the step loop stops, requests still in flight finish with finish_reason "cancelled"
 (they are results, not exceptions); requests submitted afterwards raise EngineDeadError. If
@@ -62,7 +64,15 @@ SETTINGS = (
     "num_threads",
     "profile_dir",
     "profile_steps",
+    "speculative",
 )
+
+# Speculation is off in steps with more running requests than this, unless the job says
+# otherwise. Measured on 2 CPU cores (tests/benchmarks/bench_speculative.py, numbers in
+# docs/speculative-decoding.md): up to 8 requests speculation won 1.2-1.9x on the copy-heavy
+# workload, at 16 it was a wash and at 64 it lost ~10-20%, because there the step is already
+# compute-bound and the k extra positions per request cost more than the steps they save.
+DEFAULT_DISABLE_ABOVE_BATCH_SIZE = 8
 
 
 @dataclass
@@ -107,6 +117,9 @@ class _Live:
     sent_tokens: int = 0  # output tokens already streamed
     sent_chars: int = 0  # text characters already streamed
     stop_ids: frozenset[int] = field(default_factory=frozenset)
+    ngram: Any = None  # speculative.NgramIndex when the request may speculate
+    spec_proposed: int = 0  # proposed tokens verified so far
+    spec_accepted: int = 0  # of them, accepted
 
 
 class ReferenceEngine:
@@ -130,6 +143,10 @@ class ReferenceEngine:
         profile_dir: write a torch.profiler trace (Chrome / Perfetto JSON) of the first
             `profile_steps` steps here, one named range per phase; None: no profiling.
         profile_steps: steps the trace records.
+        speculative: engine.speculative as a dict ({method: ngram, num_tokens,
+            prompt_lookup_min, prompt_lookup_max, disable_above_batch_size}); None: off.
+            Requests with response_format or logprobs never speculate (see docs/
+            speculative-decoding.md).
     """
 
     def __init__(
@@ -149,6 +166,7 @@ class ReferenceEngine:
         num_threads: int | None = None,
         profile_dir: str | None = None,
         profile_steps: int = 20,
+        speculative: Any = None,
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -178,6 +196,12 @@ class ReferenceEngine:
         ):
             if not isinstance(value, int) or value < 1:
                 raise EngineError(f"{name} must be an integer >= 1, got {value!r}")
+        from engines.speculative import resolve
+
+        self._speculative = resolve("reference", speculative)
+        self._spec_limit = DEFAULT_DISABLE_ABOVE_BATCH_SIZE
+        if self._speculative is not None and self._speculative.disable_above_batch_size is not None:
+            self._spec_limit = self._speculative.disable_above_batch_size
         self._num_threads = num_threads or os.cpu_count() or 1
         torch.set_num_threads(self._num_threads)
         self._torch_device = resolve_device(device)
@@ -236,6 +260,8 @@ class ReferenceEngine:
         self._dead: str | None = None  # why the engine stopped
         self._num_finished = 0
         self._num_steps = 0
+        self._spec_proposed = 0  # speculative tokens verified since load
+        self._spec_accepted = 0
 
         self.info = EngineInfo(
             kind="reference",
@@ -298,6 +324,8 @@ class ReferenceEngine:
             kv_blocks_total=bm.num_blocks,
             kv_blocks_used=bm.num_used_blocks,
             num_steps=self._num_steps,
+            spec_proposed_tokens=self._spec_proposed,
+            spec_accepted_tokens=self._spec_accepted,
         )
 
     @property
@@ -426,16 +454,42 @@ class ReferenceEngine:
         if sampling.logprobs is not None:
             live.logprobs = []
         live.stop_ids = frozenset(sampling.stop_token_ids)
+        spec = self._speculative
+        # Constrained rows would need their grammar matcher advanced through the proposals and
+        # rolled back on rejection; logprob rows would need every emitted position's
+        # alternatives. Both decode one token a step instead (correct, just not faster).
+        if spec is not None and live.matcher is None and live.logprobs is None:
+            from engines.reference.speculative import NgramIndex
+
+            live.ngram = NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max)
         self._live[live.request.request_id] = live
         self.scheduler.add_request(live.sched)
+
+    def _propose(self) -> None:
+        """Give each decoding request that may speculate its n-gram proposal for this step,
+        unless the batch is too large for speculation to pay."""
+        spec = self._speculative
+        running = self.scheduler.running
+        if spec is None or len(running) > self._spec_limit:
+            return
+        for req in running:
+            live = self._live.get(req.request_id)
+            if live is None or live.ngram is None or not req.is_decoding:
+                continue
+            # The model's own next token comes on top: never propose past max_tokens.
+            room = req.max_tokens - (req.num_tokens - req.num_prompt_tokens) - 1
+            if room > 0:
+                req.spec_token_ids = live.ngram.propose(req.token_ids, min(spec.num_tokens, room))
 
     def _step(self) -> None:
         from engines.reference.runner import ChunkInput
         from engines.reference.sampler import sample
+        from engines.reference.speculative import verify
 
         phase = self._profiler.phase  # named ranges in a profile; no-ops otherwise
         start = time.monotonic()
         with phase("schedule"):
+            self._propose()
             output = self.scheduler.schedule()
         if not output.chunks:
             # Cannot happen with admission checks in place; fail loudly rather than spin.
@@ -456,26 +510,47 @@ class ReferenceEngine:
                     )
                 )
         # build_inputs (tensors) and forward ranges of their own inside
-        logits = self.runner.execute(inputs)  # [S, V]
+        logits = self.runner.execute(inputs)  # [S, V]: chunk.num_logits rows per chunk
         sampling_chunks = [c for c in output.chunks if c.is_sampling]
         lives = [self._live[c.request_id] for c in sampling_chunks]
+        first_rows: list[int] = []  # each sampling chunk's first logits row
+        next_row = 0
+        for c in sampling_chunks:
+            first_rows.append(next_row)
+            next_row += c.num_logits
+        speculating = any(c.spec_token_ids for c in sampling_chunks)
         with phase("sample"):
+            # Rows with logprobs or a grammar never carry proposals: one row each.
             wanting = [i for i, lv in enumerate(lives) if lv.logprobs is not None]
             # The model's own distribution: taken before masks (which edit logits in place)
             # and without temperature or top-k/top-p.
-            raw = logits[wanting].float().log_softmax(-1) if wanting else None
+            raw = None
+            if wanting:
+                raw = logits[[first_rows[i] for i in wanting]].float().log_softmax(-1)
             constrained = [i for i, lv in enumerate(lives) if lv.matcher is not None]
             if constrained:
                 # Disallowed tokens get -inf for every constrained row at once, before sampling.
-                self._grammars.mask(logits, constrained, [lives[i].matcher for i in constrained])
-            tokens = sample(
-                logits,
-                [lv.request.sampling for lv in lives],
-                [lv.generator for lv in lives],
-                self._default_generator,
-            )
+                self._grammars.mask(
+                    logits,
+                    [first_rows[i] for i in constrained],
+                    [lives[i].matcher for i in constrained],
+                )
+            params = [lv.request.sampling for lv in lives]
+            generators = [lv.generator for lv in lives]
+            if speculating:
+                verified = verify(
+                    logits,
+                    [c.spec_token_ids for c in sampling_chunks],
+                    params,
+                    generators,
+                    self._default_generator,
+                )
+                emitted = [v.tokens for v in verified]
+            else:
+                tokens = sample(logits, params, generators, self._default_generator)
+                emitted = [[t] for t in tokens]
             if raw is not None:
-                _record_logprobs(raw, [lives[i] for i in wanting], [tokens[i] for i in wanting])
+                _record_logprobs(raw, [lives[i] for i in wanting], [emitted[i][0] for i in wanting])
         # Stop checks, streaming and results; detokenization has ranges of its own inside.
         with phase("deliver"):
             end = time.monotonic()
@@ -487,51 +562,46 @@ class ReferenceEngine:
                     for c in output.chunks
                     if c.num_prefill_tokens
                 },
-                decode_tokens={c.request_id: 1 for c in sampling_chunks},
+                # A verification step computed 1 + k positions for the row: all are its cost.
+                decode_tokens={c.request_id: c.num_logits for c in sampling_chunks},
+                spec_proposed_tokens={
+                    c.request_id: len(c.spec_token_ids) for c in sampling_chunks if c.spec_token_ids
+                },
+                spec_accepted_tokens={
+                    c.request_id: len(tokens) - 1
+                    for c, tokens in zip(sampling_chunks, emitted, strict=True)
+                    if c.spec_token_ids
+                },
             )
             with self._records_lock:
                 self._records.append(record)
             self._num_steps += 1
 
-            sampled = {c.request_id: t for c, t in zip(sampling_chunks, tokens, strict=True)}
+            sampled = {c.request_id: t for c, t in zip(sampling_chunks, emitted, strict=True)}
             self.scheduler.update_from_output(output, sampled)
-            for live, token in zip(lives, tokens, strict=True):
+            for chunk, live, tokens in zip(sampling_chunks, lives, emitted, strict=True):
                 if live.metrics.first_token_time is None:
                     live.metrics.first_token_time = end
-                self._after_token(live, token)
+                if chunk.spec_token_ids:
+                    live.spec_proposed += len(chunk.spec_token_ids)
+                    live.spec_accepted += len(tokens) - 1
+                    self._spec_proposed += len(chunk.spec_token_ids)
+                    self._spec_accepted += len(tokens) - 1
+                self._after_tokens(live, tokens)
 
-    def _after_token(self, live: _Live, token: int) -> None:
-        """Check the stop conditions for a freshly sampled token; stream or finish."""
-        sampling = live.request.sampling
-        request_id = live.request.request_id
-        if live.matcher is not None:
-            from engines.reference.grammar import accept, is_complete
-
-            if not accept(live.matcher, token):
-                self._finish(request_id, "error", error=f"token {token} breaks the response_format")
+    def _after_tokens(self, live: _Live, tokens: list[int]) -> None:
+        """Check the stop conditions for each new token in order (already appended to the
+        request); the first that stops finishes the request and the tokens after it are
+        dropped. Otherwise stream what is new."""
+        num_before = live.sched.num_tokens - live.sched.num_prompt_tokens - len(tokens)
+        for i, token in enumerate(tokens):
+            num_output = num_before + i + 1  # outputs up to and including this token
+            outcome = self._stop_outcome(live, token, num_output)
+            if outcome is not None:
+                live.sched.drop_last_tokens(len(tokens) - 1 - i)
+                self._finish(live.request.request_id, **outcome)
                 return
-            if is_complete(live.matcher):
-                # The text is whole: the grammar accepted its end (an EOS token), which ends
-                # the request even with ignore_eos, since nothing may follow.
-                self._finish(request_id, "stop", stop_reason=None, stop_token=True)
-                return
-        # Like a stop string, a stop or EOS token ends the text without appearing in it (its
-        # id stays in output_token_ids and is counted), as in vLLM and OpenAI's servers.
-        if token in live.stop_ids:
-            self._finish(request_id, "stop", stop_reason=token)
-            return
-        if not sampling.ignore_eos and token in self.config.eos_token_ids:
-            self._finish(request_id, "stop", stop_reason=None, stop_token=True)
-            return
-        stop_string = None
-        if live.detok is not None:
-            with self._profiler.phase("detokenize"):
-                stop_string = live.detok.add(token)
-        if stop_string is not None:
-            self._finish(request_id, "stop", stop_reason=stop_string)
-        elif len(live.sched.output_token_ids) >= live.sched.max_tokens:
-            self._finish(request_id, "length")
-        elif live.is_stream:
+        if live.is_stream:
             new_tokens = live.sched.output_token_ids[live.sent_tokens :]
             stable = live.detok.stable_text_len() if live.detok else 0
             text = live.detok.text[live.sent_chars : stable] if live.detok else ""
@@ -541,6 +611,35 @@ class ReferenceEngine:
             live.sent_tokens += len(new_tokens)
             live.sent_chars = max(live.sent_chars, stable)
             live.sink.deliver(StreamDelta(list(new_tokens), text, logprobs=logprobs))
+
+    def _stop_outcome(self, live: _Live, token: int, num_output: int) -> dict[str, Any] | None:
+        """How `token` (the request's num_output-th output) ends the request, as _finish's
+        keyword arguments; None when the request goes on."""
+        sampling = live.request.sampling
+        if live.matcher is not None:
+            from engines.reference.grammar import accept, is_complete
+
+            if not accept(live.matcher, token):
+                return {"reason": "error", "error": f"token {token} breaks the response_format"}
+            if is_complete(live.matcher):
+                # The text is whole: the grammar accepted its end (an EOS token), which ends
+                # the request even with ignore_eos, since nothing may follow.
+                return {"reason": "stop", "stop_reason": None, "stop_token": True}
+        # Like a stop string, a stop or EOS token ends the text without appearing in it (its
+        # id stays in output_token_ids and is counted), as in vLLM and OpenAI's servers.
+        if token in live.stop_ids:
+            return {"reason": "stop", "stop_reason": token}
+        if not sampling.ignore_eos and token in self.config.eos_token_ids:
+            return {"reason": "stop", "stop_reason": None, "stop_token": True}
+        stop_string = None
+        if live.detok is not None:
+            with self._profiler.phase("detokenize"):
+                stop_string = live.detok.add(token)
+        if stop_string is not None:
+            return {"reason": "stop", "stop_reason": stop_string}
+        if num_output >= live.sched.max_tokens:
+            return {"reason": "length"}
+        return None
 
     def _finish(
         self,
@@ -579,6 +678,8 @@ class ReferenceEngine:
             cached=(sched.num_cached_tokens or 0) if sched else 0,
             preemptions=sched.num_preemptions if sched else 0,
             logprobs=None if live.logprobs is None else live.logprobs[: len(output_ids)],
+            spec_proposed=live.spec_proposed,
+            spec_accepted=live.spec_accepted,
         )
         self._num_finished += 1
         with self._cv:
@@ -624,6 +725,8 @@ def _result(
     cached: int = 0,
     preemptions: int = 0,
     logprobs: list[TokenLogprob] | None = None,
+    spec_proposed: int = 0,
+    spec_accepted: int = 0,
 ) -> GenerationResult:
     return GenerationResult(
         request_id=request.request_id,
@@ -638,6 +741,8 @@ def _result(
         num_preemptions=preemptions,
         metrics=metrics,
         logprobs=logprobs,
+        spec_proposed_tokens=spec_proposed,
+        spec_accepted_tokens=spec_accepted,
     )
 
 

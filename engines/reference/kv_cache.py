@@ -139,6 +139,25 @@ class BlockManager:
                 block.block_hash = parent
                 self._cached[parent] = block.block_id
 
+    def truncate(self, request_id: str, num_tokens: int) -> None:
+        """Shrink a request's table to the blocks `num_tokens` tokens need: the tail blocks
+        held only rejected speculative positions. Such blocks were allocated fresh for this
+        request and never hashed (hashes cover computed tokens only), so they go back to the
+        front of the free queue, first to be reused."""
+        table = self._tables[request_id]
+        keep = self.blocks_needed(num_tokens)
+        if keep < len(table.block_hashes):
+            raise ValueError(
+                f"cannot truncate {request_id!r} to {num_tokens} tokens: its first "
+                f"{len(table.block_hashes)} blocks are cached prefix"
+            )
+        while len(table.block_ids) > keep:
+            block = self.blocks[table.block_ids.pop()]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block.block_id] = None
+                self._free.move_to_end(block.block_id, last=False)
+
     def free(self, request_id: str) -> None:
         """Release a request's blocks (tail first). Hashed blocks stay reusable until evicted."""
         table = self._tables.pop(request_id, None)

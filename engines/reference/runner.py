@@ -1,5 +1,7 @@
 """Model runner: owns the model, the KV block pool tensors and the RoPE tables; turns one
-SchedulerOutput into model inputs, runs the forward pass and returns the sampling rows' logits.
+SchedulerOutput into model inputs, runs the forward pass and returns the sampling rows' logits:
+one row per sampling chunk, or 1 + k rows for a chunk carrying k speculative proposals (the
+target's distribution after its last real token and after each proposal).
 """
 
 from __future__ import annotations
@@ -110,7 +112,8 @@ class ModelRunner:
         return groups
 
     def execute(self, inputs: Sequence[ChunkInput]) -> torch.Tensor:
-        """Run one step; returns logits [S, V] (float32) for the sampling chunks, in order."""
+        """Run one step; returns logits [S, V] (float32): `chunk.num_logits` rows per chunk,
+        in order (S = sum of them)."""
         with self.profiler.phase("build_inputs"):
             step = self.prepare(inputs)
         with self.profiler.phase("forward"):
@@ -143,7 +146,10 @@ class ModelRunner:
             chunk = item.chunk
             start, n = chunk.start, chunk.num_tokens
             blocks = item.block_ids
-            input_ids.extend(item.token_ids[start : start + n])
+            spec = chunk.spec_token_ids
+            # Proposals follow the request's own tokens; they are not in token_ids (yet).
+            input_ids.extend(item.token_ids[start : start + n - len(spec)])
+            input_ids.extend(spec)
             positions.extend(range(start, start + n))
             slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, start + n))
             if n == 1:
@@ -159,8 +165,8 @@ class ModelRunner:
                     queries = torch.arange(start, start + n)
                     mask = (context[None, :] <= queries[:, None]).to(dev)  # [n, L]
                 prefills.append(PrefillSeq(row, n, start, gather, mask))
-            if chunk.is_sampling:
-                logits_rows.append(row + n - 1)
+            # The last real token's row, then one per proposal: verification needs them all.
+            logits_rows.extend(range(row + n - chunk.num_logits, row + n))
             row += n
 
         groups = self._decode_groups(decode_rows, decode_lens, decode_tables)

@@ -14,6 +14,14 @@ later steps. With it off, a prompt is computed in one step, so the engine refuse
 longer than `max_num_tokens` up front (like TensorRT-LLM); the one exception is recomputing a
 preempted request, whose prompt + outputs may exceed the budget and is then chunked anyway.
 
+Speculative decoding: the engine may set `spec_token_ids` (proposed next tokens) on a running
+request that is decoding. The request's chunk then holds its last real token plus the
+proposals, KV blocks are allocated for all of them and they count against `max_num_tokens`
+(proposals are cut to fit the budget, and dropped rather than cause a preemption). After the
+step, `update_from_output` keeps the KV of the accepted proposals only: rejected positions are
+not computed, blocks that hold none of the computed tokens go back to the pool, and prefix-cache
+hashes cover computed (accepted) tokens only.
+
 Preemption by recompute: when a running request needs a block and none is free, the most
 recently admitted running request is evicted (blocks freed, progress dropped) and requeued at
 the front of the waiting queue. A request that could not fit in the whole pool alone is
@@ -47,6 +55,8 @@ class Request:
     num_cached_tokens: int | None = None  # prefix-cache hit at first admission
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
+    # Proposed next tokens for the coming step (speculative decoding); set by the engine.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -67,6 +77,20 @@ class Request:
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
 
+    def drop_last_tokens(self, count: int) -> None:
+        """Forget the last `count` outputs (emitted after a stop, when the request finishes)."""
+        if count > 0:
+            del self.token_ids[-count:]
+            self.num_computed_tokens = min(self.num_computed_tokens, self.num_tokens)
+
+    @property
+    def is_decoding(self) -> bool:
+        """All but the last token are in the KV cache: the next step decodes one token."""
+        return (
+            self.num_tokens > self.num_prompt_tokens
+            and self.num_computed_tokens == self.num_tokens - 1
+        )
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -84,6 +108,14 @@ class ScheduledChunk:
     num_tokens: int
     is_sampling: bool  # the chunk completes the request's catch-up: sample its next token
     num_prefill_tokens: int  # prompt (or recomputed) tokens; 0 for a plain decode token
+    # Proposed tokens appended after the request's own tokens (the last num_tokens positions
+    # of a decode chunk); each needs its logits, as does the last real token.
+    spec_token_ids: tuple[int, ...] = ()
+
+    @property
+    def num_logits(self) -> int:
+        """Positions whose next-token logits this chunk needs (0 when it does not sample)."""
+        return 1 + len(self.spec_token_ids) if self.is_sampling else 0
 
 
 @dataclass
@@ -144,7 +176,12 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            catch_up = req.num_tokens - req.num_computed_tokens
+            spec = req.spec_token_ids[: max(0, budget - catch_up)] if req.is_decoding else []
+            if spec and not bm.can_append(req.request_id, req.num_tokens + len(spec)):
+                spec = []  # proposals never evict anyone
+            req.spec_token_ids = spec
+            num_new = min(catch_up + len(spec), budget)
             target = req.num_computed_tokens + num_new
             while not bm.can_append(req.request_id, target):
                 victim = self.running[-1]
@@ -179,6 +216,7 @@ class Scheduler:
             bm.allocate(req.request_id, num_cached + num_new, cached)
             self.waiting.popleft()
             self.running.append(req)
+            req.spec_token_ids = []  # a request being admitted computes its own tokens first
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = num_cached
             if req.num_cached_tokens is None:
@@ -190,13 +228,16 @@ class Scheduler:
 
     def _chunk(self, req: Request, num_new: int) -> ScheduledChunk:
         start = req.num_computed_tokens
-        is_decode = num_new == 1 and start >= req.num_prompt_tokens
+        spec = tuple(req.spec_token_ids) if req.status is RequestStatus.RUNNING else ()
+        num_real = num_new - len(spec)
+        is_decode = num_real == 1 and start >= req.num_prompt_tokens
         return ScheduledChunk(
             request_id=req.request_id,
             start=start,
             num_tokens=num_new,
-            is_sampling=start + num_new == req.num_tokens,
+            is_sampling=start + num_real == req.num_tokens,
             num_prefill_tokens=0 if is_decode else num_new,
+            spec_token_ids=spec,
         )
 
     def _preempt(self, req: Request) -> None:
@@ -204,24 +245,37 @@ class Scheduler:
         self.running.remove(req)
         req.status = RequestStatus.WAITING
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
     # ---- after the step ------------------------------------------------------------------
-    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> None:
-        """Advance each scheduled request by its chunk and append its sampled token (if any).
-        The KV of the chunk is now written, so its full blocks join the prefix cache."""
+    def update_from_output(
+        self, output: SchedulerOutput, sampled: dict[str, int | list[int]]
+    ) -> None:
+        """Advance each scheduled request by its chunk and append its sampled token(s): one
+        token, or for a chunk with proposals the accepted proposals and then the model's own
+        next token. Rejected proposals' positions stay uncomputed and blocks holding only them
+        are freed. The KV of the computed tokens is written, so their full blocks join the
+        prefix cache."""
         for chunk in output.chunks:
             req = self.requests.get(chunk.request_id)
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue  # finished or aborted while the step ran
-            req.num_computed_tokens = chunk.start + chunk.num_tokens
+            req.spec_token_ids = []
+            tokens = sampled.get(chunk.request_id, [])
+            if isinstance(tokens, int):
+                tokens = [tokens]
+            # Emitted tokens are the accepted proposals plus one: the rest were rejected.
+            rejected = len(chunk.spec_token_ids) - max(len(tokens) - 1, 0)
+            req.num_computed_tokens = chunk.start + chunk.num_tokens - rejected
+            if rejected:
+                self.block_manager.truncate(req.request_id, req.num_computed_tokens)
+            req.token_ids.extend(tokens)
             self.block_manager.cache_full_blocks(
                 req.request_id, req.token_ids, req.num_computed_tokens
             )
-            if chunk.request_id in sampled:
-                req.append_token(sampled[chunk.request_id])
 
     def finish_request(self, request_id: str) -> Request | None:
         """Remove a request (finished, failed or aborted) and free its blocks."""

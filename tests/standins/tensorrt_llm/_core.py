@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from tensorrt_llm.executor.utils import RequestError
-from tensorrt_llm.llmapi import KvCacheConfig, SchedulerConfig
+from tensorrt_llm.llmapi import DecodingBaseConfig, KvCacheConfig, SchedulerConfig
 
 # Arguments both backends accept (1.2 `BaseLlmArgs` plus the constructor's named ones).
 COMMON_ARGS = {
@@ -123,9 +123,19 @@ class KvCacheMetrics:
 
 
 @dataclass
+class SpeculativeDecodingMetrics:
+    acceptance_rate: float = 0.0
+    total_accepted_draft_tokens: int = 0
+    total_draft_tokens: int = 0
+
+
+@dataclass
 class RequestPerfMetrics:
     timing_metrics: TimingMetrics
     kv_cache_metrics: KvCacheMetrics = field(default_factory=KvCacheMetrics)
+    speculative_decoding: SpeculativeDecodingMetrics = field(
+        default_factory=SpeculativeDecodingMetrics
+    )
     first_iter: int | None = None
     last_iter: int | None = None
 
@@ -299,8 +309,22 @@ class RequestOutput:
     def _attach_metrics(self) -> None:
         p, out = self._params, self.outputs[0]
         if p.return_perf_metrics and self._llm.args["return_perf_metrics"]:
+            spec = SpeculativeDecodingMetrics()
+            config = self._llm.args["speculative_config"]
+            if config is not None:
+                # Toy figures (there is no real drafter here): one draft of max_draft_len per
+                # generated token after the first, half of each accepted.
+                steps = max(len(out.token_ids) - 1, 0)
+                drafted = steps * config.max_draft_len
+                accepted = drafted // 2
+                spec = SpeculativeDecodingMetrics(
+                    accepted / drafted if drafted else 0.0, accepted, drafted
+                )
             out.request_perf_metrics = RequestPerfMetrics(
-                timing_metrics=self._timing, first_iter=0, last_iter=len(out.token_ids)
+                timing_metrics=self._timing,
+                first_iter=0,
+                last_iter=len(out.token_ids),
+                speculative_decoding=spec,
             )
 
     def __await__(self):
@@ -358,6 +382,14 @@ class LlmCore:
         if not isinstance(sched, SchedulerConfig):
             raise ValueError("scheduler_config must be a SchedulerConfig")
         self.kv_cache_config = kv
+        spec = self.args["speculative_config"]
+        if spec is not None:
+            if not isinstance(spec, DecodingBaseConfig):
+                raise ValueError("speculative_config must be a DecodingBaseConfig")
+            if not spec.supports_backend(self.backend):
+                raise ValueError(
+                    f"{type(spec).__name__} is not supported by the {self.backend} backend"
+                )
         self.is_shutdown = False
         self.shutdown_calls = 0
         self.submitted: list[tuple[list[int], Any, bool]] = []

@@ -123,3 +123,107 @@ class BuildCacheConfig:
     cache_root: Path | None = None
     max_records: int = 10
     max_cache_storage_gb: float = 256
+
+
+# --- speculative decoding (1.2 `llm_args`: DecodingBaseConfig and its subclasses) ---------------
+
+
+@dataclass
+class DecodingBaseConfig:
+    """Fields every decoding config has. `speculative_model` is also accepted as
+    `speculative_model_dir` in the real pydantic model (an alias)."""
+
+    max_draft_len: int | None = None
+    max_total_draft_tokens: int | None = None
+    speculative_model: str | Path | None = None
+    max_concurrency: int | None = None
+    load_format: str | None = None
+
+    decoding_type = "Base"
+
+    def __post_init__(self) -> None:
+        if self.max_draft_len is not None and self.max_draft_len < 0:
+            raise ValueError("max_draft_len must be non-negative")
+        if self.max_concurrency is not None and self.max_concurrency < 0:
+            raise ValueError("max_concurrency must be non-negative")
+
+    def supports_backend(self, backend: str) -> bool:
+        return backend == "pytorch"
+
+
+@dataclass
+class NGramDecodingConfig(DecodingBaseConfig):
+    max_matching_ngram_size: int = 2
+    is_keep_all: bool = True
+    is_use_oldest: bool = True
+    is_public_pool: bool = True
+
+    decoding_type = "NGram"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.max_draft_len is None or self.max_draft_len <= 0:
+            raise ValueError("max_draft_len must be > 0 for NGram")
+        if self.max_matching_ngram_size <= 0:
+            raise ValueError("max_matching_ngram_size must be positive")
+        self.max_total_draft_tokens = self.max_draft_len
+
+
+@dataclass
+class DraftTargetDecodingConfig(DecodingBaseConfig):
+    decoding_type = "Draft_Target"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.max_draft_len is None or self.max_draft_len <= 0:
+            raise ValueError("max_draft_len must be > 0 for DraftTarget")
+        if self.speculative_model is None:
+            raise ValueError("speculative_model must be specified for DraftTarget")
+        self.max_total_draft_tokens = self.max_draft_len
+
+
+@dataclass
+class EagleDecodingConfig(DecodingBaseConfig):
+    eagle_choices: list[list[int]] | None = None
+    greedy_sampling: bool | None = True
+    posterior_threshold: float | None = None
+    use_dynamic_tree: bool | None = False
+    dynamic_tree_max_topK: int | None = None  # the real field name
+    num_eagle_layers: int | None = None
+    max_non_leaves_per_layer: int | None = None
+    eagle3_one_model: bool | None = True
+    eagle3_layers_to_capture: set[int] | None = None
+
+    decoding_type = "Eagle"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.max_draft_len:
+            raise ValueError("max_draft_len must be > 0 for Eagle")
+        if self.speculative_model is None:
+            raise ValueError("Draft model must be provided for EAGLE")
+        self.num_eagle_layers = self.max_draft_len
+        self.max_total_draft_tokens = self.max_draft_len
+
+
+@dataclass
+class Eagle3DecodingConfig(EagleDecodingConfig):
+    decoding_type = "Eagle3"
+
+
+@dataclass
+class MTPDecodingConfig(DecodingBaseConfig):
+    num_nextn_predict_layers: int = 1
+    use_relaxed_acceptance_for_thinking: bool = False
+    relaxed_topk: int = 1
+    relaxed_delta: float = 0.0
+    use_mtp_vanilla: bool = False
+
+    decoding_type = "MTP"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.num_nextn_predict_layers <= 0:
+            raise ValueError("num_nextn_predict_layers must be positive")
+        self.max_draft_len = self.num_nextn_predict_layers
+        self.max_total_draft_tokens = self.num_nextn_predict_layers
