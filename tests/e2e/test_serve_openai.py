@@ -401,7 +401,15 @@ def wait_engine_idle(server: ServerProcess, model: str, timeout: float = 60) -> 
         )
         if idle:
             return samples
-        assert time.monotonic() < deadline, f"engine of {model} still busy after {timeout}s"
+        busy = {
+            name: metric(samples, name, model=model) if present else "missing"
+            for name in (
+                "tokenmill_serve_requests_in_flight",
+                "tokenmill_engine_requests_running",
+                "tokenmill_engine_requests_waiting",
+            )
+        }
+        assert time.monotonic() < deadline, f"engine of {model} still busy after {timeout}s: {busy}"
         time.sleep(0.2)
 
 
@@ -455,11 +463,13 @@ def test_client_disconnect_while_waiting_for_whole_response(server: ServerProces
         httpx.post(
             server.api_url + "/completions", json=body, headers=auth(), timeout=client_timeout
         )
-    after = wait_engine_idle(server, "tiny")
+    # Long enough for the whole reply on a machine twice as busy as when measured, so that a
+    # request the server failed to cancel shows as `ran` below, not as a timeout here.
+    after = wait_engine_idle(server, "tiny", timeout=max(60.0, 2 * per_token * MAX_TOKENS_CAP))
     ran = metric(after, "tokenmill_engine_steps", model="tiny") - steps_before
-    # One step per token for a lone request; the margin covers the time Serve takes to notice
-    # the closed connection (a quarter of the reply again).
-    assert 0 < ran < MAX_TOKENS_CAP * 3 / 4, (ran, per_token, client_timeout)
+    # One step per token for a lone request. Cancelled, it stops near a quarter of the reply;
+    # the margin (to 90%) covers Serve noticing the closed connection on a loaded machine.
+    assert 0 < ran < MAX_TOKENS_CAP * 0.9, (ran, per_token, client_timeout)
 
 
 def test_metrics_count_tokens_and_latency(server: ServerProcess, client: openai.OpenAI) -> None:
