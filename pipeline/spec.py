@@ -624,6 +624,8 @@ RESERVED_COLUMNS: frozenset[str] = frozenset(
         "completion_tokens",
         "completion_token_ids",
         "parsed",
+        "spec_proposed_tokens",
+        "spec_accepted_tokens",
         "queue_s",
         "ttft_s",
         "decode_s",

@@ -32,6 +32,7 @@ class GenerateConfig:
     include_token_ids: bool  # also emit completion_token_ids
     structured: bool  # rows may carry a response format: emit `parsed`
     logprobs: bool  # rows may ask for logprobs: emit `logprobs`
+    speculative: bool  # engine.speculative is set: emit spec_proposed/accepted_tokens
     max_in_flight: int  # requests in the engine at once, across shards
     batch_size: int  # rows taken from a shard at a time
     rows_per_file: int  # a part holds at most this many rows
@@ -56,6 +57,7 @@ class GenerateConfig:
             include_token_ids=spec.output.include_token_ids,
             structured=is_structured(spec),
             logprobs=wants_logprobs(spec),
+            speculative=spec.engine.speculative is not None,
             max_in_flight=spec.resources.max_in_flight,
             batch_size=spec.resources.batch_size,
             rows_per_file=spec.output.rows_per_file,
@@ -136,6 +138,8 @@ class RowOutcome:
     served: bool  # reached this actor's engine (actor_id is set only then)
     parsed: bool | None = None  # constrained rows: whole and valid in their format
     logprobs: list[dict[str, Any]] | None = None  # rows that asked: the nested column's value
+    spec_proposed_tokens: int = 0  # speculative decoding: tokens proposed for this row
+    spec_accepted_tokens: int = 0  # and accepted by the model
 
     @classmethod
     def failed(cls, error: str, prompt_tokens: int, served: bool) -> RowOutcome:
@@ -170,6 +174,8 @@ class RowOutcome:
         return cls(
             parsed=parsed,
             logprobs=_logprob_rows(result),
+            spec_proposed_tokens=result.spec_proposed_tokens,
+            spec_accepted_tokens=result.spec_accepted_tokens,
             text=result.text,
             finish_reason=result.finish_reason,
             error=result.error if result.finish_reason == "error" else None,
@@ -222,6 +228,7 @@ def outcomes_to_table(
         LOGPROBS_FIELD,
         PARSED_FIELD,
         RESULT_FIELDS,
+        SPEC_FIELDS,
         TOKEN_IDS_FIELD,
     )
     from pipeline.cost import row_cost
@@ -274,4 +281,7 @@ def outcomes_to_table(
         columns[LOGPROBS_FIELD.name] = pa.array(
             [o.logprobs for o in outcomes], type=LOGPROBS_FIELD.type
         )
+    if config.speculative:
+        for f in SPEC_FIELDS:
+            columns[f.name] = pa.array([getattr(o, f.name) for o in outcomes], type=f.type)
     return pa.table(columns)

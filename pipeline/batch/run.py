@@ -180,6 +180,7 @@ def run_job(
         spec.output.include_token_ids,
         structured=is_structured(spec),
         logprobs=wants_logprobs(spec),
+        speculative=spec.engine.speculative is not None,
     )
     fingerprint = job_fingerprint(
         spec, files, shard_plan=plan.digest, schema=schema_to_json(schema)

@@ -76,11 +76,19 @@ PASSTHROUGH_TYPES: dict[str, pa.DataType] = {
 INFER_SAMPLE_ROWS = 1000
 
 
+# Jobs with engine.speculative: tokens proposed for the row and how many the model accepted.
+SPEC_FIELDS: tuple[pa.Field, ...] = (
+    pa.field("spec_proposed_tokens", pa.int32()),
+    pa.field("spec_accepted_tokens", pa.int32()),
+)
+
+
 def output_schema(
     passthrough: Iterable[pa.Field] = (),
     include_token_ids: bool = False,
     structured: bool = False,
     logprobs: bool = False,
+    speculative: bool = False,
 ) -> pa.Schema:
     """The one schema of every part of a job: id, passthrough columns, results."""
     fields = [pa.field("id", pa.string()), *passthrough, *RESULT_FIELDS]
@@ -90,6 +98,8 @@ def output_schema(
         fields.append(PARSED_FIELD)
     if logprobs:
         fields.append(LOGPROBS_FIELD)
+    if speculative:
+        fields.extend(SPEC_FIELDS)
     return pa.schema(fields)
 
 
