@@ -93,6 +93,19 @@ class ServeMetrics:
             ["model"],
             registry=r,
         )
+        self.engine_spec_proposed = Gauge(
+            "tokenmill_engine_spec_proposed_tokens",
+            "Speculative tokens proposed and verified since load (one replica, at scrape); "
+            "acceptance rate = accepted / proposed. 0 without engine.speculative.",
+            ["model"],
+            registry=r,
+        )
+        self.engine_spec_accepted = Gauge(
+            "tokenmill_engine_spec_accepted_tokens",
+            "Speculative tokens the model accepted since load (one replica, at scrape).",
+            ["model"],
+            registry=r,
+        )
 
         # Per key: labelled by the key's name (never the key), for usage and billing.
         self.key_requests = Counter(
@@ -172,6 +185,8 @@ class ServeMetrics:
         self.engine_waiting.labels(model).set(stats.num_waiting)
         self.engine_kv_used.labels(model).set(stats.kv_blocks_used)
         self.engine_steps.labels(model).set(stats.num_steps)
+        self.engine_spec_proposed.labels(model).set(stats.spec_proposed_tokens)
+        self.engine_spec_accepted.labels(model).set(stats.spec_accepted_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -381,6 +381,7 @@ ENGINE_GAUGES = (
     "tokenmill_engine_steps",
     "tokenmill_engine_requests_running",
     "tokenmill_engine_requests_waiting",
+    "tokenmill_engine_spec_proposed_tokens",
 )
 
 
