@@ -39,6 +39,7 @@ from pipeline.serve.board import open_board
 from pipeline.serve.health import unready_models
 from pipeline.serve.keys import ApiKey, KeyFileWatcher
 from pipeline.serve.limits import Gate, Lease, Limiter, LimitExceeded, retry_after_header
+from pipeline.serve.local import LocalEngine
 from pipeline.serve.logprobs import LogprobsBody
 from pipeline.serve.metrics import CONTENT_TYPE, ServeMetrics
 from pipeline.serve.protocol import (
@@ -64,7 +65,12 @@ from pipeline.serve.requests import (
     to_engine_request,
     usage_of,
 )
-from pipeline.serve.spec import ServedModelSpec, ServeSpec, engine_deployment_options
+from pipeline.serve.spec import (
+    ServedModelSpec,
+    ServeSpec,
+    engine_deployment_options,
+    one_hop_deployment_options,
+)
 from pipeline.serve.testhooks import hooks_enabled
 from pipeline.serve.tokens import PromptTokenizer
 from pipeline.serve.usage import CLIENT_CLOSED, UsageAccounting, UsageLog, sink_for
@@ -76,6 +82,8 @@ READY_CACHE_S = 1.0  # probes more frequent than this share one Serve status cal
 # Serve's own cap on the ingress sits this far above http.max_concurrent_requests, so probes,
 # /metrics and the ingress's own 429s still get in when every request slot is taken.
 INGRESS_HEADROOM = 64
+# The ingress deployment's name in Serve (its class name): with http.one_hop it holds the engine.
+INGRESS_DEPLOYMENT = "OpenAIIngress"
 
 fastapi_app = FastAPI(title="tokenmill", docs_url=None, redoc_url=None, openapi_url=None)
 fastapi_app.include_router(batch_routes.router)  # /v1/files, /v1/batches (serve file batch_api)
@@ -194,9 +202,15 @@ def _app_name(default: str) -> str:
 @serve.ingress(fastapi_app)
 class OpenAIIngress:
     def __init__(
-        self, spec: ServeSpec, engines: dict[str, DeploymentHandle], keys: KeyDigests
+        self, spec: ServeSpec, engines: dict[str, DeploymentHandle] | None, keys: KeyDigests
     ) -> None:
         self._spec = spec
+        # engines None: http.one_hop, the one model's engine replica lives in this process.
+        self._local: EngineReplica | None = None
+        if engines is None:
+            served = spec.models[0]
+            self._local = EngineReplica.func_or_class(served, spec.storage)
+            engines = {served.name: LocalEngine(self._local)}
         self._engines = engines
         self._keys = keys
         self._tokenizers = {
@@ -210,6 +224,8 @@ class OpenAIIngress:
         self._created = int(time.time())
         self._app_name = _app_name(spec.name)
         self._deployments = {m.name: engine_deployment_options(m)["name"] for m in spec.models}
+        if self._local is not None:  # readiness is this deployment's own
+            self._deployments = {spec.models[0].name: INGRESS_DEPLOYMENT}
         self._board = open_board(self._app_name)
         self._ready_lock = asyncio.Lock()
         self._ready_at = -READY_CACHE_S
@@ -235,9 +251,19 @@ class OpenAIIngress:
         log.start()
         return log
 
+    async def check_health(self) -> None:
+        """Serve's health check: with one_hop, the engine's (a dead or stalled step loop gets
+        this replica replaced); otherwise the ingress is healthy while it answers."""
+        local = getattr(self, "_local", None)
+        if local is not None:
+            await local.check_health()
+
     def __del__(self) -> None:
         # Serve's replica teardown hook: stop polling the keys file and write the usage
         # records still buffered, so a rollout loses none.
+        local = getattr(self, "_local", None)
+        if local is not None:
+            local.__del__()
         watcher = getattr(self, "_key_watcher", None)
         if watcher is not None:
             watcher.stop()
@@ -765,7 +791,22 @@ class OpenAIIngress:
 
 
 def build_app(spec: ServeSpec, keys: KeyDigests) -> serve.Application:
-    """The bound application: one ingress, one engine deployment per served model."""
+    """The bound application: one ingress, one engine deployment per served model; with
+    http.one_hop, one deployment that is both."""
+    # The ingress refuses requests beyond http.max_concurrent_requests itself (429 in OpenAI's
+    # shape); Serve's cap sits above it so probes and those refusals still get in. The proxy's
+    # queue of requests not yet assigned to an ingress replica is bounded too: a burst larger
+    # than it gets Serve's own 429 (plain-text body) with Retry-After.
+    bounds = {
+        "max_ongoing_requests": spec.http.max_concurrent_requests + INGRESS_HEADROOM,
+        "max_queued_requests": spec.http.max_concurrent_requests,
+        "backpressure_config": {"status_code": 429, "retry_after_s": spec.http.retry_after_s},
+    }
+    if spec.one_hop:
+        # The engine's own bounds give way to the ingress's: its gate holds the requests.
+        return OpenAIIngress.options(**{**one_hop_deployment_options(spec), **bounds}).bind(
+            spec, None, keys
+        )
     engines = {
         m.name: EngineReplica.options(**engine_deployment_options(m)).bind(m, spec.storage)
         for m in spec.models
@@ -773,13 +814,7 @@ def build_app(spec: ServeSpec, keys: KeyDigests) -> serve.Application:
     ingress = OpenAIIngress.options(
         num_replicas=spec.http.ingress_replicas,
         ray_actor_options={"num_cpus": spec.http.cpus_per_ingress},
-        # The ingress refuses requests beyond http.max_concurrent_requests itself (429 in
-        # OpenAI's shape); Serve's cap sits above it so probes and those refusals still get
-        # in. The proxy's queue of requests not yet assigned to an ingress replica is bounded
-        # too: a burst larger than it gets Serve's own 429 (plain-text body) with Retry-After.
-        max_ongoing_requests=spec.http.max_concurrent_requests + INGRESS_HEADROOM,
-        max_queued_requests=spec.http.max_concurrent_requests,
-        backpressure_config={"status_code": 429, "retry_after_s": spec.http.retry_after_s},
+        **bounds,
     )
     return ingress.bind(spec, engines, keys)
 

@@ -285,9 +285,20 @@ class HttpSpec(_Strict):
         1, ge=1, description="Retry-After seconds sent with a 429 when every queue is full."
     )
     access_log: bool = Field(
-        True,
+        False,
         description="Serve's access log line per request in the proxy, ingress and replicas; "
-        "off saves CPU at high request rates (the metrics still count every request).",
+        "off (the default) saves CPU at high request rates (the metrics still count every "
+        "request, and the usage log records each one).",
+    )
+    one_hop: bool | None = Field(
+        None,
+        description="Run the engine inside the ingress replica, so a request crosses the "
+        "proxy and one replica instead of two, and nothing is pickled between them (1.7x the "
+        "requests/s measured in docs/serve.md). Single-model files only. Replicas, CPUs and "
+        "GPUs then come from the model's `replicas` section (plus cpus_per_ingress), "
+        "ingress_replicas is unused, Serve's proxy routes (no prefix routing), and "
+        "http.max_concurrent_requests bounds each replica's engine load. Null: on for a "
+        "single-model file, off otherwise.",
     )
     ingress_replicas: int = Field(
         1, ge=1, description="Replicas of the HTTP ingress (parsing, auth, tokenization)."
@@ -417,13 +428,37 @@ class ServeSpec(_Strict):
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise ValueError(f"models: duplicate name(s) {duplicates}; each needs its own name")
+        if self.http.one_hop is True and len(self.models) != 1:
+            raise ValueError(
+                f"http.one_hop needs exactly one model (this file serves {len(self.models)}): "
+                "the ingress can hold one engine; split the models into files, or turn it off"
+            )
         return self
+
+    @property
+    def one_hop(self) -> bool:
+        """Whether the engine runs inside the ingress (http.one_hop, null: one model)."""
+        return self.http.one_hop if self.http.one_hop is not None else len(self.models) == 1
 
     def model_named(self, name: str) -> ServedModelSpec | None:
         return next((m for m in self.models if m.name == name), None)
 
 
 # --- Serve options ---------------------------------------------------------------------------
+
+
+def one_hop_deployment_options(spec: ServeSpec) -> dict[str, Any]:
+    """Options of the ingress deployment when it holds the model's engine (http.one_hop): the
+    engine replica's replicas, health and shutdown settings, the ingress's request bounds."""
+    options = engine_deployment_options(spec.models[0])
+    del options["name"]  # the ingress keeps its own name
+    options.pop("request_router_config", None)  # the proxy routes HTTP; no handle to route
+    replica = spec.models[0].replicas
+    options["ray_actor_options"] = {
+        "num_cpus": replica.cpus_per_replica + spec.http.cpus_per_ingress,
+        "num_gpus": replica.devices_per_replica,
+    }
+    return options
 
 
 def engine_deployment_options(served: ServedModelSpec) -> dict[str, Any]:

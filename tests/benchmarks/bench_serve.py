@@ -188,7 +188,11 @@ def bench_serve(model_dir: Path, work: Path, args: argparse.Namespace) -> dict[s
                 "limits": {"max_tokens": args.max_tokens, "default_max_tokens": args.max_tokens},
             }
         ],
-        "http": {"cpus_per_ingress": 0.25, "access_log": args.access_log},
+        "http": {
+            "cpus_per_ingress": 0.25,
+            "access_log": args.access_log,
+            "one_hop": args.one_hop,
+        },
     }
     path = work / "serve.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -286,6 +290,12 @@ def main() -> None:
         action=argparse.BooleanOptionalAction,
         default=False,
         help="keep Serve's per-request access log lines (http.access_log)",
+    )
+    parser.add_argument(
+        "--one-hop",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="run tokenmill serve with http.one_hop (the engine inside the ingress replica)",
     )
     parser.add_argument("--out", type=Path, help="also write the results here as JSON")
     args = parser.parse_args()
