@@ -293,8 +293,8 @@ class HttpSpec(_Strict):
     one_hop: bool | None = Field(
         None,
         description="Run the engine inside the ingress replica, so a request crosses the "
-        "proxy and one replica instead of two, and nothing is pickled between them (1.7x the "
-        "requests/s measured in docs/serve.md). Single-model files only. Replicas, CPUs and "
+        "proxy and one replica instead of two, and nothing is pickled between them (1.55x the "
+        "requests/s, measured in docs/serve.md). Single-model files only. Replicas, CPUs and "
         "GPUs then come from the model's `replicas` section (plus cpus_per_ingress), "
         "ingress_replicas is unused, Serve's proxy routes (no prefix routing), and "
         "http.max_concurrent_requests bounds each replica's engine load. Null: on for a "
