@@ -11,6 +11,8 @@ Loading a file goes: read text → `{{ date }}` templating → `${ENV_VAR}` subs
 from __future__ import annotations
 
 import datetime as dt
+import functools
+import json
 import os
 import re
 from pathlib import Path
@@ -391,6 +393,12 @@ class SamplingSpec(_Strict):
         "{max_tokens: max_tokens_col}. A null cell keeps the default. response_format's "
         "column holds a format as JSON text or an object (a row may carry its own schema).",
     )
+
+    @functools.cached_property
+    def response_format_json(self) -> str:
+        """`response_format` as JSON text, made once per spec: every row of a job reads it
+        (the prompt stage's format cache is keyed by it), and a schema is not small."""
+        return json.dumps(self.response_format, sort_keys=True)
 
     @field_validator("response_format")
     @classmethod

@@ -324,7 +324,7 @@ def resolve_sampling(
     }
     if base.response_format is not None:
         values[RESPONSE_FORMAT], _ = _format_cell(
-            json.dumps(base.response_format, sort_keys=True), "sampling.response_format"
+            base.response_format_json, "sampling.response_format"
         )
     seed_overridden = False
     for field, column in overrides.items():

@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -192,3 +193,38 @@ def server(
     proc.stop()
     # Kept for a failing test's post-mortem (pytest keeps the last few base temp dirs).
     (config.parent / "server.log").write_text("".join(proc.lines))
+
+
+# --- the served model's engine, run in the test process (what a response must equal) ----------
+
+
+@contextmanager
+def local_engine(model_dir: Path, served: dict) -> Iterator:
+    """The reference engine with a served model's settings (one `models[]` entry)."""
+    from engines import load_engine
+    from pipeline.engine_setup import engine_settings
+    from pipeline.serve.spec import ServedModelSpec
+
+    spec = ServedModelSpec.model_validate(served)
+    engine = load_engine(spec.engine.kind, model=str(model_dir), **engine_settings(spec.engine))
+    try:
+        yield engine
+    finally:
+        engine.shutdown()
+
+
+def run_engine(engine, prompt_ids: list[int], max_tokens: int, **sampling):
+    """One request on a local engine, greedy unless `sampling` says otherwise."""
+    import asyncio
+
+    from engines import GenerationRequest, SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, **{"temperature": 0.0, **sampling})
+    request = GenerationRequest(prompt_token_ids=list(prompt_ids), sampling=params)
+    return asyncio.run(engine.generate(request))
+
+
+def chat_ids(tokenizer, messages) -> list[int]:
+    """The prompt ids the server's chat template gives `messages`."""
+    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)

@@ -8,7 +8,6 @@ reference engine run in this process on the same token ids.
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +25,9 @@ from tests.e2e.serve_fixtures import (
     MAX_MODEL_LEN,
     MAX_TOKENS_CAP,
     ServerProcess,
+    chat_ids,
+    local_engine,
+    run_engine,
     serve_config,
     start_server,
 )
@@ -75,29 +77,8 @@ def tokenizer(serve_model_dir: Path):
 @pytest.fixture(scope="module")
 def engine(serve_model_dir: Path):
     """The reference engine with the served model's settings, run in this process."""
-    from engines import load_engine
-    from pipeline.engine_setup import engine_settings
-    from pipeline.serve.spec import ServedModelSpec
-
-    served = ServedModelSpec.model_validate(tolerance_config(serve_model_dir)["models"][0])
-    eng = load_engine(
-        served.engine.kind, model=str(serve_model_dir), **engine_settings(served.engine)
-    )
-    yield eng
-    eng.shutdown()
-
-
-def run_engine(engine, prompt_ids: list[int], max_tokens: int, **sampling):
-    from engines import GenerationRequest, SamplingParams
-
-    params = SamplingParams(max_tokens=max_tokens, **{"temperature": 0.0, **sampling})
-    request = GenerationRequest(prompt_token_ids=list(prompt_ids), sampling=params)
-    return asyncio.run(engine.generate(request))
-
-
-def chat_ids(tokenizer, messages) -> list[int]:
-    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+    with local_engine(serve_model_dir, tolerance_config(serve_model_dir)["models"][0]) as eng:
+        yield eng
 
 
 # --- model names with a slash ----------------------------------------------------------------
