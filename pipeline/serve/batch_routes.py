@@ -9,6 +9,7 @@ starts (one ingress per replica process). Without `batch_api` in the serve file 
 # No `from __future__ import annotations`: FastAPI reads the signatures at runtime.
 import asyncio
 import email.policy
+import io
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -92,12 +93,18 @@ def parse_multipart(content_type: str, body: bytes) -> dict[str, tuple[str | Non
     return fields
 
 
-async def _read_limited(request: Request, limit: int) -> bytes:
-    too_large = ApiError(
-        413,
+def _too_large(limit: int) -> ApiError:
+    # 400, not 413: OpenAI refuses an oversized upload as a bad request.
+    return ApiError(
+        400,
         f"The file is larger than this server's limit of {limit} bytes; split it",
+        param="file",
         code="file_too_large",
     )
+
+
+async def _read_limited(request: Request, limit: int) -> bytes:
+    too_large = _too_large(limit)
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit + MULTIPART_OVERHEAD_BYTES:
         raise too_large
@@ -131,15 +138,17 @@ async def upload_file(request: Request) -> JSONResponse:
         raise ApiError(400, "Missing required parameter: 'file'.", param="file", code="missing")
     filename, content = fields["file"]
     if len(content) > limits.max_file_bytes:
-        raise ApiError(
-            413,
-            f"The file is larger than this server's limit of {limits.max_file_bytes} bytes",
-            code="file_too_large",
-        )
-    summary = await asyncio.to_thread(validate_batch_input, content, limits.max_file_lines)
-    private = {"lines": summary.lines, "models": summary.models, "urls": summary.urls}
+        raise _too_large(limits.max_file_bytes)
+    # Problems in the lines do not refuse the upload: a batch made from it fails instead.
+    summary = await asyncio.to_thread(
+        validate_batch_input, io.BytesIO(content), limits.max_file_lines
+    )
     stored = await asyncio.to_thread(
-        service.files(key.name).create, content, filename or "upload.jsonl", purpose, private
+        service.files(key.name).create,
+        content,
+        filename or "upload.jsonl",
+        purpose,
+        summary.to_json(),
     )
     return JSONResponse(stored.public())
 

@@ -9,8 +9,17 @@ submit` does (pipeline.submit). Its record is one JSON object in object storage,
                                                       OpenAI export files, report)
 
 so it survives a restart of the Serve application and any ingress replica can answer for it.
-The status is derived, each time a batch is read, from the Ray job's status and the output's
-manifest:
+Batch ids begin with their creation time counted down, so a listing of names is newest first
+and a list page reads only its own records.
+
+A batch whose input file has problems (pipeline.serve.files keeps them from the upload) or
+whose lines do not fit it (a url not its endpoint, a model it cannot run) gets no job: it is
+stored `validating` and fails on its next read with OpenAI's `errors` list, naming lines. A
+batch whose metadata names RESUME_KEY continues a stopped batch of the same file: its job
+writes into that batch's output, so the pipeline resumes there and runs only what is missing.
+
+Otherwise the status is derived, each time a batch is read, from the Ray job's status and the
+output's manifest:
 
     Ray PENDING                               validating
     Ray RUNNING                               in_progress (finalizing once the manifest is
@@ -32,7 +41,9 @@ import hashlib
 import json
 import logging
 import os
+import re
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -43,7 +54,14 @@ import yaml
 from pipeline.batch.commit.manifest import Manifest, read_manifest
 from pipeline.batch.openai_output import LineContext, expected_exports, export_committed
 from pipeline.batch.read.openai_batch import SUPPORTED_BATCH_URLS
-from pipeline.serve.files import PRIVATE, FileStore, owner_slug
+from pipeline.serve.files import (
+    MAX_REPORTED_ERRORS,
+    PRIVATE,
+    BatchInputSummary,
+    FileStore,
+    InputError,
+    owner_slug,
+)
 from pipeline.serve.protocol import ApiError
 from pipeline.serve.spec import BatchApiSpec, ServedModelSpec, ServeSpec
 from pipeline.spec import SpecError, parse_job_spec
@@ -56,6 +74,13 @@ TERMINAL = frozenset({"completed", "failed", "cancelled", "expired"})
 JOB_TERMINAL = frozenset({"SUCCEEDED", "FAILED", "STOPPED"})
 MAX_METADATA_PAIRS = 16  # OpenAI's limits on a batch's metadata
 MAX_LIST_LIMIT = 100
+# Metadata key naming a cancelled, failed or expired batch of the same file to resume.
+RESUME_KEY = "tokenmill_resume_from"
+RESUMABLE = frozenset({"cancelled", "failed", "expired"})
+# Batch ids start with the creation time counted down (milliseconds before 2^44 ms, 11 hex
+# digits) and end with 16 random hex digits, so the store's name order is newest first and a
+# list page reads only its own records.
+_ID_RE = re.compile(r"batch_[0-9a-f]{11}[0-9a-f]{16}")
 
 
 class JobsApi(Protocol):
@@ -70,6 +95,17 @@ class JobsApi(Protocol):
 
 def submission_id(batch_id: str) -> str:
     return f"tokenmill-{batch_id}"
+
+
+def new_batch_id(created_ms: int) -> str:
+    """A batch id whose name order is newest first (see _ID_RE)."""
+    countdown = (1 << 44) - 1 - created_ms
+    return f"batch_{countdown:011x}{os.urandom(8).hex()}"
+
+
+def _list_order(batch_id: str) -> tuple[bool, str]:
+    # Ids from before ids carried their time come after the rest, in no particular order.
+    return (_ID_RE.fullmatch(batch_id) is None, batch_id)
 
 
 def job_spec_data(
@@ -132,6 +168,8 @@ class BatchService:
         self._jobs_factory = jobs
         self._jobs: JobsApi | None = None
         self.now = now
+        self._id_lock = threading.Lock()
+        self._last_id_ms = 0  # ids made here are strictly ordered, even within a millisecond
 
     @property
     def jobs(self) -> JobsApi:
@@ -175,35 +213,26 @@ class BatchService:
             )
         files = self.files(owner)
         stored = files.get(input_file_id)
-        info = stored.private
-        if stored.data.get("purpose") != "batch" or "models" not in info:
+        if stored.data.get("purpose") != "batch" or "models" not in stored.private:
             raise ApiError(
                 400,
                 f"File {input_file_id} was not uploaded with purpose 'batch'",
                 param="input_file_id",
                 code="invalid_value",
             )
-        wrong = [u for u in info["urls"] if u != endpoint]
-        if wrong:
-            raise ApiError(
-                400,
-                f"The file's requests use url {wrong[0]!r}, but the batch endpoint is "
-                f"{endpoint!r}; every line's url must be the batch's endpoint",
-                param="endpoint",
-                code="invalid_value",
-            )
-        served = self._model(info["models"], allows)
-        batch_id = f"batch_{os.urandom(12).hex()}"
+        summary = BatchInputSummary.from_json(stored.private)
         out = self._dir(owner)
-        output_uri = out.uri_of(batch_id)
-        job = job_spec_data(batch_id, served, self.spec, files.content_uris(stored)[0], output_uri)
         now = self.now()
+        batch_id = self._new_id(now)
+        resumed = self._resumed(out, metadata, input_file_id, endpoint)
+        errors, served = self._input_errors(summary, endpoint, allows)
         created = int(now)
+        window_s = self.api.completion_window_s or COMPLETION_WINDOWS[window]
         record = {
             "id": batch_id,
             "object": "batch",
             "endpoint": endpoint,
-            "model": served.name,
+            "model": served.name if served else next(iter(summary.models), None),
             "errors": None,
             "input_file_id": input_file_id,
             "completion_window": window,
@@ -212,51 +241,121 @@ class BatchService:
             "error_file_id": None,
             "created_at": created,
             "in_progress_at": None,
-            "expires_at": created + COMPLETION_WINDOWS[window],
+            "expires_at": created + window_s,
             "finalizing_at": None,
             "completed_at": None,
             "failed_at": None,
             "expired_at": None,
             "cancelling_at": None,
             "cancelled_at": None,
-            "request_counts": {"total": int(info["lines"]), "completed": 0, "failed": 0},
+            "request_counts": {"total": summary.lines, "completed": 0, "failed": 0},
             "metadata": metadata,
-            PRIVATE: {
-                "owner": owner,
-                "output_uri": output_uri,
-                "job": submission_id(batch_id),
-                "created": now,  # orders batches created within one second
-            },
+            PRIVATE: {"owner": owner, "created": now},
         }
+        if errors:
+            # No job: the batch fails on its next read, as OpenAI's fails during validating.
+            record["request_counts"]["total"] = 0
+            record[PRIVATE]["input_errors"] = [e.to_json() for e in errors]
+            self._save(out, record)
+            return _public(record)
+        assert served is not None
+        output_uri = resumed[PRIVATE]["output_uri"] if resumed else out.uri_of(batch_id)
+        record[PRIVATE].update({"output_uri": output_uri, "job": submission_id(batch_id)})
+        if resumed is not None:
+            record[PRIVATE]["resumed_from"] = resumed["id"]
+            # The manifest is the stopped batch's until the new job begins its run.
+            before = read_manifest(OutputDir(output_uri, self.spec.storage))
+            record[PRIVATE]["runs_before"] = len(before.runs) if before else 0
+        job = job_spec_data(batch_id, served, self.spec, files.content_uris(stored)[0], output_uri)
         self._submit(batch_id, job)
         self._save(out, record)
+        if resumed is not None:  # after the submit: a refused job leaves it resumable
+            resumed[PRIVATE]["resumed_by"] = batch_id
+            self._save(out, resumed)
         return _public(record)
 
-    def _model(self, models: list[str], allows: Callable[[str], bool]) -> ServedModelSpec:
-        if len(models) != 1:
-            raise ApiError(
+    def _new_id(self, now: float) -> str:
+        with self._id_lock:
+            self._last_id_ms = max(int(now * 1000), self._last_id_ms + 1)
+            return new_batch_id(self._last_id_ms)
+
+    def _resumed(
+        self, out: OutputDir, metadata: dict[str, str], input_file_id: str, endpoint: str
+    ) -> dict | None:
+        """The batch metadata[RESUME_KEY] names, if it can be resumed: the new batch's job then
+        writes to its output, so the job's own resume runs only the requests it did not
+        finish, and the new batch's files hold every request once."""
+        resume_id = metadata.get(RESUME_KEY)
+        if resume_id is None:
+            return None
+
+        def refuse(why: str) -> ApiError:
+            return ApiError(
                 400,
-                f"The file's requests name {len(models)} models ({', '.join(models[:5])}); a "
-                "batch runs one model: split the file by body.model",
-                param="input_file_id",
+                f"Cannot resume {resume_id}: {why}",
+                param=f"metadata.{RESUME_KEY}",
                 code="invalid_value",
             )
-        name = models[0]
+
+        try:
+            old = self._refresh(out, self._load(out, resume_id))
+        except ApiError:
+            raise refuse("no such batch") from None
+        if old["status"] not in RESUMABLE:
+            raise refuse(
+                f"its status is {old['status']!r}; only {', '.join(sorted(RESUMABLE))} "
+                "batches can be resumed"
+            )
+        if "output_uri" not in old[PRIVATE]:
+            raise refuse("it never ran (its input failed validation)")
+        if (old["input_file_id"], old["endpoint"]) != (input_file_id, endpoint):
+            raise refuse("a resume must use the same input_file_id and endpoint")
+        if old[PRIVATE].get("resumed_by"):
+            raise refuse(f"it was resumed by {old[PRIVATE]['resumed_by']}; resume that batch")
+        return old
+
+    def _input_errors(
+        self, summary: BatchInputSummary, endpoint: str, allows: Callable[[str], bool]
+    ) -> tuple[list[InputError], ServedModelSpec | None]:
+        """What fails this batch during validating (the file's own problems, then this
+        batch's: lines whose url is not its endpoint, models it cannot run), at most
+        MAX_REPORTED_ERRORS in line order; and the model when there is nothing."""
+        errors = list(summary.errors)
+        for url, lines in summary.urls.items():
+            if url != endpoint:
+                message = (
+                    f"The url {url!r} of this request is not the batch's endpoint {endpoint!r}."
+                )
+                errors += [InputError("url_mismatch", message, n, "url") for n in lines]
+        chosen: ServedModelSpec | None = None  # the first model it can run
+        for name, lines in summary.models.items():
+            served = self._served(name, allows)
+            if isinstance(served, str):
+                errors += [InputError("model_not_found", served, n, "body.model") for n in lines]
+            elif chosen is None:
+                chosen = served
+            else:
+                message = (
+                    f"This request names the model {name!r}, an earlier one {chosen.name!r}; a "
+                    "batch runs one model: split the file by body.model."
+                )
+                errors += [InputError("model_mismatch", message, n, "body.model") for n in lines]
+        if chosen is None and not errors:  # a file stored before lines were kept
+            errors.append(InputError("model_not_found", "No request names a model of this server."))
+        errors.sort(key=lambda e: e.line or 0)
+        if errors or chosen is None:
+            return errors[:MAX_REPORTED_ERRORS], None
+        return [], chosen
+
+    def _served(self, name: str, allows: Callable[[str], bool]) -> ServedModelSpec | str:
+        """The served model batches naming `name` run on, or why there is none."""
         served = self.spec.model_named(name)
         if served is None or not allows(name):
-            raise ApiError(
-                400,
-                f"The model '{name}' does not exist or this key may not use it",
-                param="model",
-                code="model_not_found",
-            )
+            return f"The model '{name}' does not exist or this key may not use it."
         if served.batch is None:
-            raise ApiError(
-                400,
+            return (
                 f"The model '{name}' does not take batches on this server (its serve file "
-                "entry has no batch section)",
-                param="model",
-                code="model_not_found",
+                "entry has no batch section)."
             )
         return served
 
@@ -304,24 +403,26 @@ class BatchService:
                 400, f"limit must be 1 to {MAX_LIST_LIMIT}", param="limit", code="invalid_value"
             )
         out = self._dir(owner)
-        records = []
-        for name in out.names("batch_"):
-            if name.endswith(".json"):
-                try:
-                    records.append(json.loads(out.read(name)))
-                except FileNotFoundError:
-                    continue
-        records.sort(key=lambda r: (r[PRIVATE].get("created", 0), r["id"]), reverse=True)
+        # One listing of names, newest first by construction (new_batch_id); only the page's
+        # records are read.
+        ids = sorted(
+            (n.removesuffix(".json") for n in out.names("batch_") if n.endswith(".json")),
+            key=_list_order,
+        )
         if after is not None:
-            ids = [r["id"] for r in records]
-            records = records[ids.index(after) + 1 :] if after in ids else []
-        page = [_public(self._refresh(out, r)) for r in records[:limit]]
+            ids = ids[ids.index(after) + 1 :] if after in ids else []
+        page = []
+        for batch_id in ids[:limit]:
+            try:
+                page.append(_public(self._refresh(out, self._load(out, batch_id))))
+            except ApiError:  # deleted since the listing
+                continue
         return {
             "object": "list",
             "data": page,
             "first_id": page[0]["id"] if page else None,
             "last_id": page[-1]["id"] if page else None,
-            "has_more": len(records) > limit,
+            "has_more": len(ids) > limit,
         }
 
     def cancel(self, owner: str, batch_id: str) -> dict:
@@ -364,6 +465,11 @@ class BatchService:
         """Bring a batch's status up to date (see the module docstring); saved if changed."""
         if record["status"] in TERMINAL:
             return record
+        if record[PRIVATE].get("input_errors"):
+            record["status"], record["failed_at"] = "failed", int(self.now())
+            record["errors"] = {"object": "list", "data": record[PRIVATE]["input_errors"]}
+            self._save(out, record)
+            return record
         before = json.dumps(record, sort_keys=True)
         try:
             job = self.jobs.get_job_info(record[PRIVATE]["job"])
@@ -394,7 +500,8 @@ class BatchService:
             return
         if record["in_progress_at"] is None:
             record["in_progress_at"] = now
-        if manifest is not None and manifest.status != "running":
+        own = manifest is not None and len(manifest.runs) > record[PRIVATE].get("runs_before", 0)
+        if own and manifest is not None and manifest.status != "running":
             record["status"] = "finalizing"  # the job is writing its report and exiting
             record["finalizing_at"] = record["finalizing_at"] or now
         else:

@@ -5,15 +5,19 @@ name, so a key only ever lists and opens its own:
 
     file-<id>.jsonl   the uploaded content (input files)
     file-<id>.json    the file object OpenAI returns, plus private fields (`_tokenmill`: the
-                      owner's name, line count, models and urls of a batch input, or the
-                      objects an output file is made of)
+                      owner's name, a batch input's BatchInputSummary, or the objects an
+                      output file is made of)
 
 A batch's output and error files are registered here when it ends; their content is the
 concatenation of the batch job's export files (pipeline.batch.openai_output), not a copy.
 
-Uploads are validated line by line as OpenAI validates a batch input: each line a JSON object
-that `parse_batch_request` accepts (custom_id, POST, a supported url, a body this server can
-run), with a string body.model, and no custom_id twice. Problems are reported by line number.
+Uploads are checked in one pass over their lines as OpenAI checks a batch input: each line a
+JSON object that `parse_batch_request` accepts (custom_id, POST, a supported url, a body this
+server can run), with a string body.model, and no custom_id twice. As with OpenAI, a file with
+problems is still stored: what the pass found (`BatchInputSummary`, bounded) is kept in the
+file object, and a batch made from the file fails during `validating` with those problems and
+its own (a line's url not the batch's endpoint, an unknown model) named by line number
+(pipeline.serve.batches).
 """
 
 from __future__ import annotations
@@ -22,17 +26,18 @@ import hashlib
 import json
 import secrets
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.batch.read.openai_batch import parse_batch_request
+from pipeline.batch.read.openai_batch import SUPPORTED_BATCH_URLS, parse_batch_request
 from pipeline.serve.protocol import ApiError
 from pipeline.spec import StorageSpec
 from pipeline.storage import OutputDir, join_uri
 
 PRIVATE = "_tokenmill"  # the file object's fields a client never sees
-MAX_REPORTED_PROBLEMS = 10  # line problems named in one error message
+MAX_REPORTED_ERRORS = 20  # errors (and line numbers per url or model) a failed batch names
+MAX_TRACKED_MODELS = 100  # distinct body.model values kept: more fail the batch anyway
 PURPOSES = ("batch",)  # what an upload may be for (batch_output is the server's own)
 
 
@@ -49,81 +54,150 @@ def new_id(prefix: str) -> str:
 # --- validation --------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class InputError:
+    """One problem of a batch input: an item of a failed batch's `errors.data` (OpenAI's
+    shape; `line` is 1-based, None for the file as a whole)."""
+
+    code: str
+    message: str
+    line: int | None = None
+    param: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"code": self.code, "message": self.message, "param": self.param, "line": self.line}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> InputError:
+        return cls(str(data["code"]), str(data["message"]), data.get("line"), data.get("param"))
+
+
 @dataclass
 class BatchInputSummary:
-    """What a valid batch input holds: the batch endpoint and model checks need no re-read."""
+    """What one pass over an upload found, kept with the file: the checks a batch adds (its
+    endpoint, its model) then name lines without reading the file again.
 
-    lines: int = 0
-    models: list[str] = field(default_factory=list)  # body.model values, first-seen order
-    urls: list[str] = field(default_factory=list)  # url values, first-seen order
+    Everything is bounded: at most MAX_REPORTED_ERRORS errors and line numbers per url or
+    model are kept, and at most MAX_TRACKED_MODELS distinct models."""
 
+    lines: int = 0  # requests read (the pass stops past the line limit)
+    errors: list[InputError] = field(default_factory=list)  # the first MAX_REPORTED_ERRORS
+    num_errors: int = 0  # all of them
+    # body.model -> the first lines naming it, in first-seen order.
+    models: dict[str, list[int]] = field(default_factory=dict)
+    # url -> the first lines using it (supported urls only: others are errors already).
+    urls: dict[str, list[int]] = field(default_factory=dict)
 
-def validate_batch_input(data: bytes, max_lines: int) -> BatchInputSummary:
-    """Check an upload line by line; ApiError 400 naming the lines at fault (the first
-    MAX_REPORTED_PROBLEMS of them) when any is."""
-    summary = BatchInputSummary()
-    problems: list[str] = []
-    first_line_of: dict[str, int] = {}
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ApiError(
-            400, f"The file is not UTF-8 text (byte {exc.start})", code="invalid_file"
-        ) from None
-    number = 0
-    for number, raw in enumerate(text.splitlines(), start=1):
-        if not raw.strip():
-            problems.append(f"line {number}: empty line")
-            continue
-        if number > max_lines:
-            raise ApiError(
-                400,
-                f"The file has more than {max_lines} requests (lines), this server's limit for "
-                "one batch; split it into several files",
-                code="too_many_lines",
-            )
-        problem = _line_problem(raw, number, first_line_of, summary)
-        if problem:
-            problems.append(f"line {number}: {problem}")
-    if number == 0:
-        raise ApiError(
-            400, "The file is empty; a batch file holds one request per line", code="invalid_file"
+    def add_error(self, error: InputError) -> None:
+        self.num_errors += 1
+        if len(self.errors) < MAX_REPORTED_ERRORS:
+            self.errors.append(error)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "lines": self.lines,
+            "errors": [e.to_json() for e in self.errors],
+            "num_errors": self.num_errors,
+            "models": self.models,
+            "urls": self.urls,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> BatchInputSummary:
+        def lines_of(value: Any) -> dict[str, list[int]]:
+            # Files stored before line numbers were kept hold plain lists of names.
+            return dict(value) if isinstance(value, dict) else {str(v): [] for v in value or []}
+
+        return cls(
+            lines=int(data.get("lines", 0)),
+            errors=[InputError.from_json(e) for e in data.get("errors", [])],
+            num_errors=int(data.get("num_errors", 0)),
+            models=lines_of(data.get("models")),
+            urls=lines_of(data.get("urls")),
         )
-    if problems:
-        shown = "; ".join(problems[:MAX_REPORTED_PROBLEMS])
-        more = len(problems) - MAX_REPORTED_PROBLEMS
-        raise ApiError(
-            400,
-            f"The file has {len(problems)} invalid line(s): {shown}"
-            + (f"; and {more} more" if more > 0 else ""),
-            code="invalid_file",
+
+
+def _note_line(where: dict[str, list[int]], value: str, number: int) -> None:
+    lines = where.setdefault(value, [])
+    if len(lines) < MAX_REPORTED_ERRORS:
+        lines.append(number)
+
+
+def validate_batch_input(lines: Iterable[bytes], max_lines: int) -> BatchInputSummary:
+    """One pass over an upload's lines (an iterable of bytes lines, e.g. an open binary
+    file). Never raises for what the lines hold: as OpenAI does, problems are kept and fail
+    the batch made from the file, during `validating`, naming the lines."""
+    summary = BatchInputSummary()
+    first_line_of: dict[str, int] = {}  # custom_id -> its line: the one unbounded structure
+    number = 0
+    for number, raw in enumerate(lines, start=1):
+        if number > max_lines:
+            summary.add_error(
+                InputError(
+                    "too_many_tasks",
+                    f"The file has more than {max_lines} requests (lines), this server's "
+                    "limit for one batch; split it into several files.",
+                )
+            )
+            number = max_lines
+            break
+        error = _line_error(raw, number, first_line_of, summary)
+        if error is not None:
+            summary.add_error(error)
+    if number == 0:
+        summary.add_error(
+            InputError("empty_file", "The file is empty; a batch file holds one request per line.")
         )
     summary.lines = number
     return summary
 
 
-def _line_problem(
-    raw: str, number: int, first_line_of: dict[str, int], summary: BatchInputSummary
-) -> str | None:
+def _line_error(
+    raw: bytes, number: int, first_line_of: dict[str, int], summary: BatchInputSummary
+) -> InputError | None:
+    def error(code: str, message: str, param: str | None = None) -> InputError:
+        return InputError(code, message, number, param)
+
     try:
-        obj = json.loads(raw)
+        obj = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        return error("invalid_json_line", f"This line is not UTF-8 text (byte {exc.start}).")
     except json.JSONDecodeError as exc:
-        return f"not valid JSON ({exc.msg} at column {exc.colno})"
+        return error(
+            "invalid_json_line",
+            f"This line is not parseable as valid JSON ({exc.msg} at column {exc.colno}).",
+        )
     if not isinstance(obj, dict):
-        return f"expected a JSON object, got {type(obj).__name__}"
+        return error("invalid_json_line", f"Expected a JSON object, got {type(obj).__name__}.")
+    url = obj.get("url")
+    if url not in SUPPORTED_BATCH_URLS:
+        return error(
+            "invalid_url",
+            f"Unsupported url {url!r}; supported: {', '.join(SUPPORTED_BATCH_URLS)}.",
+            "url",
+        )
     parsed = parse_batch_request(obj)
+    if parsed["custom_id"] is None:
+        return error("missing_required_parameter", "Missing custom_id.", "custom_id")
     if parsed["error"]:
-        return str(parsed["error"])
+        return error("invalid_request", f"Invalid request: {parsed['error']}.", "body")
     custom_id = parsed["custom_id"]
     if custom_id in first_line_of:
-        return f"duplicate custom_id {custom_id!r} (first on line {first_line_of[custom_id]})"
+        return error(
+            "duplicate_custom_id",
+            f"The custom_id {custom_id!r} is also on line {first_line_of[custom_id]}; each "
+            "request of a batch needs its own.",
+            "custom_id",
+        )
     first_line_of[custom_id] = number
     model = obj["body"].get("model")
     if not isinstance(model, str) or not model:
-        return "body.model must be a non-empty string"
-    for values, value in ((summary.models, model), (summary.urls, obj["url"])):
-        if value not in values:
-            values.append(value)
+        return error(
+            "missing_required_parameter", "body.model must be a non-empty string.", "body.model"
+        )
+    if model in summary.models or len(summary.models) < MAX_TRACKED_MODELS:
+        _note_line(summary.models, model, number)
+    _note_line(summary.urls, url, number)
     return None
 
 

@@ -370,11 +370,22 @@ class BatchApiSpec(_Strict):
     max_file_bytes: int = Field(
         200 * 1024**2,
         ge=1024,
-        description="Largest upload accepted (bytes); larger gets 413. The upload is held in "
-        "the ingress's memory while it is validated.",
+        description="Largest upload accepted (bytes); larger gets 400 file_too_large, as "
+        "OpenAI answers. The upload is held in the ingress's memory while it is checked.",
     )
     max_file_lines: int = Field(
-        50_000, ge=1, description="Most requests (lines) one uploaded batch file may hold."
+        50_000,
+        ge=1,
+        description="Most requests (lines) one batch may hold; a batch made from a longer file "
+        "fails during validating (too_many_tasks), as OpenAI's does.",
+    )
+    completion_window_s: int | None = Field(
+        None,
+        ge=1,
+        description="Length of a batch's completion window in seconds, whatever the "
+        "completion_window it was created with (the API accepts only '24h'); at its end a "
+        "running batch stops, keeps what finished and ends expired. null: the requested "
+        "window. Shorter windows are for tests and for operators who must bound batch runs.",
     )
     ship_code: bool = Field(
         False,

@@ -12,12 +12,14 @@ import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
 import yaml
 from openai.types import Batch
 
+from pipeline.serve.batches import RESUME_KEY
 from tests.e2e import serve_fixtures
 from tests.e2e.serve_fixtures import API_KEY, OTHER_KEY, ServerProcess, serve_config, start_server
 from tests.e2e.test_submit import RayHead, ray_head
@@ -31,12 +33,17 @@ BATCH_TIMEOUT_S = 300
 MAX_TOKENS = 6
 
 
-@pytest.fixture(scope="module")
-def server(
-    ray_head: RayHead, serve_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[ServerProcess]:
-    root = tmp_path_factory.mktemp("batch-api")
-    config = serve_config(serve_model_dir)
+MAX_FILE_BYTES = 1 << 20
+TERMINAL = ("completed", "failed", "cancelled", "expired")
+FORWARD = ["validating", "in_progress", "finalizing", "completed"]
+
+
+def start_batch_server(
+    ray_head: RayHead, model_dir: Path, root: Path, batch_api: dict, extra: dict | None = None
+) -> ServerProcess:
+    """`tokenmill serve` joined to the head, one model with a batch section, and `batch_api`
+    (plus `extra` top-level sections of the serve file)."""
+    config = serve_config(model_dir)
     tiny = config["models"][0]
     tiny["replicas"] = {"cpus_per_replica": 0.25, "max_ongoing_requests": 16}
     tiny["batch"] = {
@@ -50,7 +57,8 @@ def server(
     }
     config["models"] = [tiny]  # one engine replica; the batch job brings its own actor
     config["name"] = "tokenmill-batch"
-    config["batch_api"] = {"uri": str(root / "store"), "jobs_address": ray_head.address}
+    config["batch_api"] = {"jobs_address": ray_head.address, **batch_api}
+    config.update(extra or {})
     path = root / "serve.yaml"
     path.write_text(yaml.safe_dump(config))
     env = {
@@ -61,13 +69,38 @@ def server(
         "RAY_AUTH_TOKEN_PATH": ray_head.env["RAY_AUTH_TOKEN_PATH"],
         "PATH": ray_head.env["PATH"],
     }
-    proc = start_server(path, env, [])
+    return start_server(path, env, [])
+
+
+@pytest.fixture(scope="module")
+def server(
+    ray_head: RayHead, serve_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    root = tmp_path_factory.mktemp("batch-api")
+    batch_api = {"uri": str(root / "store"), "max_file_bytes": MAX_FILE_BYTES}
+    proc = start_batch_server(ray_head, serve_model_dir, root, batch_api)
     yield proc
     proc.stop()
     (root / "server.log").write_text("".join(proc.lines))
 
 
-def _request(i: int, content: str, max_tokens: int = MAX_TOKENS) -> dict:
+def client_of(server: ServerProcess, key: str = API_KEY) -> openai.OpenAI:
+    return openai.OpenAI(api_key=key, base_url=server.api_url, max_retries=0, timeout=60)
+
+
+def _upload(client: openai.OpenAI, requests: list, name: str = "requests.jsonl") -> str:
+    lines = (r if isinstance(r, str) else json.dumps(r) for r in requests)
+    data = "".join(line + "\n" for line in lines).encode()
+    return client.files.create(file=(name, data), purpose="batch").id
+
+
+def _create(client: openai.OpenAI, file_id: str, **extra: Any) -> Batch:
+    return client.batches.create(
+        input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h", **extra
+    )
+
+
+def request_line(i: int, content: str, max_tokens: int = MAX_TOKENS) -> dict:
     return {
         "custom_id": f"req-{i}",
         "method": "POST",
@@ -81,7 +114,7 @@ def _request(i: int, content: str, max_tokens: int = MAX_TOKENS) -> dict:
     }
 
 
-def _wait(
+def wait_for(
     client: openai.OpenAI, batch: Batch, statuses: tuple[str, ...]
 ) -> tuple[Batch, list[str]]:
     """Poll until the batch is in one of `statuses`; the batch and the statuses seen."""
@@ -97,7 +130,7 @@ def _wait(
     return batch, seen
 
 
-def _content(client: openai.OpenAI, file_id: str | None) -> list[dict]:
+def content_of(client: openai.OpenAI, file_id: str | None) -> list[dict]:
     if file_id is None:
         return []
     return [json.loads(x) for x in client.files.content(file_id).text.splitlines()]
@@ -105,9 +138,9 @@ def _content(client: openai.OpenAI, file_id: str | None) -> list[dict]:
 
 def test_batch_end_to_end(server: ServerProcess) -> None:
     client = openai.OpenAI(api_key=API_KEY, base_url=server.api_url, max_retries=0, timeout=60)
-    requests = [_request(i, f"Tell me about river number {i}.") for i in range(5)]
+    requests = [request_line(i, f"Tell me about river number {i}.") for i in range(5)]
     # Valid as a request, too long for the model's context: an error line, not a failed batch.
-    requests.append(_request(5, "word " * 5000))
+    requests.append(request_line(5, "word " * 5000))
     data = "".join(json.dumps(r) + "\n" for r in requests).encode()
     uploaded = client.files.create(file=("requests.jsonl", data), purpose="batch")
     batch = client.batches.create(
@@ -116,7 +149,7 @@ def test_batch_end_to_end(server: ServerProcess) -> None:
         completion_window="24h",
         metadata={"suite": "e2e"},
     )
-    batch, seen = _wait(client, batch, ("completed", "failed", "cancelled", "expired"))
+    batch, seen = wait_for(client, batch, ("completed", "failed", "cancelled", "expired"))
     assert batch.status == "completed", (batch.errors, "".join(server.lines[-40:]))
     assert "in_progress" in seen
     counts = batch.request_counts
@@ -162,13 +195,13 @@ def test_batch_end_to_end(server: ServerProcess) -> None:
 def test_cancel_mid_run_keeps_what_finished(server: ServerProcess) -> None:
     client = openai.OpenAI(api_key=API_KEY, base_url=server.api_url, max_retries=0, timeout=60)
     # Long enough that the cancel lands while most requests are still to run.
-    requests = [_request(i, f"Write a long story about boat {i}.", 250) for i in range(1500)]
+    requests = [request_line(i, f"Write a long story about boat {i}.", 250) for i in range(1500)]
     data = "".join(json.dumps(r) + "\n" for r in requests).encode()
     uploaded = client.files.create(file=("long.jsonl", data), purpose="batch")
     batch = client.batches.create(
         input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
     )
-    batch, _ = _wait(client, batch, ("in_progress", "finalizing", "completed", "failed"))
+    batch, _ = wait_for(client, batch, ("in_progress", "finalizing", "completed", "failed"))
     started = time.monotonic()
     while batch.status == "in_progress" and not (
         batch.request_counts and batch.request_counts.completed
@@ -179,10 +212,10 @@ def test_cancel_mid_run_keeps_what_finished(server: ServerProcess) -> None:
     assert batch.status == "in_progress", batch.status
     cancelling = client.batches.cancel(batch.id)
     assert cancelling.status == "cancelling" and cancelling.cancelling_at is not None
-    batch, seen = _wait(client, batch, ("cancelled", "completed", "failed"))
+    batch, seen = wait_for(client, batch, ("cancelled", "completed", "failed"))
     assert batch.status == "cancelled", (seen, batch.errors)
-    output = _content(client, batch.output_file_id)
-    errors = _content(client, batch.error_file_id)
+    output = content_of(client, batch.output_file_id)
+    errors = content_of(client, batch.error_file_id)
     ids = [x["custom_id"] for x in output + errors]
     assert len(ids) == len(set(ids)), "no request is in both files, or twice"
     assert 0 < len(ids) < len(requests), "it kept what finished, and stopped the rest"
@@ -190,3 +223,81 @@ def test_cancel_mid_run_keeps_what_finished(server: ServerProcess) -> None:
     assert counts is not None
     assert (counts.completed, counts.failed) == (len(output), len(errors))
     assert all(x["response"]["body"]["usage"]["completion_tokens"] > 0 for x in output)
+
+
+def test_bad_file_fails_during_validating(server: ServerProcess) -> None:
+    client = client_of(server)
+    nope = request_line(4, "x")
+    nope["body"]["model"] = "nope"
+    completion = {**request_line(2, "x"), "url": "/v1/completions"}
+    completion["body"] = {"model": "tiny", "prompt": "x"}
+    lines = [request_line(0, "a"), "{oops", completion, request_line(0, "b"), nope]
+    # As OpenAI: the upload is accepted, the batch goes validating -> failed naming the lines.
+    batch = _create(client, _upload(client, lines, "bad.jsonl"))
+    assert batch.status == "validating"
+    batch, seen = wait_for(client, batch, TERMINAL)
+    assert seen == ["validating", "failed"] and batch.failed_at is not None
+    assert batch.errors is not None and batch.errors.data is not None
+    assert [(e.line, e.code) for e in batch.errors.data] == [
+        (2, "invalid_json_line"),
+        (3, "url_mismatch"),
+        (4, "duplicate_custom_id"),
+        (5, "model_not_found"),
+    ]
+    assert batch.output_file_id is None and batch.error_file_id is None
+    with pytest.raises(openai.BadRequestError) as too_large:  # 400 at upload, as OpenAI
+        client.files.create(file=("big.jsonl", b"x" * (MAX_FILE_BYTES + 1)), purpose="batch")
+    assert too_large.value.code == "file_too_large"
+
+
+def _cancel_after_first_part(client: openai.OpenAI, batch: Batch) -> Batch:
+    """Cancel once a first part is committed; the cancelled batch."""
+    batch, _ = wait_for(client, batch, ("in_progress", "finalizing", *TERMINAL))
+    started = time.monotonic()
+    while batch.status == "in_progress" and not (
+        batch.request_counts and batch.request_counts.completed
+    ):
+        assert time.monotonic() - started < BATCH_TIMEOUT_S, "no part committed"
+        time.sleep(1)  # until a first part is committed (output.flush_interval_s)
+        batch = client.batches.retrieve(batch.id)
+    assert batch.status == "in_progress", batch.status
+    assert client.batches.cancel(batch.id).status == "cancelling"
+    batch, seen = wait_for(client, batch, TERMINAL)
+    assert batch.status == "cancelled", (seen, batch.errors)
+    return batch
+
+
+def _ids(client: openai.OpenAI, batch: Batch) -> tuple[list[dict], list[str]]:
+    """The batch's output lines, and the custom_ids of both files (each at most once)."""
+    output = content_of(client, batch.output_file_id)
+    errors = content_of(client, batch.error_file_id)
+    ids = [x["custom_id"] for x in output + errors]
+    assert len(ids) == len(set(ids)), "no request is in both files, or twice"
+    return output, ids
+
+
+def test_cancel_then_resume_or_resubmit_loses_nothing(server: ServerProcess) -> None:
+    client = client_of(server)
+    # Long enough (~20 s of generation) that the cancel lands mid-run.
+    requests = [request_line(i, f"Write a story about lake {i}.", 100) for i in range(700)]
+    every = sorted(r["custom_id"] for r in requests)
+    file_id = _upload(client, requests)
+    cancelled = _cancel_after_first_part(client, _create(client, file_id))
+    first_output, first_ids = _ids(client, cancelled)
+    assert 0 < len(first_ids) < len(requests)
+
+    # Both at once: one resumes the cancelled batch, one starts the same file afresh.
+    resumed = _create(client, file_id, metadata={RESUME_KEY: cancelled.id})
+    fresh = _create(client, file_id)
+    for batch in (resumed, fresh):
+        batch, seen = wait_for(client, batch, TERMINAL)
+        assert batch.status == "completed", (seen, batch.errors)
+        assert seen == sorted(seen, key=FORWARD.index)  # never finalizing on the old manifest
+        output, ids = _ids(client, batch)
+        assert sorted(ids) == every  # each request exactly once across the two files
+        counts = batch.request_counts
+        assert counts is not None and (counts.completed, counts.failed) == (len(output), 0)
+        if batch.id == resumed.id:
+            # What the cancelled batch finished was kept, not run again: the same lines.
+            lines = {json.dumps(x, sort_keys=True) for x in output}
+            assert all(json.dumps(x, sort_keys=True) in lines for x in first_output)
