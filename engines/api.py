@@ -116,6 +116,11 @@ class SamplingParams:
     # distribution (before temperature, top-k/top-p and response_format masks, as vLLM's
     # default and OpenAI report them).
     logprobs: int | None = None
+    # Log probabilities of the prompt's own tokens (scoring, OpenAI's echo): None off; k
+    # (0..MAX_LOGPROBS) returns, for every prompt token after the first, its logprob given the
+    # tokens before it and the k most likely alternatives there. The whole prompt is then
+    # computed, never taken from the prefix cache, whose blocks hold no logits.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Normalize lists (from YAML / JSON) to tuples so the params stay hashable.
@@ -136,14 +141,16 @@ class SamplingParams:
             problems.append(f"stop must be non-empty strings, got {self.stop!r}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             problems.append(f"stop_token_ids must be integers >= 0, got {self.stop_token_ids!r}")
-        if self.logprobs is not None and (
-            isinstance(self.logprobs, bool)
-            or not isinstance(self.logprobs, int)
-            or not 0 <= self.logprobs <= MAX_LOGPROBS
-        ):
-            problems.append(
-                f"logprobs must be null or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"
-            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool)
+                or not isinstance(value, int)
+                or not 0 <= value <= MAX_LOGPROBS
+            ):
+                problems.append(
+                    f"{name} must be null or an integer in [0, {MAX_LOGPROBS}], got {value!r}"
+                )
         if problems:
             raise ValueError("invalid sampling params: " + "; ".join(problems))
 
@@ -156,6 +163,25 @@ def _finite(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
+# Samples one prompt may ask for at once (OpenAI's `n`; vLLM and OpenAI cap it at 128 too).
+MAX_SAMPLES = 128
+
+
+@dataclass(frozen=True)
+class SampleOf:
+    """Marks a request as sample `index` of `count` drawn from one prompt (OpenAI's `n`).
+
+    The samples of a group are separate requests with the same prompt and sampling (seeds
+    differ), made by `engines.samples.fan_out`. An engine may compute the prompt once for the
+    whole group (the reference engine forks the first member's KV after its prefill); one
+    that ignores the mark still serves every sample correctly, just without the sharing.
+    """
+
+    group_id: str
+    index: int  # 0 .. count - 1
+    count: int
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
     """One prompt to complete. The engine batches many of these itself."""
@@ -163,6 +189,7 @@ class GenerationRequest:
     prompt_token_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    sample_of: SampleOf | None = None  # one of n samples of the same prompt; None: alone
 
 
 @dataclass
@@ -212,11 +239,16 @@ class GenerationResult:
     metrics: RequestMetrics | None = None
     # One per output token id (in order) when sampling.logprobs was set; else None.
     logprobs: list[TokenLogprob] | None = None
+    # One per prompt token when sampling.prompt_logprobs was set (None for the first token,
+    # which nothing predicts); else None.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     # Speculative decoding: tokens proposed for this request and verified by the model, and
     # how many of them it accepted (0 and 0 without speculation, or where the engine does
     # not report them per request).
     spec_proposed_tokens: int = 0
     spec_accepted_tokens: int = 0
+    # Steps that verified proposals for it (accepted / this: mean accepted per verification).
+    spec_verifications: int = 0
 
     @property
     def ok(self) -> bool:
@@ -255,6 +287,8 @@ class StreamDelta:
     finished: bool = False
     result: GenerationResult | None = None
     logprobs: list[TokenLogprob] | None = None  # for token_ids, when requested
+    # On a request's first delta when sampling.prompt_logprobs was set (see GenerationResult).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass(frozen=True)

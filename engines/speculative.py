@@ -9,7 +9,8 @@ Methods:
 - ngram (prompt lookup): the last n tokens of a request (n from prompt_lookup_max down to
   prompt_lookup_min) are looked up in its own prompt + output; the tokens that followed the
   match are proposed. No second model; pays off when the output copies spans of the input.
-- draft: a small model with the same tokenizer proposes num_tokens tokens autoregressively.
+- draft: a small model with the same tokenizer proposes num_tokens tokens autoregressively;
+  sampled rows are verified by rejection sampling against the draft's own distribution.
 - eagle3: an EAGLE-3 head (trained on the target's hidden states) proposes them.
 - mtp: the model's own multi-token-prediction layers (DeepSeek-V3 style checkpoints).
 """
@@ -25,11 +26,11 @@ from engines.api import EngineError
 Method = Literal["ngram", "draft", "eagle3", "mtp"]
 METHODS: tuple[str, ...] = ("ngram", "draft", "eagle3", "mtp")
 
-# What each engine kind can run. reference: prompt lookup only (a draft model is not built yet);
-# vllm 0.32: ngram and draft_model through its speculative_config; trtllm 1.2: the four
-# decoding configs of its LLM API.
+# What each engine kind can run. reference: prompt lookup and a draft model (its own KV pool,
+# engines/reference/draft.py); vllm 0.32: ngram and draft_model through its
+# speculative_config; trtllm 1.2: the four decoding configs of its LLM API.
 SUPPORTED: dict[str, tuple[str, ...]] = {
-    "reference": ("ngram",),
+    "reference": ("ngram", "draft"),
     "vllm": ("ngram", "draft"),
     "trtllm": ("ngram", "draft", "eagle3", "mtp"),
 }

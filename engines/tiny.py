@@ -170,3 +170,38 @@ def make_tiny_model(
         json.dumps({"arch": arch, "size": size, "seed": seed, "tied": tie_word_embeddings})
     )
     return out
+
+
+def make_truncated_model(source_dir: str | Path, out_dir: str | Path, num_layers: int) -> Path:
+    """Write a copy of the model in `source_dir` that keeps only its first `num_layers` decoder
+    layers (embeddings, final norm, LM head and tokenizer unchanged) to `out_dir`.
+
+    A draft model for speculative decoding tests and benchmarks: it shares the target's
+    tokenizer and vocabulary, costs num_layers / L of its layers, and, being the target minus
+    its top layers, agrees with it often enough for acceptance to be measurable (a separately
+    drawn random model almost never agrees with another)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src, out = Path(source_dir), Path(out_dir)
+    config = json.loads((src / "config.json").read_text())
+    if not 1 <= num_layers <= config["num_hidden_layers"]:
+        raise ValueError(f"num_layers must be 1..{config['num_hidden_layers']}, got {num_layers}")
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = load_file(str(src / "model.safetensors"))
+    kept = {}
+    for name, tensor in tensors.items():
+        parts = name.split(".")
+        if parts[:2] == ["model", "layers"] and int(parts[2]) >= num_layers:
+            continue
+        kept[name] = tensor
+    save_file(kept, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config["num_hidden_layers"] = num_layers
+    if isinstance(config.get("layer_types"), list):  # newer transformers: one entry per layer
+        config["layer_types"] = config["layer_types"][:num_layers]
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    for path in src.iterdir():
+        if path.name.startswith(("tokenizer", "special_tokens", "generation_config")):
+            shutil.copy(path, out / path.name)
+    return out

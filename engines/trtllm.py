@@ -34,6 +34,17 @@ against tests/standins/tensorrt_llm, a stand-in written to the same signatures a
   honours seeds.
 - A request that fails inside the executor (tensorrt_llm.executor.RequestError) is a row error;
   any other failure is the engine's.
+- Structured output: the LLM is built with guided_decoding_backend "xgrammar" (the backend both
+  TensorRT-LLM backends implement; llguidance is PyTorch-only), and a response_format becomes
+  SamplingParams.guided_decoding (see `guided_decoding`; json_object is sent as the schema
+  {"type": "object"}).
+- Logprobs (PyTorch backend): SamplingParams.logprobs = max(k, 1), since TensorRT-LLM reads 0
+  as "off"; each position's {token id: Logprob(logprob, rank)} becomes a TokenLogprob with the
+  k most likely alternatives. A position without the chosen token (1.2's top-k may leave it
+  out) is a row error, never a made-up value. The TensorRT backend computes logprobs from
+  generation logits, which the LLM must gather for every request (gather_generation_logits):
+  logprobs there are refused. prompt_logprobs are refused on both backends: 1.2 returns the
+  top-k of each prompt position without the prompt token's own logprob.
 - Timing comes from `request_perf_metrics` (return_perf_metrics=True on the LLM and on every
   SamplingParams): steady-clock time points as timedeltas, which on Linux share
   CLOCK_MONOTONIC with time.monotonic(); a time point never reached is zero, read as "never".
@@ -80,8 +91,10 @@ from engines.api import (
     GenerationRequest,
     GenerationResult,
     RequestMetrics,
+    ResponseFormat,
     StepRecord,
     StreamDelta,
+    TokenLogprob,
 )
 from engines.requests import (
     admit,
@@ -104,15 +117,19 @@ DTYPES = ("auto", "float16", "bfloat16", "float32")
 _FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "cancelled"}
 # Timestamps further apart than this from our own clock are on another clock base: shift them.
 _CLOCK_SKEW_S = 5.0
-# Guided decoding (GuidedDecodingParams with the xgrammar backend) is not mapped yet: a
-# constrained row is refused rather than answered with unconstrained text.
-STRUCTURED_UNSUPPORTED = (
-    "response_format is not supported on engine.kind trtllm yet; run structured jobs on "
-    "engine.kind reference or vllm"
+# json_object as a schema: any JSON object (the reference engine compiles the same one).
+JSON_OBJECT_SCHEMA = '{"type": "object"}'
+# The guided decoding backend both TensorRT-LLM backends implement (llguidance: PyTorch only).
+GUIDED_DECODING_BACKEND = "xgrammar"
+LOGPROBS_TENSORRT_UNSUPPORTED = (
+    "logprobs need engine.extra.backend pytorch on engine.kind trtllm (the TensorRT backend "
+    "computes them from generation logits gathered for every request); use backend pytorch, "
+    "or engine.kind reference or vllm"
 )
-LOGPROBS_UNSUPPORTED = (
-    "logprobs are not supported on engine.kind trtllm yet; run jobs that need them on "
-    "engine.kind reference or vllm"
+PROMPT_LOGPROBS_UNSUPPORTED = (
+    "prompt_logprobs are not supported on engine.kind trtllm: TensorRT-LLM 1.2 returns the "
+    "top-k at each prompt position, not the prompt token's own logprob; use engine.kind "
+    "reference or vllm"
 )
 SEED_LIMITATION = (
     "TensorRT-LLM 1.2's PyTorch backend ignores per-request seeds (its sampler draws every "
@@ -240,9 +257,15 @@ class TrtllmEngine:
             self._device_name = "unchecked"
         trt = _import_tensorrt_llm()
         from tensorrt_llm.executor import RequestError
-        from tensorrt_llm.llmapi import CapacitySchedulerPolicy, KvCacheConfig, SchedulerConfig
+        from tensorrt_llm.llmapi import (
+            CapacitySchedulerPolicy,
+            GuidedDecodingParams,
+            KvCacheConfig,
+            SchedulerConfig,
+        )
 
         self._sampling_cls = trt.SamplingParams
+        self._guided_cls = GuidedDecodingParams
         self._request_error: type[Exception] = RequestError
         kv_cache_config = KvCacheConfig(
             enable_block_reuse=enable_prefix_caching,
@@ -266,6 +289,7 @@ class TrtllmEngine:
             max_input_len=self._max_model_len,
             max_seq_len=self._max_model_len,
             return_perf_metrics=True,
+            guided_decoding_backend=GUIDED_DECODING_BACKEND,
         )
         self._build_cache = build_cache
         self._build_cache_local = None
@@ -353,10 +377,10 @@ class TrtllmEngine:
         admission = admit(request, vocab_size=self._vocab_size, max_model_len=self._max_model_len)
         if not admission.ok:
             return admission.error, 0
-        if request.sampling.response_format is not None:
-            return STRUCTURED_UNSUPPORTED, 0
-        if request.sampling.logprobs is not None:
-            return LOGPROBS_UNSUPPORTED, 0
+        if request.sampling.prompt_logprobs is not None:
+            return PROMPT_LOGPROBS_UNSUPPORTED, 0
+        if request.sampling.logprobs is not None and self._backend != "pytorch":
+            return LOGPROBS_TENSORRT_UNSUPPORTED, 0
         num_prompt = len(request.prompt_token_ids)
         if not self._chunked_prefill and num_prompt > self._max_num_tokens:
             return (
@@ -402,6 +426,9 @@ class TrtllmEngine:
             ignore_eos=s.ignore_eos,
             detokenize=True,
             return_perf_metrics=True,
+            guided_decoding=guided_decoding(s.response_format, self._guided_cls),
+            # TensorRT-LLM reads logprobs=0 as "off": ask for one and report none of it.
+            logprobs=None if s.logprobs is None else max(s.logprobs, 1),
         )
 
     def _note_seed(self) -> None:
@@ -477,15 +504,22 @@ class TrtllmEngine:
                     result = accounting.result(update, arrival)
                     ids = result.output_token_ids[sent_ids:]
                     text = result.text[sent_text:]
-                    yield StreamDelta(token_ids=ids, text=text, finished=True, result=result)
+                    yield StreamDelta(
+                        token_ids=ids,
+                        text=text,
+                        finished=True,
+                        result=result,
+                        logprobs=None if result.logprobs is None else result.logprobs[sent_ids:],
+                    )
                     return
                 completion = update.outputs[0]
                 ids = list(completion.token_ids[sent_ids:])
+                logprobs = accounting.logprobs(ids, completion, sent_ids)
                 safe = accounting.stable_text_len(completion.text or "")
                 text = (completion.text or "")[sent_text:safe]
                 sent_ids, sent_text = len(completion.token_ids), max(sent_text, safe)
                 if ids or text:
-                    yield StreamDelta(token_ids=ids, text=text)
+                    yield StreamDelta(token_ids=ids, text=text, logprobs=logprobs)
         except Exception as exc:  # GeneratorExit / CancelledError are not Exceptions
             finished = True
             result = self._failed(request, exc, arrival)
@@ -573,6 +607,52 @@ def speculative_config(spec: Any) -> Any:
     return MTPDecodingConfig(num_nextn_predict_layers=spec.num_layers or spec.num_tokens, **common)
 
 
+def guided_decoding(fmt: ResponseFormat | None, params_cls: Any) -> Any:
+    """TensorRT-LLM's GuidedDecodingParams for a response format; None for free text.
+
+    json_schema → json (the schema text); json_object → json with the schema {"type":
+    "object"}, not json_object=True, whose guide (xgrammar's built-in JSON grammar) admits any
+    JSON value, arrays and numbers too; regex → regex. choice →
+    an EBNF grammar whose sentences are the choices (the reference engine's, JSON-quoted),
+    not a regex alternation: EBNF string quoting is exact for any text, while escaping a
+    choice for xgrammar's regex dialect (not Python's re) would be a second syntax to get
+    right."""
+    if fmt is None:
+        return None
+    if fmt.kind == "json_schema":
+        return params_cls(json=fmt.schema)
+    if fmt.kind == "json_object":
+        return params_cls(json=JSON_OBJECT_SCHEMA)
+    if fmt.kind == "regex":
+        return params_cls(regex=fmt.regex)
+    from engines.reference.grammar import choice_grammar
+
+    return params_cls(grammar=choice_grammar(fmt.choices))
+
+
+class _MissingLogprob(ValueError):
+    """TensorRT-LLM returned no logprob for a token the request asked one for (a row error)."""
+
+
+def _token_logprob(token: int, entry: Any, k: int, position: int) -> TokenLogprob:
+    """One position of CompletionOutput.logprobs → TokenLogprob.
+
+    The entry is {token id: Logprob(logprob, rank)} (TokenLogprobs): the top-k and, where
+    TensorRT-LLM adds it, the chosen token; alternatives are the k most likely, highest first.
+    A plain float (the list[float] form) is the chosen token's logprob with no alternatives."""
+    if isinstance(entry, (int, float)):
+        return TokenLogprob(token, float(entry), ())
+    chosen = entry.get(token)
+    if chosen is None:
+        raise _MissingLogprob(
+            f"TensorRT-LLM returned no logprob for output token {position} (id {token}, outside "
+            f"the top {max(k, 1)} it returned); ask for more logprobs, or use engine.kind "
+            "reference or vllm"
+        )
+    ranked = sorted(((-float(lp.logprob), t) for t, lp in entry.items()))[:k]
+    return TokenLogprob(token, float(chosen.logprob), tuple((t, -v) for v, t in ranked))
+
+
 def _spec_counts(perf: Any) -> dict[str, int]:
     """Per-request draft and accepted token counts from request_perf_metrics, when reported."""
     stats = getattr(perf, "speculative_decoding", None)
@@ -597,11 +677,33 @@ class _Accounting:
         cut, _ = _cut_at_stop(text, self.rules.strings)
         return max(0, min(len(cut), len(text) - max(0, self.rules.max_string_len - 1)))
 
+    def logprobs(
+        self, ids: list[int], completion: Any, start: int = 0
+    ) -> list[TokenLogprob] | None:
+        """TokenLogprobs of `ids` (the completion's tokens from `start` on), when asked for.
+        _MissingLogprob (a ValueError: a row error) when TensorRT-LLM left one out."""
+        k = self.request.sampling.logprobs
+        if k is None:
+            return None
+        entries = list(completion.logprobs or [])[start : start + len(ids)]
+        if len(entries) < len(ids):
+            raise _MissingLogprob(
+                f"TensorRT-LLM returned {start + len(entries)} logprobs for "
+                f"{start + len(ids)} output tokens"
+            )
+        pairs = enumerate(zip(ids, entries, strict=True))
+        return [_token_logprob(t, e, k, start + i) for i, (t, e) in pairs]
+
     def result(self, out: Any, arrival: float) -> GenerationResult:
         request = self.request
         completion = out.outputs[0]
         ids, text, reason, stop_reason = self._account(completion)
         error = None
+        logprobs = None
+        try:
+            logprobs = self.logprobs(ids, completion)
+        except _MissingLogprob as exc:
+            error, reason = str(exc), "error"
         if reason is None:
             error = (
                 "request timed out in TensorRT-LLM"
@@ -620,6 +722,7 @@ class _Accounting:
             error=error,
             stop_reason=stop_reason if reason == "stop" else None,
             metrics=_metrics(getattr(completion, "request_perf_metrics", None), arrival, ids),
+            logprobs=logprobs,
             **_spec_counts(getattr(completion, "request_perf_metrics", None)),
         )
 

@@ -231,6 +231,7 @@ class VllmEngine:
             output_kind=RequestOutputKind.DELTA if streaming else RequestOutputKind.FINAL_ONLY,
             structured_outputs=_structured(s.response_format),
             logprobs=s.logprobs,  # vLLM's default mode reports the raw model logprobs too
+            prompt_logprobs=s.prompt_logprobs,
         )
 
     def _start(self, request: GenerationRequest, streaming: bool):
@@ -259,7 +260,7 @@ class VllmEngine:
         outputs, problem = self._start(request, streaming=False)
         if outputs is None:
             return error_result(request, problem, arrival)
-        collected = _Collected(request.sampling.logprobs or 0)
+        collected = _Collected.of(request)
         try:
             async for out in _until(outputs, self._live[request.request_id]):
                 collected.add(out)
@@ -277,12 +278,17 @@ class VllmEngine:
             result = error_result(request, problem, arrival)
             yield StreamDelta(token_ids=[], text="", finished=True, result=result)
             return
-        collected = _Collected(request.sampling.logprobs or 0)
+        collected = _Collected.of(request)
         try:
             async for out in _until(outputs, self._live[request.request_id]):
                 ids, text, logprobs = collected.add(out)
                 if ids or text:
-                    yield StreamDelta(token_ids=ids, text=text, logprobs=logprobs)
+                    yield StreamDelta(
+                        token_ids=ids,
+                        text=text,
+                        logprobs=logprobs,
+                        prompt_logprobs=collected.take_prompt_logprobs(),
+                    )
             result = collected.result(request, arrival)
         except Exception as exc:
             result = self._failed(request, exc, arrival)
@@ -366,13 +372,30 @@ def _structured(fmt: ResponseFormat | None) -> Any:
 class _Collected:
     """A request's outputs gathered from vLLM's delta / final-only RequestOutputs."""
 
-    def __init__(self, k: int = 0) -> None:
+    def __init__(self, k: int = 0, prompt_k: int = 0, prompt: list[int] | None = None) -> None:
         self.k = k  # top alternatives asked for per token
+        self.prompt_k = prompt_k  # and per prompt token
+        self.prompt = prompt or []
         self.token_ids: list[int] = []
         self.text = ""
         self.last: Any = None
         self.cancelled = False
         self.logprobs: list[TokenLogprob] | None = None
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None
+        self._prompt_logprobs_sent = False
+
+    def take_prompt_logprobs(self) -> list[TokenLogprob | None] | None:
+        """The prompt logprobs, the first time they are asked for once known (a stream sends
+        them with its first delta); None afterwards."""
+        if self.prompt_logprobs is None or self._prompt_logprobs_sent:
+            return None
+        self._prompt_logprobs_sent = True
+        return self.prompt_logprobs
+
+    @classmethod
+    def of(cls, request: GenerationRequest) -> _Collected:
+        s = request.sampling
+        return cls(s.logprobs or 0, s.prompt_logprobs or 0, list(request.prompt_token_ids))
 
     def add(self, out: Any) -> tuple[list[int], str, list[TokenLogprob] | None]:
         completion = out.outputs[0]
@@ -380,6 +403,14 @@ class _Collected:
         self.token_ids.extend(ids)
         self.text += text
         self.last = out
+        # vLLM sends the prompt's logprobs once (the first output): None, then one dict per
+        # later prompt token.
+        prompt_logprobs = getattr(out, "prompt_logprobs", None)
+        if prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None] + [
+                _token_logprob(t, d, self.prompt_k)
+                for t, d in zip(self.prompt[1:], prompt_logprobs[1:], strict=False)
+            ]
         new = None
         if completion.logprobs is not None:
             k = self.k
@@ -410,6 +441,7 @@ class _Collected:
             num_preemptions=int(getattr(stats, "num_preemptions", 0) or 0),
             metrics=_metrics(stats, arrival, now, has_tokens=bool(self.token_ids)),
             logprobs=self.logprobs,
+            prompt_logprobs=self.prompt_logprobs,
         )
 
 

@@ -75,13 +75,12 @@ cost:
   (file and line number in `error`), never a failed job. Blank lines are skipped.
 - `openai_batch`: OpenAI Batch API lines (`custom_id`, `method`, `url`, `body`). Supported
   urls: `/v1/chat/completions` (`body.messages`) and `/v1/completions` (`body.prompt`).
-  `body.max_tokens` / `max_completion_tokens`, `temperature`, `top_p`, `seed` and
-  `response_format` override the job's sampling for that row (columns `max_tokens`,
-  `temperature`, `top_p`, `seed`, `response_format`); `body.model` is ignored (the job's model
-  answers). A `/v1/completions` prompt is a raw continuation (tokenized without the chat
-  template or system prompt), as in the OpenAI API. Parameters that would change results and
-  are not implemented (`n` > 1, `logprobs`, `tools`, `stop`, penalties, `logit_bias`, ...)
-  make the row an error row naming the parameter.
+  `body.max_tokens` / `max_completion_tokens`, `temperature`, `top_p`, `seed`,
+  `response_format`, `logprobs` / `top_logprobs` and `n` override the job's sampling for that
+  row; `body.model` is ignored (the job's model answers). A `/v1/completions` prompt is a raw
+  continuation (tokenized without the chat template or system prompt), as in the OpenAI API.
+  Parameters that would change results and are not implemented (`best_of`, `echo`, `tools`,
+  `stop`, penalties, `logit_bias`, ...) make the row an error row naming the parameter.
 
 ## Structured output
 
@@ -102,6 +101,22 @@ schema or regex) makes its row an error row naming the column and the problem. T
 has a `parsed` column (bool): true when the row finished on its own (finish_reason `stop`) and
 its text is valid in its format, false when it was cut by max_tokens, null for rows without a
 format and for error rows. Give max_tokens room for the longest valid answer.
+
+## Several samples per row (`n`)
+
+`sampling.n` (or, per row, the column named by `sampling.overrides.n`, or an openai_batch
+line's `body.n`) asks for n samples of the row's prompt. A row still has exactly one output
+row, so the exactly-once guarantees and `--retry-errors` work per row as always; the samples
+are in its `samples` column, a list of `{index, text, finish_reason, error, completion_tokens,
+parsed, logprobs, completion_token_ids}` (token ids only with `output.include_token_ids`),
+null for rows of one sample. The row's `text`, `finish_reason`, `parsed` and `logprobs` are
+sample 0's; its `completion_tokens`, `gpu_seconds` and cost cover every sample, and its prompt
+tokens are counted once. Sample i samples with the row's seed + i (as vLLM does), so a seeded
+job gives the same samples on every run. The reference engine computes the prompt once and
+forks its KV cache for the other samples; the other engine kinds serve each sample as a
+request of its own (prefix caching then spares most of the prompt). A row whose samples do
+not all succeed is an error row naming the failed sample; an openai_batch line with `n` gets
+that many `choices` in its output line.
 
 Without an id column, a row's id is `<first 8 hex of sha256(file URI)>-<row index>` (JSONL: the
 0-based line number; Parquet: the 0-based row number).

@@ -216,8 +216,9 @@ class SpeculativeSpec(_Strict):
         description="ngram (prompt lookup: propose the tokens that followed the last match of "
         "the request's own recent tokens in its prompt + output; no second model) | draft (a "
         "small model with the same tokenizer proposes) | eagle3 (an EAGLE-3 head proposes) | "
-        "mtp (the checkpoint's multi-token-prediction layers). Engine kinds: reference ngram; "
-        "vllm ngram, draft; trtllm ngram, draft, eagle3, mtp. See docs/speculative-decoding.md."
+        "mtp (the checkpoint's multi-token-prediction layers). Engine kinds: reference ngram, "
+        "draft; vllm ngram, draft; trtllm ngram, draft, eagle3, mtp. See "
+        "docs/speculative-decoding.md."
     )
     num_tokens: int | None = Field(
         None,
@@ -387,6 +388,27 @@ class SamplingSpec(_Strict):
         "(0: the chosen token's only), from the model's own distribution (before temperature "
         "and masks), in a nested `logprobs` output column. Null: none.",
     )
+    prompt_logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=20,
+        description="Scoring: for every prompt token after the first, its logprob given the "
+        "tokens before it and this many most likely alternatives, in a nested "
+        "`prompt_logprobs` output column (its first entry null). Such rows compute their "
+        "whole prompt (the prefix cache keeps no logits). Null: none.",
+    )
+    n: int = Field(
+        1,
+        ge=1,
+        le=128,
+        description="Samples per row (OpenAI's n), each with its own seed stream (the row's "
+        "seed + i). The prompt is computed once and its KV shared by the samples (reference "
+        "engine). With n > 1 possible, the output gets a `samples` list column (index, text, "
+        "finish_reason, completion_tokens, parsed, logprobs, completion_token_ids per sample); "
+        "the row's text, finish_reason, parsed and logprobs are sample 0's, and its "
+        "completion_tokens, gpu_seconds and cost cover all samples. A row is an error row "
+        "when any sample fails.",
+    )
     overrides: dict[str, str] = Field(
         default_factory=dict,
         description="Per-row overrides: sampling field -> input column, e.g. "
@@ -420,6 +442,7 @@ class SamplingSpec(_Strict):
             "seed",
             "response_format",
             "logprobs",
+            "n",
         }
         unknown = sorted(set(value) - allowed)
         if unknown:
@@ -625,6 +648,7 @@ RESERVED_COLUMNS: frozenset[str] = frozenset(
         "seed",
         "response_format",
         "logprobs",
+        "num_samples",
         # generate, cost, write
         "text",
         "finish_reason",
@@ -634,6 +658,8 @@ RESERVED_COLUMNS: frozenset[str] = frozenset(
         "parsed",
         "spec_proposed_tokens",
         "spec_accepted_tokens",
+        "samples",
+        "prompt_logprobs",
         "queue_s",
         "ttft_s",
         "decode_s",
@@ -685,19 +711,20 @@ class JobSpec(_Strict):
                 "rename those input columns"
             )
         sampling = self.sampling
-        if self.engine.kind == "trtllm" and (
-            sampling.response_format is not None or "response_format" in sampling.overrides
+        if (
+            self.engine.kind == "trtllm"
+            and self.engine.extra.get("backend", "pytorch") != "pytorch"
+            and (sampling.logprobs is not None or "logprobs" in sampling.overrides)
         ):
             raise ValueError(
-                "sampling.response_format: engine.kind trtllm does not support structured "
-                "output yet; use engine.kind reference or vllm"
+                "sampling.logprobs: engine.kind trtllm returns logprobs on its pytorch backend "
+                "only (engine.extra.backend); use backend pytorch, or engine.kind reference or "
+                "vllm"
             )
-        if self.engine.kind == "trtllm" and (
-            sampling.logprobs is not None or "logprobs" in sampling.overrides
-        ):
+        if self.engine.kind == "trtllm" and sampling.prompt_logprobs is not None:
             raise ValueError(
-                "sampling.logprobs: engine.kind trtllm does not support logprobs yet; use "
-                "engine.kind reference or vllm"
+                "sampling.prompt_logprobs: engine.kind trtllm does not return the prompt "
+                "tokens' own logprobs; use engine.kind reference or vllm"
             )
         if self.output.format == "openai_batch" and (
             inp.format != "openai_batch" or "url" not in inp.passthrough_columns

@@ -7,7 +7,9 @@ step loop resolves with `loop.call_soon_threadsafe`.
 
 A step is: (propose) → schedule → run the model → sample (or verify proposals) → append the
 StepRecord → update requests → deliver. With `speculative` set, decoding requests get n-gram
-proposals that the same forward pass verifies (engines/reference/speculative.py). The record
+proposals, or a draft model's (engines/reference/draft.py: k draft forwards for all of them
+before the schedule), that the same forward pass verifies (engines/reference/speculative.py).
+The draft's forwards fall inside the step's [start, end), shared like the rest of it. The record
 is appended before any result of that step is delivered, so when a caller sees a request
 finish, every step it took part in is already recorded (cost relies on this).
 
@@ -45,6 +47,8 @@ from engines.api import (
 )
 from engines.reference.config import ModelConfig, load_model_config
 from engines.reference.detokenize import final_text
+from engines.reference.groups import SampleGroups
+from engines.reference.logprobs import prompt_rows, record_logprobs, record_prompt_logprobs
 from engines.reference.profiling import NO_PROFILER, NoProfiler, StepProfiler
 from engines.requests import admit
 
@@ -114,12 +118,17 @@ class _Live:
     grammar: Any = None  # compiled grammar of the request's response_format
     matcher: Any = None  # its xgrammar matcher, advanced token by token
     logprobs: list[TokenLogprob] | None = None  # one per output token, when requested
+    # One per prompt token computed so far (None first), when prompt logprobs are requested.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     sent_tokens: int = 0  # output tokens already streamed
     sent_chars: int = 0  # text characters already streamed
     stop_ids: frozenset[int] = field(default_factory=frozenset)
     ngram: Any = None  # speculative.NgramIndex when the request may speculate
+    is_drafting: bool = False  # may speculate with draft-model proposals (method draft)
+    draft_probs: Any = None  # torch.Tensor [k, V]: q of its pending draft proposals
     spec_proposed: int = 0  # proposed tokens verified so far
     spec_accepted: int = 0  # of them, accepted
+    spec_verifications: int = 0  # steps that verified proposals for it
 
 
 class ReferenceEngine:
@@ -144,9 +153,12 @@ class ReferenceEngine:
             `profile_steps` steps here, one named range per phase; None: no profiling.
         profile_steps: steps the trace records.
         speculative: engine.speculative as a dict ({method: ngram, num_tokens,
-            prompt_lookup_min, prompt_lookup_max, disable_above_batch_size}); None: off.
-            Requests with response_format or logprobs never speculate (see docs/
-            speculative-decoding.md).
+            prompt_lookup_min, prompt_lookup_max, disable_above_batch_size} or {method:
+            draft, model: <draft model dir>, num_tokens, disable_above_batch_size}); None:
+            off. A draft model must share the model's tokenizer and vocab size; it is loaded
+            with the same dtype and device, and gets its own KV pool (the model's pool's
+            tokens plus room for proposals). Requests with response_format or logprobs never
+            speculate (see docs/speculative-decoding.md).
     """
 
     def __init__(
@@ -246,6 +258,26 @@ class ReferenceEngine:
             except (ValueError, OSError) as exc:
                 raise EngineError(f"profile_dir={profile_dir!r}: {exc}") from exc
         self.runner.profiler = self._profiler
+        # Method draft: the draft model with its own KV pool (engines/reference/draft.py).
+        self.drafter: Any = None
+        if self._speculative is not None and self._speculative.method == "draft":
+            from engines.reference.draft import Drafter, draft_pool_blocks
+
+            k = self._speculative.num_tokens
+            self.drafter = Drafter(
+                self._speculative.model,
+                str(model),
+                self.config,
+                self.tokenizer,
+                num_blocks=draft_pool_blocks(
+                    num_blocks, block_size, k, min(max_batch_size, self._spec_limit)
+                ),
+                block_size=block_size,
+                enable_prefix_caching=enable_prefix_caching,
+                max_len=self.max_model_len + k,
+                dtype=self._torch_dtype,
+                device=self._torch_device,
+            )
         self._default_generator = torch.Generator(device=self._torch_device)
         self._default_generator.manual_seed(int.from_bytes(os.urandom(4), "little"))
 
@@ -262,6 +294,8 @@ class ReferenceEngine:
         self._num_steps = 0
         self._spec_proposed = 0  # speculative tokens verified since load
         self._spec_accepted = 0
+        # n > 1: which sample of a group computes the prompt, which wait to fork it.
+        self._groups = SampleGroups()
 
         self.info = EngineInfo(
             kind="reference",
@@ -318,7 +352,7 @@ class ReferenceEngine:
         scheduler, bm = self.scheduler, self.block_manager
         return EngineStats(
             num_running=len(scheduler.running),
-            num_waiting=len(scheduler.waiting) + len(self._inbox),
+            num_waiting=len(scheduler.waiting) + len(self._inbox) + self._groups.num_waiting,
             num_finished=self._num_finished,
             num_preemptions=scheduler.num_preemptions,
             kv_blocks_total=bm.num_blocks,
@@ -344,6 +378,8 @@ class ReferenceEngine:
         self.runner.kv_caches = []
         self.runner.model = None
         self.model = None
+        if self.drafter is not None:
+            self.drafter.close()
 
     def _submit(self, request: GenerationRequest, sink: _Sink, is_stream: bool) -> None:
         from engines.reference.scheduler import Request
@@ -453,6 +489,9 @@ class ReferenceEngine:
             live.matcher = self._grammars.matcher(live.grammar)
         if sampling.logprobs is not None:
             live.logprobs = []
+        if sampling.prompt_logprobs is not None:
+            live.prompt_logprobs = [None]
+            live.sched.use_prefix_cache = False
         live.stop_ids = frozenset(sampling.stop_token_ids)
         spec = self._speculative
         # Constrained rows would need their grammar matcher advanced through the proposals and
@@ -461,25 +500,103 @@ class ReferenceEngine:
         if spec is not None and live.matcher is None and live.logprobs is None:
             from engines.reference.speculative import NgramIndex
 
-            live.ngram = NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max)
+            if spec.method == "draft":
+                live.is_drafting = True
+            else:
+                live.ngram = NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max)
         self._live[live.request.request_id] = live
+        if self._groups.admit(live):
+            return  # computes nothing until its group's leader has the prompt; then forks
         self.scheduler.add_request(live.sched)
 
+    def _fork(
+        self, leader: _Live, waiters: list[_Live], row: Any, raw_row: Any, end: float
+    ) -> list[tuple[_Live, int]]:
+        """n > 1: the leader just sampled its first token from `row` (its logits after any
+        format mask; `raw_row` the unmasked log-softmax when logprobs are wanted). Each sample
+        waiting on it draws its own first token from the same row, with its own generator, and
+        starts running on a fork of the leader's prompt KV: the prompt is computed once for
+        the whole group. Samples that do not fit now (batch or KV pool full) queue as
+        ordinary requests; prefix caching still spares them the prompt's full blocks.
+        Returns the forked samples and their first tokens."""
+        from engines.reference.sampler import sample
+
+        forked: list[_Live] = []
+        for member in waiters:
+            if self.scheduler.can_fork(leader.sched):
+                forked.append(member)
+            else:
+                self.scheduler.add_request(member.sched)
+        if not forked:
+            return []
+        tokens = sample(
+            row.expand(len(forked), -1),
+            [m.request.sampling for m in forked],
+            [m.generator for m in forked],
+            self._default_generator,
+        )
+        if raw_row is not None:
+            record_logprobs(raw_row.expand(len(forked), -1), forked, tokens)
+        copies = []
+        for member, token in zip(forked, tokens, strict=True):
+            copy = self.scheduler.fork(leader.sched, member.sched)
+            if copy is not None:
+                copies.append(copy)
+            member.sched.append_token(token)
+            if leader.prompt_logprobs is not None:
+                member.prompt_logprobs = list(leader.prompt_logprobs)
+            member.metrics.first_scheduled_time = leader.metrics.first_scheduled_time
+            member.metrics.first_token_time = end
+        self.runner.copy_blocks(copies)
+        for member in forked:
+            self.block_manager.cache_full_blocks(
+                member.request.request_id, member.sched.token_ids, member.sched.num_computed_tokens
+            )
+        return list(zip(forked, tokens, strict=True))
+
     def _propose(self) -> None:
-        """Give each decoding request that may speculate its n-gram proposal for this step,
-        unless the batch is too large for speculation to pay."""
+        """Give each decoding request that may speculate its proposal for this step (n-gram,
+        or the draft model's for all of them at once), unless the batch is too large for
+        speculation to pay."""
         spec = self._speculative
         running = self.scheduler.running
         if spec is None or len(running) > self._spec_limit:
             return
+        drafting = []
         for req in running:
             live = self._live.get(req.request_id)
-            if live is None or live.ngram is None or not req.is_decoding:
+            if live is None or not (live.ngram or live.is_drafting) or not req.is_decoding:
                 continue
             # The model's own next token comes on top: never propose past max_tokens.
             room = req.max_tokens - (req.num_tokens - req.num_prompt_tokens) - 1
-            if room > 0:
+            if room > 0 and live.ngram is not None:
                 req.spec_token_ids = live.ngram.propose(req.token_ids, min(spec.num_tokens, room))
+            elif room > 0:
+                drafting.append(live)
+        if drafting:
+            from engines.reference.draft import DraftRequest
+
+            wanted = []
+            for live in drafting:
+                req = live.sched
+                live.draft_probs, req.spec_token_ids = None, []
+                room = req.max_tokens - (req.num_tokens - req.num_prompt_tokens) - 1
+                wanted.append(
+                    DraftRequest(
+                        req.request_id,
+                        req.token_ids,
+                        min(spec.num_tokens, room),
+                        live.request.sampling,
+                        live.generator,
+                    )
+                )
+            proposals = self.drafter.propose(
+                wanted, self.scheduler.config.max_num_tokens, self._default_generator
+            )
+            for request_id, proposal in proposals.items():
+                live = self._live[request_id]
+                live.sched.spec_token_ids = proposal.tokens
+                live.draft_probs = proposal.probs
 
     def _step(self) -> None:
         from engines.reference.runner import ChunkInput
@@ -491,6 +608,9 @@ class ReferenceEngine:
         with phase("schedule"):
             self._propose()
             output = self.scheduler.schedule()
+            if self.drafter is not None:
+                for request_id in output.preempted:  # recomputed from scratch when readmitted
+                    self.drafter.free(request_id)
         if not output.chunks:
             # Cannot happen with admission checks in place; fail loudly rather than spin.
             head = self.scheduler.waiting[0].request_id
@@ -507,10 +627,15 @@ class ReferenceEngine:
                         chunk,
                         live.sched.token_ids,
                         self.block_manager.block_ids(chunk.request_id),
+                        *prompt_rows(live, chunk),
                     )
                 )
         # build_inputs (tensors) and forward ranges of their own inside
         logits = self.runner.execute(inputs)  # [S, V]: chunk.num_logits rows per chunk
+        num_rows = sum(c.num_logits for c in output.chunks)
+        if logits.shape[0] > num_rows:  # prompt logprobs asked: their rows come last
+            record_prompt_logprobs(logits[num_rows:], inputs, self._live)
+            logits = logits[:num_rows]
         sampling_chunks = [c for c in output.chunks if c.is_sampling]
         lives = [self._live[c.request_id] for c in sampling_chunks]
         first_rows: list[int] = []  # each sampling chunk's first logits row
@@ -544,13 +669,26 @@ class ReferenceEngine:
                     params,
                     generators,
                     self._default_generator,
+                    [lv.draft_probs for lv in lives],
                 )
                 emitted = [v.tokens for v in verified]
             else:
                 tokens = sample(logits, params, generators, self._default_generator)
                 emitted = [[t] for t in tokens]
+            for lv in lives:  # verified, or dropped by the scheduler: q is spent either way
+                lv.draft_probs = None
             if raw is not None:
-                _record_logprobs(raw, [lives[i] for i in wanting], [emitted[i][0] for i in wanting])
+                record_logprobs(raw, [lives[i] for i in wanting], [emitted[i][0] for i in wanting])
+            # n > 1: group leaders whose first token this is hand their logits row to the
+            # samples waiting on them (after the mask: they share the leader's format state).
+            leading = [i for i, lv in enumerate(lives) if self._groups.has_waiters(lv)]
+            fork_rows = {
+                i: (
+                    logits[first_rows[i]].unsqueeze(0),
+                    raw[wanting.index(i)].unsqueeze(0) if i in wanting else None,
+                )
+                for i in leading
+            }
         # Stop checks, streaming and results; detokenization has ranges of its own inside.
         with phase("deliver"):
             end = time.monotonic()
@@ -579,15 +717,26 @@ class ReferenceEngine:
 
             sampled = {c.request_id: t for c, t in zip(sampling_chunks, emitted, strict=True)}
             self.scheduler.update_from_output(output, sampled)
+            # Forks first: a leader that finishes on its first token frees its blocks. A group
+            # whose leader is past its prompt takes no more waiters.
+            forked: list[tuple[_Live, int]] = []
+            for i, live in enumerate(lives):
+                waiters = self._groups.first_token(live)
+                if waiters:
+                    forked += self._fork(live, waiters, *fork_rows[i], end)
             for chunk, live, tokens in zip(sampling_chunks, lives, emitted, strict=True):
                 if live.metrics.first_token_time is None:
                     live.metrics.first_token_time = end
                 if chunk.spec_token_ids:
                     live.spec_proposed += len(chunk.spec_token_ids)
                     live.spec_accepted += len(tokens) - 1
+                    live.spec_verifications += 1
                     self._spec_proposed += len(chunk.spec_token_ids)
                     self._spec_accepted += len(tokens) - 1
                 self._after_tokens(live, tokens)
+            for member, token in forked:
+                if member.request.request_id in self._live:
+                    self._after_tokens(member, [token])
 
     def _after_tokens(self, live: _Live, tokens: list[int]) -> None:
         """Check the stop conditions for each new token in order (already appended to the
@@ -608,9 +757,17 @@ class ReferenceEngine:
             logprobs = None
             if live.logprobs is not None:
                 logprobs = live.logprobs[live.sent_tokens : live.sent_tokens + len(new_tokens)]
+            first = live.sent_tokens == 0
             live.sent_tokens += len(new_tokens)
             live.sent_chars = max(live.sent_chars, stable)
-            live.sink.deliver(StreamDelta(list(new_tokens), text, logprobs=logprobs))
+            live.sink.deliver(
+                StreamDelta(
+                    list(new_tokens),
+                    text,
+                    logprobs=logprobs,
+                    prompt_logprobs=live.prompt_logprobs if first else None,
+                )
+            )
 
     def _stop_outcome(self, live: _Live, token: int, num_output: int) -> dict[str, Any] | None:
         """How `token` (the request's num_output-th output) ends the request, as _finish's
@@ -652,7 +809,13 @@ class ReferenceEngine:
         live = self._live.pop(request_id, None)
         if live is None:
             return  # already finished (an abort racing a normal finish)
+        for waiter in self._groups.leave(live):
+            # It led a group and left before its first token: the others run on their own.
+            if waiter.request.request_id in self._live:
+                self.scheduler.add_request(waiter.sched)
         sched = self.scheduler.finish_request(request_id)
+        if self.drafter is not None:
+            self.drafter.free(request_id)
         output_ids = list(sched.output_token_ids) if sched is not None else []
         if live.detok is not None:
             # Complete characters only: the bytes of a character the output stopped in the
@@ -678,8 +841,10 @@ class ReferenceEngine:
             cached=(sched.num_cached_tokens or 0) if sched else 0,
             preemptions=sched.num_preemptions if sched else 0,
             logprobs=None if live.logprobs is None else live.logprobs[: len(output_ids)],
+            prompt_logprobs=live.prompt_logprobs,
             spec_proposed=live.spec_proposed,
             spec_accepted=live.spec_accepted,
+            spec_verifications=live.spec_verifications,
         )
         self._num_finished += 1
         with self._cv:
@@ -725,8 +890,10 @@ def _result(
     cached: int = 0,
     preemptions: int = 0,
     logprobs: list[TokenLogprob] | None = None,
+    prompt_logprobs: list[TokenLogprob | None] | None = None,
     spec_proposed: int = 0,
     spec_accepted: int = 0,
+    spec_verifications: int = 0,
 ) -> GenerationResult:
     return GenerationResult(
         request_id=request.request_id,
@@ -741,24 +908,8 @@ def _result(
         num_preemptions=preemptions,
         metrics=metrics,
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         spec_proposed_tokens=spec_proposed,
         spec_accepted_tokens=spec_accepted,
+        spec_verifications=spec_verifications,
     )
-
-
-def _record_logprobs(raw: Any, lives: list[_Live], tokens: list[int]) -> None:
-    """Append each row's chosen-token logprob and top alternatives: one gather and one top-k
-    for all rows, one host copy each (only in steps where some request asked)."""
-    import torch
-
-    chosen = raw.gather(1, torch.tensor(tokens, device=raw.device).unsqueeze(1))[:, 0].tolist()
-    k = max(lv.request.sampling.logprobs or 0 for lv in lives)
-    top_ids: list[list[int]] = [[] for _ in lives]
-    top_values: list[list[float]] = [[] for _ in lives]
-    if k > 0:
-        values, ids = raw.topk(min(k, raw.shape[-1]), dim=-1)
-        top_ids, top_values = ids.tolist(), values.tolist()
-    for row, (live, token) in enumerate(zip(lives, tokens, strict=True)):
-        want = live.request.sampling.logprobs or 0
-        top = tuple(zip(top_ids[row][:want], top_values[row][:want], strict=True))
-        live.logprobs.append(TokenLogprob(token, chosen[row], top))

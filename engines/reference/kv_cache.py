@@ -139,6 +139,34 @@ class BlockManager:
                 block.block_hash = parent
                 self._cached[parent] = block.block_id
 
+    def can_fork(self, num_tokens: int) -> bool:
+        """Whether a fork of `num_tokens` computed tokens fits now (see fork)."""
+        return num_tokens % self.block_size == 0 or self.num_free_blocks >= 1
+
+    def fork(self, parent_id: str, child_id: str, num_tokens: int) -> tuple[int, int] | None:
+        """Give `child_id` the KV of the first `num_tokens` tokens of `parent_id`. Full blocks
+        are shared (their KV never changes again, so both tables point at them). A partly
+        filled last block is not: both requests will write their next tokens into it, so the
+        child gets a fresh block, returned as (source, copy) for the runner to copy the KV.
+        Ref counts make freeing either request safe in any order."""
+        if child_id in self._tables:
+            raise ValueError(f"request {child_id!r} already holds blocks")
+        parent = self._tables[parent_id]
+        num_full = num_tokens // self.block_size
+        if len(parent.block_ids) < self.blocks_needed(num_tokens):
+            raise ValueError(f"{parent_id!r} holds fewer blocks than {num_tokens} tokens need")
+        if not self.can_fork(num_tokens):
+            raise ValueError(f"no free block to fork {parent_id!r}")
+        table = BlockTable(block_hashes=list(parent.block_hashes[:num_full]))
+        for block_id in parent.block_ids[:num_full]:
+            self._touch(block_id)
+            table.block_ids.append(block_id)
+        self._tables[child_id] = table
+        if num_tokens % self.block_size == 0:
+            return None
+        self._grow(table, num_tokens)
+        return parent.block_ids[num_full], table.block_ids[-1]
+
     def truncate(self, request_id: str, num_tokens: int) -> None:
         """Shrink a request's table to the blocks `num_tokens` tokens need: the tail blocks
         held only rejected speculative positions. Such blocks were allocated fresh for this

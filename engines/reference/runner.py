@@ -38,6 +38,10 @@ class ChunkInput:
     chunk: ScheduledChunk
     token_ids: Sequence[int]  # the request's tokens (prompt + outputs)
     block_ids: Sequence[int]  # its KV blocks, in sequence order
+    # Prompt logprobs: `prompt_rows` positions of the chunk from its `prompt_offset`-th also
+    # need their logits; they come after every chunk's sampling rows (ModelRunner.execute).
+    prompt_rows: int = 0
+    prompt_offset: int = 0
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
@@ -111,9 +115,22 @@ class ModelRunner:
             )
         return groups
 
+    @torch.inference_mode()
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy whole KV blocks (source, destination) in every layer: a forked sample's own
+        copy of a partly filled prompt block (kv_cache.BlockManager.fork)."""
+        if not pairs:
+            return
+        src = torch.tensor([p[0] for p in pairs], dtype=torch.int64, device=self.device)
+        dst = torch.tensor([p[1] for p in pairs], dtype=torch.int64, device=self.device)
+        for k_cache, v_cache in self.kv_caches:
+            k_cache[:, dst] = k_cache[:, src]
+            v_cache[:, dst] = v_cache[:, src]
+
     def execute(self, inputs: Sequence[ChunkInput]) -> torch.Tensor:
-        """Run one step; returns logits [S, V] (float32): `chunk.num_logits` rows per chunk,
-        in order (S = sum of them)."""
+        """Run one step; returns logits [S + P, V] (float32): `chunk.num_logits` rows per
+        chunk, in order (S = sum of them), then the `prompt_rows` of each chunk that asks, in
+        order (P = sum of those; usually 0)."""
         with self.profiler.phase("build_inputs"):
             step = self.prepare(inputs)
         with self.profiler.phase("forward"):
@@ -141,6 +158,7 @@ class ModelRunner:
         decode_lens: list[int] = []
         decode_tables: list[Sequence[int]] = []
         logits_rows: list[int] = []
+        prompt_rows: list[int] = []  # after all sampling rows, so theirs keep their places
         row = 0
         for item in inputs:
             chunk = item.chunk
@@ -167,6 +185,8 @@ class ModelRunner:
                 prefills.append(PrefillSeq(row, n, start, gather, mask))
             # The last real token's row, then one per proposal: verification needs them all.
             logits_rows.extend(range(row + n - chunk.num_logits, row + n))
+            first = row + item.prompt_offset
+            prompt_rows.extend(range(first, first + item.prompt_rows))
             row += n
 
         groups = self._decode_groups(decode_rows, decode_lens, decode_tables)
@@ -181,5 +201,5 @@ class ModelRunner:
             cos=self.cos[pos_t].unsqueeze(1),  # [T, 1, D]
             sin=self.sin[pos_t].unsqueeze(1),
             batch=batch,
-            logits_rows=torch.tensor(logits_rows, dtype=torch.int64, device=dev),
+            logits_rows=torch.tensor(logits_rows + prompt_rows, dtype=torch.int64, device=dev),
         )

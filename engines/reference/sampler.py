@@ -167,3 +167,57 @@ def sample(
             )
             tokens[rows_t] = picked
     return tokens.tolist()
+
+
+def probabilities(
+    logits: torch.Tensor,  # [R, V]
+    params: Sequence[SamplingParams],  # one per row
+) -> torch.Tensor:  # [R, V] float32, each row sums to 1
+    """The whole distribution `sample` draws each row from: temperature, then top-k, then
+    top-p over the renormalised top-k mass (a greedy row: all mass on its argmax).
+
+    Speculative decoding with a draft model needs it whole (the draft's q to sample from and
+    report, the target's p to accept with min(1, p/q) and to form max(0, p - q)); plain
+    decoding never does, which is why `sample` avoids building it."""
+    logits = logits.float()
+    vocab = logits.shape[-1]
+    probs = torch.zeros_like(logits)
+    greedy = [i for i, p in enumerate(params) if p.is_greedy]
+    if greedy:
+        index = torch.tensor(greedy, device=logits.device)
+        probs[index, logits[index].argmax(-1)] = 1.0
+    plain = [i for i, p in enumerate(params) if not p.is_greedy and _width(p, vocab) is None]
+    filtered = [i for i, p in enumerate(params) if not p.is_greedy and _width(p, vocab)]
+    for members in (plain, filtered):
+        if not members:
+            continue
+        index = torch.tensor(members, device=logits.device)
+        temperature = torch.tensor([params[i].temperature for i in members], device=logits.device)
+        scaled = logits[index] / temperature[:, None]
+        if members is plain:
+            probs[index] = scaled.softmax(-1)
+            continue
+        # Stable sort: equal logits keep token order, as in the sampler's top-p path.
+        values, ids = torch.sort(scaled, dim=-1, descending=True, stable=True)
+        top_k = torch.tensor(
+            [p.top_k if 0 < p.top_k < vocab else vocab for p in (params[i] for i in members)],
+            device=logits.device,
+        )
+        ranks = torch.arange(vocab, device=logits.device)
+        values = torch.where(ranks[None, :] < top_k[:, None], values, -torch.inf)
+        sorted_probs = values.softmax(-1)
+        top_p = torch.tensor(
+            [params[i].top_p if params[i].top_p < 1.0 else 2.0 for i in members],
+            device=logits.device,
+        )
+        keep = (sorted_probs.cumsum(-1) - sorted_probs) < top_p[:, None]  # as _pick
+        sorted_probs = torch.where(keep, sorted_probs, 0.0)
+        sorted_probs = sorted_probs / sorted_probs.sum(-1, keepdim=True)
+        probs[index] = torch.zeros_like(sorted_probs).scatter_(1, ids, sorted_probs)
+    return probs
+
+
+def pick(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """[R] token ids drawn by inverse CDF from [R, V] (unnormalised) probabilities, one
+    uniform in [0, 1) per row; a token with no mass is never picked."""
+    return _pick(probs, None, None, u)

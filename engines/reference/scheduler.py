@@ -57,6 +57,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     # Proposed next tokens for the coming step (speculative decoding); set by the engine.
     spec_token_ids: list[int] = field(default_factory=list)
+    # False: compute the whole prompt even where the prefix cache holds it (prompt logprobs
+    # need every position's logits, which cached blocks do not keep).
+    use_prefix_cache: bool = True
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -204,7 +207,7 @@ class Scheduler:
             and len(self.running) < self.config.max_batch_size
         ):
             req = self.waiting[0]
-            cached = bm.find_cached_prefix(req.token_ids)
+            cached = bm.find_cached_prefix(req.token_ids) if req.use_prefix_cache else []
             num_cached = len(cached) * bm.block_size
             num_new = req.num_tokens - num_cached
             if num_new > budget:
@@ -276,6 +279,30 @@ class Scheduler:
             self.block_manager.cache_full_blocks(
                 req.request_id, req.token_ids, req.num_computed_tokens
             )
+
+    def can_fork(self, parent: Request) -> bool:
+        """Whether a sibling of `parent` can start running now from its computed tokens."""
+        return len(self.running) < self.config.max_batch_size and self.block_manager.can_fork(
+            parent.num_computed_tokens
+        )
+
+    def fork(self, parent: Request, child: Request) -> tuple[int, int] | None:
+        """Start `child` (same prompt, not yet admitted) running from `parent`'s computed
+        prompt KV: it joins the running requests with those tokens already computed, as if
+        they had all been a prefix-cache hit. Returns the KV block pair to copy, if any (see
+        BlockManager.fork). The caller appends the child's first token afterwards."""
+        if child.prompt_token_ids != parent.prompt_token_ids:
+            raise ValueError(f"{child.request_id!r} does not share {parent.request_id!r}'s prompt")
+        computed = parent.num_computed_tokens
+        if computed > parent.num_prompt_tokens:
+            raise ValueError(f"{parent.request_id!r} is past its prompt: too late to fork")
+        copy = self.block_manager.fork(parent.request_id, child.request_id, computed)
+        child.num_computed_tokens = computed
+        child.num_cached_tokens = computed
+        child.status = RequestStatus.RUNNING
+        self.requests[child.request_id] = child
+        self.running.append(child)
+        return copy
 
     def finish_request(self, request_id: str) -> Request | None:
         """Remove a request (finished, failed or aborted) and free its blocks."""

@@ -1,4 +1,5 @@
-"""Speculative decoding in the reference engine: n-gram proposals and their verification.
+"""Speculative decoding in the reference engine: n-gram proposals and the verification of
+any proposal (n-gram or draft model, engines/reference/draft.py).
 
 Propose (prompt lookup): a request's last n tokens (n from prompt_lookup_max down to
 prompt_lookup_min) are looked up in its own prompt + output; the tokens that followed the most
@@ -19,6 +20,20 @@ sample. The emitted tokens are the samples up to and including the first mismatc
   the target model's at every position;
 - a seeded request consumes one uniform per emitted token, as without speculation, so its
   tokens are the same with speculation on or off and whatever else is in the batch.
+
+Draft-model proposals come with the draft's distributions q (one row per proposal) they were
+drawn from. Greedy rows keep the rule above (a greedy draft proposes its argmax; accepting
+while it equals the target's argmax is min(1, p/q) with both one-hot). Sampled rows use the
+general rule: proposal d at position i is accepted with probability min(1, p_i(d) / q_i(d));
+at the first rejection the emitted token is drawn from max(0, p_i - q_i) renormalised; when
+all are accepted a bonus token is drawn from p after the last one. p is the target's whole
+sampling distribution (temperature, top-k, top-p: `sampler.probabilities`), so every emitted
+token follows exactly what plain sampling would draw from. Such a row consumes k + 1 uniforms
+of its generator per verification (k acceptance tests, one final draw) whatever the outcome:
+with a seed, the same proposals give the same tokens. They are not the tokens of decoding
+without speculation (no coupling of a second model's draws with the plain sampler's can be),
+and since k depends on the step (max_num_tokens cuts, disable_above_batch_size), a seeded
+row is reproducible for the same schedule, not whatever else is in the batch.
 """
 
 from __future__ import annotations
@@ -29,7 +44,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engines.api import SamplingParams
-from engines.reference.sampler import sample
+from engines.reference.sampler import pick, probabilities, sample
 
 
 @dataclass
@@ -75,6 +90,132 @@ class Verified:
 
 
 def verify(
+    logits: torch.Tensor,  # [R, V] float32: for each request, its 1 + k rows in order
+    proposals: Sequence[Sequence[int]],  # per request, its k proposed tokens (k may be 0)
+    params: Sequence[SamplingParams],  # per request
+    generators: Sequence[torch.Generator | None],  # per request; None: the shared default
+    default_generator: torch.Generator | None = None,
+    draft_probs: Sequence[torch.Tensor | None] | None = None,
+) -> list[Verified]:
+    """Each request's emitted tokens: accepted proposals, then one token of the target's.
+
+    `draft_probs`, per request: the [k, V] distributions its k proposals were drawn from (a
+    draft model), or None for a point-mass proposal (n-gram). Sampled rows with them go
+    through min(1, p/q) rejection sampling; every other row through `_verify_point_mass`."""
+    if draft_probs is None:
+        draft_probs = [None] * len(proposals)
+    with_q = [
+        i
+        for i, (props, p, q) in enumerate(zip(proposals, params, draft_probs, strict=True))
+        if q is not None and props and not p.is_greedy
+    ]
+    if not with_q:
+        return _verify_point_mass(logits, proposals, params, generators, default_generator)
+    starts, row = [], 0
+    for props in proposals:
+        starts.append(row)
+        row += 1 + len(props)
+    if logits.shape[0] != row:
+        raise ValueError(f"verify got {logits.shape[0]} logit rows for {row}")
+    chosen = set(with_q)
+    rest = [i for i in range(len(proposals)) if i not in chosen]
+    out: list[Verified | None] = [None] * len(proposals)
+
+    def rows_of(members: list[int]) -> torch.Tensor:
+        index = [r for i in members for r in range(starts[i], starts[i] + 1 + len(proposals[i]))]
+        return torch.tensor(index, dtype=torch.int64, device=logits.device)
+
+    if rest:
+        done = _verify_point_mass(
+            logits[rows_of(rest)],
+            [proposals[i] for i in rest],
+            [params[i] for i in rest],
+            [generators[i] for i in rest],
+            default_generator,
+        )
+        for i, v in zip(rest, done, strict=True):
+            out[i] = v
+    done = _verify_with_draft(
+        logits[rows_of(with_q)],
+        [proposals[i] for i in with_q],
+        [params[i] for i in with_q],
+        [generators[i] for i in with_q],
+        default_generator,
+        [draft_probs[i] for i in with_q],
+    )
+    for i, v in zip(with_q, done, strict=True):
+        out[i] = v
+    return out  # type: ignore[return-value]  # every slot filled above
+
+
+def _verify_with_draft(
+    logits: torch.Tensor,  # [R, V]: for each request, its 1 + k rows in order
+    proposals: Sequence[Sequence[int]],  # per request, k >= 1 proposed tokens
+    params: Sequence[SamplingParams],  # per request, none greedy
+    generators: Sequence[torch.Generator | None],
+    default_generator: torch.Generator | None,
+    draft_probs: Sequence[torch.Tensor],  # per request, [>= k, V]: q of each proposal
+) -> list[Verified]:
+    """Exact rejection sampling against the draft's real distributions (see the module doc).
+    Two device-to-host copies for all requests: the acceptance tests, the final tokens."""
+    device = logits.device
+    row_params = [
+        p for props, p in zip(proposals, params, strict=True) for _ in range(len(props) + 1)
+    ]
+    p_all = probabilities(logits, row_params)  # [R, V]
+    # k + 1 uniforms per request, in request order: k acceptance tests, then the final draw.
+    u = torch.cat(
+        [
+            torch.rand(
+                len(props) + 1, generator=g if g is not None else default_generator, device=device
+            )
+            for props, g in zip(proposals, generators, strict=True)
+        ]
+    )
+    starts, row = [], 0
+    prop_rows: list[int] = []
+    prop_ids: list[int] = []
+    for props in proposals:
+        starts.append(row)
+        prop_rows.extend(range(row, row + len(props)))
+        prop_ids.extend(props)
+        row += 1 + len(props)
+    rows_t = torch.tensor(prop_rows, dtype=torch.int64, device=device)
+    ids_t = torch.tensor(prop_ids, dtype=torch.int64, device=device)
+    q_all = torch.cat([q[: len(props)] for q, props in zip(draft_probs, proposals, strict=True)])
+    p_d = p_all[rows_t, ids_t]
+    q_d = q_all[torch.arange(len(prop_ids), device=device), ids_t]
+    # u < p/q, written without a division (q(d) > 0: d was drawn from q).
+    accept = (u[rows_t] * q_d < p_d).tolist()
+    counts: list[int] = []
+    flat = 0
+    for props in proposals:
+        accepted = 0
+        while accepted < len(props) and accept[flat + accepted]:
+            accepted += 1
+        flat += len(props)
+        counts.append(accepted)
+    # The final token's distribution: p after the last accepted proposal, less q there when
+    # that proposal was rejected (a row of zeros in q_after when all were accepted).
+    final_rows = [s + a for s, a in zip(starts, counts, strict=True)]
+    target = p_all[torch.tensor(final_rows, dtype=torch.int64, device=device)]  # [N, V]
+    q_after = torch.zeros_like(target)
+    for i, (props, accepted) in enumerate(zip(proposals, counts, strict=True)):
+        if accepted < len(props):
+            q_after[i] = draft_probs[i][accepted]
+    residual = (target - q_after).clamp_(min=0.0)
+    # p == q up to rounding leaves (almost) nothing to draw from; the rejection that led
+    # here then had probability ~0, and p is the residual's limit.
+    final = torch.where(residual.sum(-1, keepdim=True) > 1e-6, residual, target)
+    last = [s + len(p) for s, p in zip(starts, proposals, strict=True)]
+    tokens = pick(final, u[torch.tensor(last, device=device)]).tolist()
+    return [
+        Verified([*props[:accepted], token], len(props), accepted)
+        for props, accepted, token in zip(proposals, counts, tokens, strict=True)
+    ]
+
+
+def _verify_point_mass(
     logits: torch.Tensor,  # [R, V] float32: for each request, its 1 + k rows in order
     proposals: Sequence[Sequence[int]],  # per request, its k proposed tokens (k may be 0)
     params: Sequence[SamplingParams],  # per request

@@ -33,6 +33,7 @@ from typing import Any
 import pyarrow as pa
 
 from engines.api import EngineDeadError, GenerationRequest, GenerationResult
+from engines.samples import fan_out
 from pipeline.batch.commit.parts import REPLACEMENT_DISPATCH, PartName, PartRecord, write_part
 from pipeline.batch.read import ROW
 from pipeline.batch.rows import (
@@ -40,6 +41,7 @@ from pipeline.batch.rows import (
     RowOutcome,
     outcomes_to_table,
     prompt_tokens_of,
+    row_samples,
     row_sampling,
 )
 from pipeline.batch.units import PartWritten, UnitEnd, WorkUnit
@@ -250,7 +252,9 @@ class EngineWorker:
             RowAdmission(
                 row_id=str(row["id"]),
                 prompt_tokens=prompt_tokens_of(row),
-                max_tokens=int(row.get("max_tokens") or self.config.sampling.max_tokens),
+                # n samples may each run to max_tokens; the prompt is computed once.
+                max_tokens=int(row.get("max_tokens") or self.config.sampling.max_tokens)
+                * row_samples(row, self.config.sampling),
             )
             for row in rows
         ]
@@ -382,18 +386,25 @@ class EngineWorker:
             # Unique even if an input repeats an id: the engine keys requests by this.
             request_id=f"{row['id']}#{uuid.uuid4().hex[:8]}",
         )
+        # n > 1: n requests of one group (the engine computes the prompt once for them).
+        requests = fan_out(request, row_samples(row, self.config.sampling))
         _, finished, _ = self._loop_state()
-        self.meter.on_submit(request.request_id, time.monotonic())
-        result = await self._generate(request)
+        now = time.monotonic()
+        for r in requests:
+            self.meter.on_submit(r.request_id, now)
+        results = await asyncio.gather(*(self._generate(r) for r in requests))
         self.meter.add_steps(self.engine.drain_step_records())
-        self.meter.on_finish(result)
+        for result in results:
+            self.meter.on_finish(result)
         async with finished:
             finished.notify_all()
             # Interval-only engines: a row's share is final once every earlier-arrived request
             # has finished too.
-            await finished.wait_for(lambda: self.meter.is_final(request.request_id))
-        gpu_seconds = self.meter.pop_row_seconds(request.request_id)
-        return RowOutcome.from_result(result, gpu_seconds, sampling.response_format)
+            await finished.wait_for(
+                lambda: all(self.meter.is_final(r.request_id) for r in requests)
+            )
+        gpu_seconds = sum(self.meter.pop_row_seconds(r.request_id) for r in requests)
+        return RowOutcome.from_results(list(results), gpu_seconds, sampling.response_format)
 
     async def _generate(self, request: GenerationRequest) -> GenerationResult:
         try:

@@ -16,8 +16,9 @@ row's finish time), so an export of the same committed parts writes the same byt
 runs it, the job before `_SUCCESS` or the Batch API after a job that was killed before it got
 there. Files of parts that are no longer committed (replaced by `--retry-errors`) are deleted.
 
-The response body is built by pipeline.serve.protocol's `completion_body`, so a batch answer
-has exactly the shape (and usage, with cached tokens and cost) of the Serve endpoint's.
+The response body is built by pipeline.serve.protocol's `choices_body`, so a batch answer
+has exactly the shape (and usage, with cached tokens and cost) of the Serve endpoint's; a
+request with n > 1 gets its n choices from the row's `samples`.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeline.batch.commit.parts import PART_RE, PartRecord, read_part
-from pipeline.serve.protocol import ResponseIds, Usage, completion_body
+from pipeline.serve.protocol import Choice, ResponseIds, Usage, choices_body
 from pipeline.storage import OutputDir
 
 OUTPUT_PREFIX = "openai-output-"
@@ -56,6 +57,7 @@ COLUMNS = (
     "actor_id",
     "finished_at",
 )
+SAMPLES = "samples"  # n > 1 rows: every choice (parts of older jobs may lack the column)
 
 
 def export_names(part_name: str) -> tuple[str, str]:
@@ -126,7 +128,12 @@ def output_line(row: dict[str, Any], ctx: LineContext, part_name: str, index: in
         cost_usd=float(row.get("cost_usd") or 0.0),
         list_price_usd=float(row.get("list_price_usd") or 0.0) if ctx.list_prices else None,
     )
-    body = completion_body(ids, row.get("text") or "", row.get("finish_reason") or "stop", usage)
+    samples = row.get(SAMPLES)
+    if samples:
+        choices = [Choice(s.get("text") or "", s.get("finish_reason") or "stop") for s in samples]
+    else:
+        choices = [Choice(row.get("text") or "", row.get("finish_reason") or "stop")]
+    body = choices_body(ids, choices, usage)
     return {
         "id": f"batch_req_{digest[:32]}",
         "custom_id": row.get("id"),
@@ -170,7 +177,12 @@ def _join(lines: list[str]) -> bytes:
 
 def export_part(out: OutputDir, part_name: str, ctx: LineContext) -> list[str]:
     """Write a committed part's export files; returns their names."""
-    table = read_part(out, part_name, columns=list(COLUMNS))
+    import pyarrow.parquet as pq
+
+    with out.fs.open(out.path(part_name), "rb") as handle:
+        names = set(pq.ParquetFile(handle).schema_arrow.names)
+    columns = [*COLUMNS, SAMPLES] if SAMPLES in names else list(COLUMNS)
+    table = read_part(out, part_name, columns=columns)
     output, errors = part_lines(table.to_pylist(), ctx, part_name)
     output_name, errors_name = export_names(part_name)
     written = []

@@ -22,6 +22,7 @@ from pipeline.batch.prompts import (
     MAX_TOKENS,
     PROMPT_TOKEN_IDS,
     PROMPT_TOKENS,
+    SAMPLES,
     TOO_LONG,
     PromptStage,
     context_length,
@@ -209,7 +210,8 @@ def build_plan(
     scale = total / len(rows) if rows else 0.0
     sample_prompt_tokens = sum(r[PROMPT_TOKENS] for r in ok)
     est_prompt = round(sample_prompt_tokens * scale)
-    est_output = round(sum(r[MAX_TOKENS] for r in ok) * scale)
+    # n samples of a row may each run to max_tokens.
+    est_output = round(sum(r[MAX_TOKENS] * (r.get(SAMPLES) or 1) for r in ok) * scale)
 
     source = "none"
     if tokens_per_s is not None:

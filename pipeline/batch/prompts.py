@@ -12,6 +12,7 @@
   `derive_seed(sampling.seed, id)` so a row samples the same whatever its batch; else null.
 - `logprobs` (int32, null): alternatives per output token to report (override, else
   `sampling.logprobs`); null: no logprobs.
+- `num_samples` (int32): samples to draw for the row (`sampling.n`, or its override).
 - `response_format` (string, null): the row's format as canonical JSON text (the override
   column's, else `sampling.response_format`); null: free text. A format that cannot be read
   makes the row an error row naming the column.
@@ -56,7 +57,17 @@ TOP_K = "top_k"
 SEED = "seed"
 RESPONSE_FORMAT = "response_format"
 LOGPROBS = "logprobs"
-SAMPLING_COLUMNS = (MAX_TOKENS, TEMPERATURE, TOP_P, TOP_K, SEED, RESPONSE_FORMAT, LOGPROBS)
+SAMPLES = "num_samples"  # sampling field `n` (a column named "n" is too likely an input's)
+SAMPLING_COLUMNS = (
+    MAX_TOKENS,
+    TEMPERATURE,
+    TOP_P,
+    TOP_K,
+    SEED,
+    RESPONSE_FORMAT,
+    LOGPROBS,
+    SAMPLES,
+)
 # The response_format cell of a row that asks for free text although the job has a format.
 FREE_TEXT = '{"type": "text"}'
 STAGE_COLUMNS = (PROMPT_TOKEN_IDS, PROMPT_TOKENS, *SAMPLING_COLUMNS)
@@ -282,7 +293,7 @@ def _format_cell(text: str, where: str) -> tuple[str | None, str | None]:
 
 def _check_sampling(field: str, value: Any) -> str | None:
     """None if `value` is valid for the sampling field, else what is wrong with it."""
-    if field in ("max_tokens", "top_k", "seed", "logprobs") and (
+    if field in ("max_tokens", "top_k", "seed", "logprobs", "n") and (
         isinstance(value, bool) or not isinstance(value, int)
     ):
         return "must be an integer"
@@ -292,6 +303,8 @@ def _check_sampling(field: str, value: Any) -> str | None:
         return "must be >= 0 (0 disables)"
     if field == "logprobs" and not 0 <= value <= 20:
         return "must be in [0, 20]"
+    if field == "n" and not 1 <= value <= 128:
+        return "must be in [1, 128]"
     if field == "seed" and not -(2**63) <= value < 2**63:
         return "must fit in int64"
     if field in ("temperature", "top_p"):
@@ -321,6 +334,7 @@ def resolve_sampling(
         SEED: None,
         RESPONSE_FORMAT: None,
         LOGPROBS: base.logprobs,
+        SAMPLES: base.n,
     }
     if base.response_format is not None:
         values[RESPONSE_FORMAT], _ = _format_cell(
@@ -343,7 +357,7 @@ def resolve_sampling(
         problem = _check_sampling(field, value)
         if problem:
             return values, f"column {column!r} (sampling.overrides.{field}): {value!r} {problem}"
-        values[field] = value
+        values[SAMPLES if field == "n" else field] = value
         seed_overridden |= field == SEED
     if not seed_overridden and base.seed is not None:
         values[SEED] = derive_seed(base.seed, str(row.get(ID)))
@@ -406,6 +420,7 @@ class PromptStage:
             SEED: pa.array([r[SEED] for r in results], type=pa.int64()),
             RESPONSE_FORMAT: pa.array([r[RESPONSE_FORMAT] for r in results], type=pa.string()),
             LOGPROBS: pa.array([r[LOGPROBS] for r in results], type=pa.int32()),
+            SAMPLES: pa.array([r[SAMPLES] for r in results], type=pa.int32()),
             ERROR: pa.array([r[ERROR] for r in results], type=pa.string()),
         }
         for name, array in columns.items():

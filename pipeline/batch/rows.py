@@ -33,6 +33,8 @@ class GenerateConfig:
     structured: bool  # rows may carry a response format: emit `parsed`
     logprobs: bool  # rows may ask for logprobs: emit `logprobs`
     speculative: bool  # engine.speculative is set: emit spec_proposed/accepted_tokens
+    samples: bool  # rows may ask for n > 1: emit `samples`
+    prompt_logprobs: bool  # sampling.prompt_logprobs is set: emit `prompt_logprobs`
     max_in_flight: int  # requests in the engine at once, across shards
     batch_size: int  # rows taken from a shard at a time
     rows_per_file: int  # a part holds at most this many rows
@@ -43,7 +45,7 @@ class GenerateConfig:
 
     @classmethod
     def from_spec(cls, spec: JobSpec, schema: pa.Schema) -> GenerateConfig:
-        from pipeline.batch.schema import is_structured, wants_logprobs
+        from pipeline.batch.schema import has_samples, is_structured, wants_logprobs
 
         return cls(
             model=spec.model,
@@ -58,6 +60,8 @@ class GenerateConfig:
             structured=is_structured(spec),
             logprobs=wants_logprobs(spec),
             speculative=spec.engine.speculative is not None,
+            samples=has_samples(spec),
+            prompt_logprobs=spec.sampling.prompt_logprobs is not None,
             max_in_flight=spec.resources.max_in_flight,
             batch_size=spec.resources.batch_size,
             rows_per_file=spec.output.rows_per_file,
@@ -96,7 +100,14 @@ def row_sampling(row: dict[str, Any], sampling: SamplingSpec) -> SamplingParams:
         ignore_eos=sampling.ignore_eos,
         response_format=row_format(row),
         logprobs=_row_logprobs(row, sampling),
+        prompt_logprobs=sampling.prompt_logprobs,
     )
+
+
+def row_samples(row: dict[str, Any], sampling: SamplingSpec) -> int:
+    """Samples to draw for the row: the prompt stage's `num_samples` cell, else the job's."""
+    value = row.get("num_samples")
+    return sampling.n if value is None else int(value)
 
 
 def _row_logprobs(row: dict[str, Any], sampling: SamplingSpec) -> int | None:
@@ -140,6 +151,9 @@ class RowOutcome:
     logprobs: list[dict[str, Any]] | None = None  # rows that asked: the nested column's value
     spec_proposed_tokens: int = 0  # speculative decoding: tokens proposed for this row
     spec_accepted_tokens: int = 0  # and accepted by the model
+    spec_verifications: int = 0  # engine steps that verified proposals for this row
+    samples: list[dict[str, Any]] | None = None  # n > 1: the `samples` column's value
+    prompt_logprobs: list[dict[str, Any] | None] | None = None  # the nested column's value
 
     @classmethod
     def failed(cls, error: str, prompt_tokens: int, served: bool) -> RowOutcome:
@@ -174,8 +188,10 @@ class RowOutcome:
         return cls(
             parsed=parsed,
             logprobs=_logprob_rows(result),
+            prompt_logprobs=_prompt_logprob_rows(result),
             spec_proposed_tokens=result.spec_proposed_tokens,
             spec_accepted_tokens=result.spec_accepted_tokens,
+            spec_verifications=result.spec_verifications,
             text=result.text,
             finish_reason=result.finish_reason,
             error=result.error if result.finish_reason == "error" else None,
@@ -192,19 +208,82 @@ class RowOutcome:
             served=True,
         )
 
+    @classmethod
+    def from_results(
+        cls,
+        results: list[GenerationResult],
+        gpu_seconds: float,
+        fmt: ResponseFormat | None = None,
+    ) -> RowOutcome:
+        """One row's outcome from its n samples (in index order): sample 0 speaks for the
+        row's text, finish reason, format check and logprobs; completion tokens, device time
+        and speculation counts add up over all samples; the timings span them all. A failed
+        sample makes the row an error row naming it (retry-errors then redoes the row)."""
+        if len(results) == 1:
+            return cls.from_result(results[0], gpu_seconds, fmt)
+        each = [cls.from_result(r, 0.0, fmt) for r in results]
+        row = each[0]
+        row.samples = [
+            {
+                "index": i,
+                "text": o.text,
+                "finish_reason": o.finish_reason,
+                "error": o.error,
+                "completion_tokens": o.completion_tokens,
+                "parsed": o.parsed,
+                "logprobs": o.logprobs,
+                "completion_token_ids": o.completion_token_ids,
+            }
+            for i, o in enumerate(each)
+        ]
+        row.gpu_seconds = gpu_seconds
+        row.completion_tokens = sum(o.completion_tokens for o in each)
+        row.spec_proposed_tokens = sum(o.spec_proposed_tokens for o in each)
+        row.spec_accepted_tokens = sum(o.spec_accepted_tokens for o in each)
+        row.spec_verifications = sum(o.spec_verifications for o in each)
+        row.ttft_s = _least([o.ttft_s for o in each])
+        row.queue_s = _least([o.queue_s for o in each])
+        row.latency_s = _most([o.latency_s for o in each])
+        if row.ttft_s is not None and row.latency_s is not None:
+            row.decode_s = row.latency_s - row.ttft_s
+        failed = [(i, o) for i, o in enumerate(each) if o.finish_reason == "error"]
+        if failed and row.finish_reason != "error":
+            i, o = failed[0]
+            row.text, row.finish_reason, row.parsed = "", "error", None
+            row.error = f"sample {i} of {len(each)} failed: {o.error}"
+        return row
+
+
+def _least(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return min(known) if known else None
+
+
+def _most(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return max(known) if known else None
+
 
 def _logprob_rows(result: GenerationResult) -> list[dict[str, Any]] | None:
     """A result's logprobs as the `logprobs` column's nested value."""
     if result.logprobs is None:
         return None
-    return [
-        {
-            "token_id": lp.token_id,
-            "logprob": lp.logprob,
-            "top": [{"token_id": t, "logprob": v} for t, v in lp.top],
-        }
-        for lp in result.logprobs
-    ]
+    return [_logprob_cell(lp) for lp in result.logprobs]
+
+
+def _prompt_logprob_rows(result: GenerationResult) -> list[dict[str, Any] | None] | None:
+    """A result's prompt logprobs as the `prompt_logprobs` column's value (first entry null)."""
+    if result.prompt_logprobs is None:
+        return None
+    return [None if lp is None else _logprob_cell(lp) for lp in result.prompt_logprobs]
+
+
+def _logprob_cell(lp: Any) -> dict[str, Any]:
+    return {
+        "token_id": lp.token_id,
+        "logprob": lp.logprob,
+        "top": [{"token_id": t, "logprob": v} for t, v in lp.top],
+    }
 
 
 def prompt_tokens_of(row: dict[str, Any]) -> int:
@@ -227,7 +306,9 @@ def outcomes_to_table(
     from pipeline.batch.schema import (
         LOGPROBS_FIELD,
         PARSED_FIELD,
+        PROMPT_LOGPROBS_FIELD,
         RESULT_FIELDS,
+        SAMPLES_FIELD,
         SPEC_FIELDS,
         TOKEN_IDS_FIELD,
     )
@@ -284,4 +365,23 @@ def outcomes_to_table(
     if config.speculative:
         for f in SPEC_FIELDS:
             columns[f.name] = pa.array([getattr(o, f.name) for o in outcomes], type=f.type)
+    if config.prompt_logprobs:
+        columns[PROMPT_LOGPROBS_FIELD.name] = pa.array(
+            [o.prompt_logprobs for o in outcomes], type=PROMPT_LOGPROBS_FIELD.type
+        )
+    if config.samples:
+        columns[SAMPLES_FIELD.name] = pa.array(
+            [_samples_cell(o, config.include_token_ids) for o in outcomes],
+            type=SAMPLES_FIELD.type,
+        )
     return pa.table(columns)
+
+
+def _samples_cell(outcome: RowOutcome, include_token_ids: bool) -> list[dict[str, Any]] | None:
+    """The `samples` value of a row: its n samples; null for a row of one sample (its answer
+    is the row itself) and for a row that never reached the engine."""
+    if outcome.samples is None:
+        return None
+    if include_token_ids:
+        return outcome.samples
+    return [{**s, "completion_token_ids": None} for s in outcome.samples]

@@ -38,6 +38,7 @@ from pipeline.batch.read import sample_values
 from pipeline.batch.scheduler import JobFailed, JobFenced, Scheduler
 from pipeline.batch.schema import (
     INFER_SAMPLE_ROWS,
+    has_samples,
     is_structured,
     output_schema,
     passthrough_fields,
@@ -181,6 +182,8 @@ def run_job(
         structured=is_structured(spec),
         logprobs=wants_logprobs(spec),
         speculative=spec.engine.speculative is not None,
+        samples=has_samples(spec),
+        prompt_logprobs=spec.sampling.prompt_logprobs is not None,
     )
     fingerprint = job_fingerprint(
         spec, files, shard_plan=plan.digest, schema=schema_to_json(schema)

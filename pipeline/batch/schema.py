@@ -62,6 +62,30 @@ LOGPROBS_FIELD = pa.field(
     ),
 )
 
+# Jobs with sampling.prompt_logprobs: per prompt token (the first, which nothing predicts, is
+# null) its id, logprob and top alternatives.
+PROMPT_LOGPROBS_FIELD = pa.field("prompt_logprobs", LOGPROBS_FIELD.type)
+
+# Jobs whose rows may ask for n > 1 samples (sampling.n, its override): every sample's answer,
+# in index order. The row's own text / finish_reason / parsed / logprobs are sample 0's.
+SAMPLES_FIELD = pa.field(
+    "samples",
+    pa.list_(
+        pa.struct(
+            [
+                ("index", pa.int32()),
+                ("text", pa.string()),
+                ("finish_reason", pa.string()),
+                ("error", pa.string()),
+                ("completion_tokens", pa.int32()),
+                ("parsed", pa.bool_()),
+                ("logprobs", LOGPROBS_FIELD.type),
+                ("completion_token_ids", pa.list_(pa.int32())),
+            ]
+        )
+    ),
+)
+
 # `input.passthrough_types` names → Arrow types. "json" keeps any value as JSON text.
 PASSTHROUGH_TYPES: dict[str, pa.DataType] = {
     "string": pa.string(),
@@ -76,10 +100,12 @@ PASSTHROUGH_TYPES: dict[str, pa.DataType] = {
 INFER_SAMPLE_ROWS = 1000
 
 
-# Jobs with engine.speculative: tokens proposed for the row and how many the model accepted.
+# Jobs with engine.speculative: tokens proposed for the row, how many the model accepted, and
+# in how many engine steps they were verified (0 where the engine does not count them).
 SPEC_FIELDS: tuple[pa.Field, ...] = (
     pa.field("spec_proposed_tokens", pa.int32()),
     pa.field("spec_accepted_tokens", pa.int32()),
+    pa.field("spec_verifications", pa.int32()),
 )
 
 
@@ -89,6 +115,8 @@ def output_schema(
     structured: bool = False,
     logprobs: bool = False,
     speculative: bool = False,
+    samples: bool = False,
+    prompt_logprobs: bool = False,
 ) -> pa.Schema:
     """The one schema of every part of a job: id, passthrough columns, results."""
     fields = [pa.field("id", pa.string()), *passthrough, *RESULT_FIELDS]
@@ -100,6 +128,10 @@ def output_schema(
         fields.append(LOGPROBS_FIELD)
     if speculative:
         fields.extend(SPEC_FIELDS)
+    if samples:
+        fields.append(SAMPLES_FIELD)
+    if prompt_logprobs:
+        fields.append(PROMPT_LOGPROBS_FIELD)
     return pa.schema(fields)
 
 
@@ -109,6 +141,13 @@ def wants_logprobs(spec: JobSpec) -> bool:
         spec.sampling.logprobs is not None
         or "logprobs" in spec.sampling.overrides
         or spec.input.format == "openai_batch"
+    )
+
+
+def has_samples(spec: JobSpec) -> bool:
+    """Whether a job's rows can ask for n > 1 (and its output has a `samples` column)."""
+    return (
+        spec.sampling.n > 1 or "n" in spec.sampling.overrides or spec.input.format == "openai_batch"
     )
 
 

@@ -72,6 +72,15 @@ def summary_rows(s: ReportSummary) -> list[tuple[str, str]]:
     ]
     if c.list_price_ratio is not None:
         rows.append(("cost / list price", f"{c.list_price_ratio:.3g}x"))
+    if s.spec is not None:
+        rate, per = s.spec.acceptance_rate, s.spec.accepted_per_verification
+        rows.append(
+            (
+                "speculative: acceptance, accepted per verification",
+                f"{'-' if rate is None else f'{rate:.1%}'} of {s.spec.proposed:,} proposed, "
+                + ("- (not counted by this engine)" if per is None else f"{per:.2f}"),
+            )
+        )
     if s.budget:
         b = s.budget
         stopped = " — stopped admitting rows" if b.get("is_closed") else ""

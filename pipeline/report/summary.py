@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pipeline.batch.commit.parts import MANIFEST_NAME, PartRecord
-from pipeline.batch.commit.stats import RowStats
+from pipeline.batch.commit.stats import RowStats, SpecCounts
 from pipeline.cost import (
     ActorAccount,
     CostEstimate,
@@ -130,6 +130,7 @@ class ReportSummary:
     estimate_source: str  # where the estimate came from (manifest, or recomputed: how)
     budget: dict[str, Any] | None = None  # the manifest's budget record, if any
     notes: list[str] = field(default_factory=list)  # caveats worth reading
+    spec: SpecCounts | None = None  # speculative decoding, for jobs with engine.speculative
 
     def to_dict(self) -> dict[str, Any]:
         from dataclasses import asdict
@@ -257,6 +258,7 @@ def summarize(inputs: ReportInputs) -> ReportSummary:
             + (f" and wrote again {recovered:.1f}s later." if recovered is not None else ".")
         )
     missing = manifest.get("missing_rows")
+    speculative = (manifest.get("spec", {}).get("engine") or {}).get("speculative")
     return ReportSummary(
         job=str(manifest.get("job", "?")),
         status=str(manifest.get("status", "?")),
@@ -281,6 +283,7 @@ def summarize(inputs: ReportInputs) -> ReportSummary:
         estimate_source=source,
         budget=manifest.get("budget") if isinstance(manifest.get("budget"), dict) else None,
         notes=notes,
+        spec=stats.spec if speculative else None,
     )
 
 

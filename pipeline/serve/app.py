@@ -32,7 +32,13 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
-from engines.api import FORMAT_ERROR_PREFIX, EngineInfo, EngineStats, GenerationResult
+from engines.api import (
+    FORMAT_ERROR_PREFIX,
+    EngineInfo,
+    EngineStats,
+    GenerationResult,
+    StreamDelta,
+)
 from pipeline.serve import batch_routes
 from pipeline.serve.auth import KeyDigests
 from pipeline.serve.board import open_board
@@ -40,16 +46,17 @@ from pipeline.serve.health import unready_models
 from pipeline.serve.keys import ApiKey, KeyFileWatcher
 from pipeline.serve.limits import Gate, Lease, Limiter, LimitExceeded, retry_after_header
 from pipeline.serve.local import LocalEngine
-from pipeline.serve.logprobs import LogprobsBody
+from pipeline.serve.logprobs import LogprobsBody, join_completion_logprobs
 from pipeline.serve.metrics import CONTENT_TYPE, ServeMetrics
 from pipeline.serve.protocol import (
     SSE_DONE,
     STRICT_HEADER,
     ApiError,
+    Choice,
     Endpoint,
     Usage,
+    choices_body,
     chunk_body,
-    completion_body,
     parse_json_body,
     sse,
     strict_mode,
@@ -63,7 +70,7 @@ from pipeline.serve.requests import (
     finish_reason,
     parse_request,
     to_engine_request,
-    usage_of,
+    usage_of_all,
 )
 from pipeline.serve.spec import (
     ServedModelSpec,
@@ -389,7 +396,8 @@ class OpenAIIngress:
             try:
                 # The most the request can use; settled to what it did use when it ends.
                 held.lease.charge_tokens(
-                    len(engine_request.prompt_token_ids) + engine_request.sampling.max_tokens
+                    len(engine_request.prompt_token_ids)
+                    + prepared.n * engine_request.sampling.max_tokens
                 )
             except LimitExceeded as exc:
                 held.lease = None  # charge_tokens gave it back
@@ -574,8 +582,11 @@ class OpenAIIngress:
         finally:
             self._tokenize_slots.give()
 
-    def _usage_of(self, served: ServedModelSpec, result: GenerationResult, seconds: float) -> Usage:
-        usage = usage_of(served, result, seconds)
+    def _usage_of(
+        self, served: ServedModelSpec, results: list[GenerationResult], seconds: float
+    ) -> Usage:
+        usage = usage_of_all(served, results, seconds)
+        result = results[0]
         name = served.name
         self._metrics.prompt_tokens.labels(name).inc(usage.prompt_tokens)
         self._metrics.cached_tokens.labels(name).inc(usage.cached_tokens)
@@ -640,10 +651,14 @@ class OpenAIIngress:
     async def _complete(self, call: _Call) -> Response:
         prepared, started = call.prepared, call.started
         name = prepared.served.name
-        pending = self._engines[name].generate.remote(prepared.engine_request)
+        handle, n = self._engines[name], prepared.n
+        if n == 1:
+            pending = handle.generate.remote(prepared.engine_request)
+        else:
+            pending = handle.generate_n.remote(prepared.engine_request, n)
         self._metrics.in_flight.labels(name).inc()
         try:
-            served: ServedResult = await pending
+            answer: ServedResult | list[ServedResult] = await pending
         except BackPressureError as exc:
             raise self._refunded(call, self._overloaded(exc)) from None
         except asyncio.CancelledError:
@@ -657,26 +672,41 @@ class OpenAIIngress:
             raise self._failed(call, engine_unavailable(name, exc)) from None
         finally:
             self._metrics.in_flight.labels(name).dec()
-        result = served.result
-        failed = result_error(name, result)
-        if failed is not None:
-            raise self._failed(call, failed)
-        usage = self._usage_of(prepared.served, result, served.gpu_seconds)
-        logprobs = None
-        if result.logprobs is not None:
-            logprobs = self._logprobs(prepared).body(result.logprobs, result)
-        body = completion_body(
-            prepared.ids, result.text, finish_reason(result), usage, logprobs=logprobs
-        )
+        served = answer if isinstance(answer, list) else [answer]
+        results = [s.result for s in served]
+        for result in results:
+            # One failed choice fails the request, as a single failed answer would.
+            failed = result_error(name, result)
+            if failed is not None:
+                raise self._failed(call, failed)
+        usage = self._usage_of(prepared.served, results, sum(s.gpu_seconds for s in served))
+        choices = []
+        prompt_ids = prepared.engine_request.prompt_token_ids
+        for result in results:
+            logprobs = None
+            if result.logprobs is not None:
+                builder = self._logprobs(prepared)
+                head = None
+                if prepared.echo is not None:  # the prompt's tokens come first
+                    head = builder.prompt_body(prompt_ids, result.prompt_logprobs)
+                logprobs = builder.body(result.logprobs, result)
+                if head is not None:
+                    logprobs = join_completion_logprobs(head, logprobs)
+            text = result.text if prepared.echo is None else prepared.echo + result.text
+            choices.append(Choice(text, finish_reason(result), logprobs))
+        body = choices_body(prepared.ids, choices, usage)
         self._finish(prepared, started, 200)
         self._account(call, 200, usage)
-        return JSONResponse(body, headers={REPLICA_HEADER: served.replica, **prepared.headers})
+        return JSONResponse(body, headers={REPLICA_HEADER: served[0].replica, **prepared.headers})
 
     async def _stream(self, call: _Call) -> Response:
         prepared = call.prepared
         name = prepared.served.name
         handle = self._engines[name].options(stream=True)
-        deltas = handle.stream.remote(prepared.engine_request)
+        if prepared.n == 1:
+            deltas = handle.stream.remote(prepared.engine_request)
+        else:
+            deltas = handle.stream_n.remote(prepared.engine_request, prepared.n)
         self._metrics.in_flight.labels(name).inc()
         try:
             # The admitted marker: once it arrives the request holds a replica slot, so any
@@ -729,48 +759,97 @@ class OpenAIIngress:
             prepared.ids.endpoint, self._tokenizers[prepared.served.name].token_text
         )
 
+    def _echo_chunk(
+        self,
+        prepared: Prepared,
+        delta: StreamDelta,
+        logprobs: list[LogprobsBody] | None,
+        index: int,
+    ) -> dict:
+        entries = None
+        if logprobs is not None:
+            prompt_logprobs = delta.prompt_logprobs
+            if prompt_logprobs is None and delta.result is not None:
+                prompt_logprobs = delta.result.prompt_logprobs
+            entries = logprobs[index].prompt_body(
+                prepared.engine_request.prompt_token_ids, prompt_logprobs
+            )
+        return chunk_body(
+            prepared.ids,
+            text=prepared.echo,
+            include_usage=prepared.include_usage,
+            logprobs=entries,
+            index=index,
+        )
+
     async def _events(
         self, call: _Call, deltas: DeploymentResponseGenerator
     ) -> AsyncIterator[bytes]:
         prepared, started = call.prepared, call.started
         ids, usage_on = prepared.ids, prepared.include_usage
         name = prepared.served.name
+        n = prepared.n
         finished = False
+        # One per choice: a completion's logprobs carry text offsets that run per choice.
         logprobs = None
         if prepared.engine_request.sampling.logprobs is not None:
-            logprobs = self._logprobs(prepared)
+            logprobs = [self._logprobs(prepared) for _ in range(n)]
+        results: dict[int, GenerationResult] = {}
+        seconds = 0.0
+        echo_pending = set(range(n)) if prepared.echo is not None else set()
         try:
             if ids.endpoint == "chat":
-                yield sse(chunk_body(ids, role=True, include_usage=usage_on))
+                for index in range(n):
+                    yield sse(chunk_body(ids, role=True, include_usage=usage_on, index=index))
             async for item in deltas:
-                delta = item.delta
+                delta, index = item.delta, item.index
                 if delta is None:
                     continue
+                if index in echo_pending:
+                    # Completions with echo: the prompt opens the choice (with its tokens'
+                    # logprobs, which the engine sends with the first delta).
+                    echo_pending.discard(index)
+                    yield sse(self._echo_chunk(prepared, delta, logprobs, index))
                 entries = None
                 if logprobs is not None and delta.logprobs:
-                    entries = logprobs.body(delta.logprobs, delta.result)
+                    entries = logprobs[index].body(delta.logprobs, delta.result)
                 if delta.text or (entries and (entries.get("content") or entries.get("tokens"))):
                     yield sse(
-                        chunk_body(ids, text=delta.text, include_usage=usage_on, logprobs=entries)
+                        chunk_body(
+                            ids,
+                            text=delta.text,
+                            include_usage=usage_on,
+                            logprobs=entries,
+                            index=index,
+                        )
                     )
                 if not delta.finished:
                     continue
-                finished = True
                 result = delta.result
                 api_error = result_error(name, result)
                 if api_error is not None:
+                    finished = True
+                    if n > 1:
+                        deltas.cancel()  # the other choices are of no use now
                     self._metrics.errors.labels(api_error.kind).inc()
                     self._failed(call, api_error)
                     yield sse(api_error.body())
                     self._finish(prepared, started, api_error.status)
                     return
-                usage = self._usage_of(prepared.served, result, item.gpu_seconds or 0.0)
+                results[index] = result
+                seconds += item.gpu_seconds or 0.0
+                end = chunk_body(
+                    ids, finish_reason=finish_reason(result), include_usage=usage_on, index=index
+                )
+                if len(results) < n:
+                    yield sse(end)
+                    continue
+                finished = True
+                usage = self._usage_of(prepared.served, [results[i] for i in range(n)], seconds)
                 # Accounted before the last bytes go: a client that leaves after seeing its
                 # finish chunk still got (and is billed for) the whole answer.
                 self._account(call, 200, usage)
-                yield sse(
-                    chunk_body(ids, finish_reason=finish_reason(result), include_usage=usage_on)
-                )
+                yield sse(end)
                 if usage_on:
                     yield sse(usage_chunk_body(ids, usage))
                 yield SSE_DONE

@@ -54,6 +54,32 @@ class LogprobsBody:
         self._offset += sum(len(t) for t in body["tokens"])
         return body
 
+    def prompt_body(
+        self, prompt_ids: Sequence[int], entries: Sequence[TokenLogprob | None] | None
+    ) -> dict[str, Any]:
+        """Completions with echo: the prompt's tokens, each with its logprob given the tokens
+        before it (the first has none: nothing predicts it; null top_logprobs there too, as
+        in OpenAI's and vLLM's answers). Call before the completion's own bodies."""
+        tokens, values, tops, offsets = [], [], [], []
+        for i, token in enumerate(prompt_ids):
+            lp = entries[i] if entries is not None and i < len(entries) else None
+            tokens.append(self._token_text(token))
+            offsets.append(self._offset)
+            self._offset += len(tokens[-1])
+            values.append(None if lp is None else lp.logprob)
+            tops.append(None if lp is None else {self._token_text(t): v for t, v in lp.top})
+        return {
+            "tokens": tokens,
+            "token_logprobs": values,
+            "top_logprobs": tops,
+            "text_offset": offsets,
+        }
+
+
+def join_completion_logprobs(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
+    """Two completions logprobs objects of consecutive tokens as one."""
+    return {key: first[key] + second[key] for key in first}
+
 
 def _entry(token_text: TokenText, token_id: int, logprob: float) -> dict[str, Any]:
     text = token_text(token_id)

@@ -7,11 +7,11 @@ reference: ids `chatcmpl-*` / `cmpl-*`, `object` names, chunk order in streams (
 content deltas, a finish chunk, an optional usage chunk with empty choices, `[DONE]`).
 
 Parameters this server knows but cannot honour are rejected by name (400) unless sent at
-their neutral value, never silently ignored: a client asking for n=2 or tools would otherwise
-get a confidently wrong answer. Parameters it does not know at all are ignored and named in the
-`x-tokenmill-warning` response header (as vLLM ignores them with a logged warning), so a newer
-client that sends a new field keeps working; strict mode (`x-tokenmill-strict: 1` or the serve
-file's `http.strict_fields`) turns them back into 400s.
+their neutral value, never silently ignored: a client asking for best_of=2 or tools would
+otherwise get a confidently wrong answer. Parameters it does not know at all are ignored and
+named in the `x-tokenmill-warning` response header (as vLLM ignores them with a logged
+warning), so a newer client that sends a new field keeps working; strict mode
+(`x-tokenmill-strict: 1` or the serve file's `http.strict_fields`) turns them back into 400s.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
-from engines.api import MAX_LOGPROBS
+from engines.api import MAX_LOGPROBS, MAX_SAMPLES
 
 WARNING_HEADER = "x-tokenmill-warning"  # what the server ignored or changed in a request
 STRICT_HEADER = "x-tokenmill-strict"  # "1": unknown request fields are a 400, not a warning
@@ -68,9 +68,7 @@ class ApiError(Exception):
 # "off" and are therefore harmless to accept (clients often send defaults explicitly). Any other
 # value changes what the answer means, so it is a 400 even outside strict mode.
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "n": (None, 1),
     "best_of": (None, 1),
-    "echo": (None, False),
     "suffix": (None, ""),
     "tools": (None, []),
     "tool_choice": (None, "none"),
@@ -138,6 +136,8 @@ class _Request(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # Choices to generate for the prompt; the engine computes the prompt once for all.
+    n: int = Field(1, ge=1, le=MAX_SAMPLES)
     # Accepted with any value and unused: bookkeeping fields that do not change the answer.
     user: str | None = None
     parallel_tool_calls: bool | None = None  # meaningless without tools, which are refused
@@ -239,6 +239,9 @@ class ChatCompletionRequest(_Request):
 class CompletionRequest(_Request):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # The prompt before the completion in each choice's text; with logprobs, the prompt's
+    # tokens' logprobs first (scoring, as lm-eval's loglikelihood requests use it).
+    echo: bool = False
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -384,6 +387,14 @@ def _validation_error(exc: ValidationError) -> ApiError:
 
 
 def parse_chat_request(data: dict[str, Any], *, strict: bool = False) -> ChatCompletionRequest:
+    if data.get("echo") not in (None, False):
+        raise ApiError(
+            400,
+            "'echo' is a /v1/completions parameter; chat completions do not repeat the prompt",
+            param="echo",
+            code="unsupported_parameter",
+        )
+    data = {k: v for k, v in data.items() if k != "echo"}
     request = _parse(data, ChatCompletionRequest, strict)
     _check_template_kwargs(request.chat_template_kwargs)
     return request
@@ -483,6 +494,15 @@ class ResponseIds:
         }
 
 
+@dataclass(frozen=True)
+class Choice:
+    """One generated answer of a response (there are n of them)."""
+
+    text: str
+    finish_reason: str
+    logprobs: dict[str, Any] | None = None
+
+
 def completion_body(
     ids: ResponseIds,
     text: str,
@@ -490,19 +510,36 @@ def completion_body(
     usage: Usage,
     logprobs: dict[str, Any] | None = None,
 ) -> dict:
-    """A whole (non-streamed) chat.completion or text_completion."""
-    if ids.endpoint == "chat":
-        choice: dict[str, Any] = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text, "refusal": None},
-            "logprobs": logprobs,
-            "finish_reason": finish_reason,
-        }
-        body = ids._head("chat.completion")
-    else:
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-        body = ids._head("text_completion")
-    body["choices"] = [choice]
+    """A whole (non-streamed) chat.completion or text_completion with one choice."""
+    return choices_body(ids, [Choice(text, finish_reason, logprobs)], usage)
+
+
+def choices_body(ids: ResponseIds, choices: list[Choice], usage: Usage) -> dict:
+    """A whole chat.completion or text_completion; `usage` covers all choices (the prompt
+    counted once, completion tokens summed), as OpenAI reports n > 1."""
+    out: list[dict[str, Any]] = []
+    for index, c in enumerate(choices):
+        if ids.endpoint == "chat":
+            message = {"role": "assistant", "content": c.text, "refusal": None}
+            out.append(
+                {
+                    "index": index,
+                    "message": message,
+                    "logprobs": c.logprobs,
+                    "finish_reason": c.finish_reason,
+                }
+            )
+        else:
+            out.append(
+                {
+                    "index": index,
+                    "text": c.text,
+                    "logprobs": c.logprobs,
+                    "finish_reason": c.finish_reason,
+                }
+            )
+    body = ids._head("chat.completion" if ids.endpoint == "chat" else "text_completion")
+    body["choices"] = out
     body["usage"] = usage.body()
     return body
 
@@ -515,8 +552,10 @@ def chunk_body(
     finish_reason: str | None = None,
     include_usage: bool = False,
     logprobs: dict[str, Any] | None = None,
+    index: int = 0,
 ) -> dict:
-    """One streamed chunk with a single choice: a role opener, a text delta, or the finish."""
+    """One streamed chunk with a single choice (number `index` of n): a role opener, a text
+    delta, or the finish."""
     if ids.endpoint == "chat":
         delta: dict[str, Any] = {}
         if role:
@@ -524,7 +563,7 @@ def chunk_body(
         elif text is not None:
             delta = {"content": text}
         choice: dict[str, Any] = {
-            "index": 0,
+            "index": index,
             "delta": delta,
             "logprobs": logprobs,
             "finish_reason": finish_reason,
@@ -532,7 +571,7 @@ def chunk_body(
         body = ids._head("chat.completion.chunk")
     else:
         choice = {
-            "index": 0,
+            "index": index,
             "text": text or "",
             "logprobs": logprobs,
             "finish_reason": finish_reason,

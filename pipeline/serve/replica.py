@@ -71,6 +71,7 @@ class ServedDelta:
     delta: StreamDelta | None  # None only for the admitted marker
     gpu_seconds: float | None = None  # set on the finished item
     replica: str = ""  # set on the admitted marker: id of the replica serving the stream
+    index: int = 0  # n > 1 (stream_n): which sample the delta belongs to
 
 
 @serve.deployment
@@ -314,6 +315,29 @@ class EngineReplica:
                     await close()
                 self._engine.abort(request.request_id)
                 self._leave(request, None)
+
+    async def generate_n(self, request: GenerationRequest, n: int) -> list[ServedResult]:
+        """n samples of one prompt (OpenAI's `n`), in index order. They run here, on one
+        engine, so the engine can compute the prompt once for all of them (engines.samples).
+        Cancelling the call cancels every sample."""
+        from engines.samples import fan_out
+
+        return list(await asyncio.gather(*(self.generate(r) for r in fan_out(request, n))))
+
+    async def stream_n(self, request: GenerationRequest, n: int) -> AsyncIterator[ServedDelta]:
+        """Like stream, for n samples at once: one admitted marker, then every sample's deltas
+        as they come, each with its `index`; each sample ends with its finished delta."""
+        from engines.samples import fan_out, merge
+
+        streams = [self.stream(r) for r in fan_out(request, n)]
+        merged = merge(streams)
+        try:
+            yield ServedDelta(None, replica=self._replica_id)
+            async for index, item in merged:
+                if item.delta is not None:
+                    yield ServedDelta(item.delta, item.gpu_seconds, index=index)
+        finally:
+            await merged.aclose()
 
     def __del__(self) -> None:
         # Serve's documented replica teardown hook: stop the step loop, free memory. Not for

@@ -9,6 +9,7 @@ The ingress deployment calls these; keeping them out of it keeps them testable w
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +44,8 @@ class Prepared:
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk with usage
     warnings: tuple[str, ...] = ()  # what was ignored or clamped, for the warning header
+    n: int = 1  # choices to generate (samples of engine_request: engines.samples)
+    echo: str | None = None  # completions with echo: the prompt text that opens every choice
     ids: ResponseIds = field(init=False)
 
     def __post_init__(self) -> None:
@@ -79,6 +82,7 @@ def to_engine_request(
     info: EngineInfo,
 ) -> Prepared:
     """Tokenize, apply the caps and OpenAI's defaults; ApiError (400) names what to change."""
+    echo: str | None = None
     if isinstance(request, ChatCompletionRequest):
         if not served.prompt.chat_template or not tokenizer.has_chat_template:
             raise ApiError(
@@ -95,6 +99,8 @@ def to_engine_request(
         prompt_ids = completion_prompt_ids(request, tokenizer)
         prompt_param = "prompt"
         default_max = COMPLETIONS_DEFAULT_MAX_TOKENS
+        if request.echo:
+            echo = _prompt_text(request, tokenizer, prompt_ids)
     max_tokens = capped_max_tokens(
         served,
         info,
@@ -109,15 +115,16 @@ def to_engine_request(
     except FormatError as exc:
         raise ApiError(400, str(exc), param="response_format", code="invalid_value") from None
     logprobs = request.requested_logprobs
-    for param, asked in (("response_format", response_format), ("logprobs", logprobs)):
-        if asked is not None and info.kind == "trtllm":
-            raise ApiError(
-                400,
-                f"model '{served.name}' runs on TensorRT-LLM, which does not support {param} "
-                "here yet; send the request without it",
-                param=param,
-                code="unsupported_parameter",
-            )
+    # Echo with logprobs scores the prompt too: its tokens' logprobs, as many alternatives.
+    prompt_logprobs = logprobs if echo is not None else None
+    if prompt_logprobs is not None and info.kind == "trtllm":
+        raise ApiError(
+            400,
+            f"model '{served.name}' runs on TensorRT-LLM, which does not return the prompt's "
+            "logprobs (echo with logprobs); send the request without one of them",
+            param="echo",
+            code="unsupported_parameter",
+        )
     try:
         sampling = SamplingParams(
             max_tokens=max_tokens.value,
@@ -130,6 +137,7 @@ def to_engine_request(
             ignore_eos=bool(request.ignore_eos),
             response_format=response_format,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
     except ValueError as exc:
         raise ApiError(400, str(exc), code="invalid_value") from None
@@ -145,7 +153,24 @@ def to_engine_request(
         stream=request.stream,
         include_usage=request.include_usage,
         warnings=tuple(warnings),
+        n=request.n,
+        echo=echo,
     )
+
+
+def usage_of_all(
+    served: ServedModelSpec, results: list[GenerationResult], gpu_seconds: float
+) -> Usage:
+    """`usage` of n choices of one prompt: the prompt once (its cached tokens as the first
+    sample, which computed or found it, reports them), completion tokens and device time
+    summed over all choices."""
+    if len(results) == 1:
+        return usage_of(served, results[0], gpu_seconds)
+    first = results[0]
+    combined = dataclasses.replace(
+        first, completion_tokens=sum(r.completion_tokens for r in results)
+    )
+    return usage_of(served, combined, gpu_seconds)
 
 
 def usage_of(served: ServedModelSpec, result: GenerationResult, gpu_seconds: float) -> Usage:
@@ -181,6 +206,14 @@ def _list_price(served: ServedModelSpec, result: GenerationResult) -> float | No
 
 def finish_reason(result: GenerationResult) -> str:
     return "length" if result.finish_reason == "length" else "stop"
+
+
+def _prompt_text(request: CompletionRequest, tokenizer: PromptTokenizer, ids: list[int]) -> str:
+    """The prompt as echoed: the client's own text, or the decoding of its token ids."""
+    prompt = request.prompt
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    return prompt if isinstance(prompt, str) else tokenizer.decode(ids)
 
 
 def completion_prompt_ids(request: CompletionRequest, tokenizer: PromptTokenizer) -> list[int]:

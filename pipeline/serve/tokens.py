@@ -67,6 +67,10 @@ class PromptTokenizer:
         except PromptError as exc:
             raise ApiError(400, str(exc), param="prompt", code="invalid_value") from None
 
+    def decode(self, token_ids: list[int]) -> str:
+        """Token ids as text (an echoed token-id prompt), special tokens left out."""
+        return self._tokenizer.decode(token_ids, skip_special_tokens=True)
+
     @property
     def vocab_size(self) -> int:
         return len(self._tokenizer)

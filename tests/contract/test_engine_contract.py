@@ -91,9 +91,6 @@ def test_response_format_constrains_the_text(harness: EngineHarness) -> None:
     for i, fmt in enumerate(formats):
         sampling = SamplingParams(max_tokens=64, temperature=0.0, response_format=fmt)
         result = generate(harness, PROMPT, sampling, f"fmt-{i}")
-        if harness.kind == "trtllm":  # not wired yet: refused, never free text
-            assert result.finish_reason == "error" and "response_format" in result.error
-            continue
         assert result.finish_reason == "stop", (fmt.kind, result.text, result.error)
         assert conforms(fmt, result.text), (fmt.kind, result.text)
         if fmt.kind == "json_schema":
@@ -103,9 +100,6 @@ def test_response_format_constrains_the_text(harness: EngineHarness) -> None:
 @pytest.mark.parametrize("harness", KINDS, indirect=True)
 def test_logprobs_one_per_token_with_sorted_alternatives(harness: EngineHarness) -> None:
     result = generate(harness, PROMPT, greedy(6, logprobs=3), "logprobs")
-    if harness.kind == "trtllm":  # not wired yet: refused, never silently without logprobs
-        assert result.finish_reason == "error" and "logprobs" in result.error
-        return
     assert result.logprobs is not None
     assert [lp.token_id for lp in result.logprobs] == result.output_token_ids
     for lp in result.logprobs:
@@ -115,6 +109,27 @@ def test_logprobs_one_per_token_with_sorted_alternatives(harness: EngineHarness)
         # Greedy: the chosen token is the most likely one (ties aside).
         assert lp.logprob == pytest.approx(values[0], abs=1e-4)
     assert generate(harness, PROMPT, greedy(2), "no-logprobs").logprobs is None
+
+
+@pytest.mark.parametrize("harness", KINDS, indirect=True)
+def test_prompt_logprobs_one_per_prompt_token(harness: EngineHarness) -> None:
+    result = generate(harness, PROMPT, greedy(2, prompt_logprobs=2), "prompt-logprobs")
+    if harness.kind == "trtllm":  # 1.2 lacks the prompt token's own logprob: refused
+        assert result.finish_reason == "error" and "prompt_logprobs" in result.error
+        return
+    got = result.prompt_logprobs
+    assert got is not None and len(got) == len(PROMPT) and got[0] is None
+    assert [lp.token_id for lp in got[1:]] == PROMPT[1:]
+    for lp in got[1:]:
+        assert lp.logprob <= 0 and len(lp.top) == 2
+        values = [v for _, v in lp.top]
+        assert values == sorted(values, reverse=True) and lp.logprob <= values[0] + 1e-4
+    # The same prompt again: still every position (a cached prefix holds no logits).
+    again = generate(harness, PROMPT, greedy(2, prompt_logprobs=0), "prompt-logprobs-2")
+    assert [lp.logprob for lp in again.prompt_logprobs[1:]] == pytest.approx(
+        [lp.logprob for lp in got[1:]], abs=1e-3
+    )
+    assert generate(harness, PROMPT, greedy(2), "no-prompt-logprobs").prompt_logprobs is None
 
 
 # --- finishing and counting ----------------------------------------------------------------------
@@ -304,6 +319,29 @@ def test_concurrent_requests_each_get_their_own_result(harness: EngineHarness) -
     together = harness.run(go)
     assert [r.request_id for r in together] == [f"b{i}" for i in range(6)]
     assert [r.output_token_ids for r in together] == [r.output_token_ids for r in alone]
+
+
+@pytest.mark.parametrize("harness", KINDS, indirect=True)
+def test_n_samples_of_one_prompt(harness: EngineHarness) -> None:
+    """n > 1 is a group of requests (engines.samples): every engine serves each sample as a
+    request of its own; greedy samples equal one greedy request, seeded ones reproduce."""
+    from engines.samples import fan_out, generate_all
+
+    alone = generate(harness, PROMPT, greedy(5), "n-alone")
+
+    async def group(rid: str, sampling: SamplingParams):
+        request = GenerationRequest(list(PROMPT), sampling, request_id=rid)
+        return await generate_all(harness.engine, fan_out(request, 3))
+
+    greedy_samples = harness.run(lambda: group("n-greedy", greedy(5)))
+    assert [r.request_id for r in greedy_samples] == [f"n-greedy/{i}" for i in range(3)]
+    assert all(r.output_token_ids == alone.output_token_ids for r in greedy_samples)
+    seeded = SamplingParams(max_tokens=6, temperature=1.0, seed=3, ignore_eos=True)
+    first = harness.run(lambda: group("n-seeded", seeded))
+    assert all(r.finish_reason == "length" and r.completion_tokens == 6 for r in first)
+    if not any("seed" in text for text in harness.engine.info.limitations):
+        again = harness.run(lambda: group("n-seeded-again", seeded))
+        assert [r.output_token_ids for r in again] == [r.output_token_ids for r in first]
 
 
 # --- shutdown and death ------------------------------------------------------------------

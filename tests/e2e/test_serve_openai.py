@@ -206,6 +206,98 @@ def test_sampling_parameters_reach_the_engine(client: openai.OpenAI, engine, tok
     assert stop not in expected.text and response.choices[0].finish_reason == "stop"
 
 
+def test_n_choices_are_seeded_samples_with_one_prompt_in_usage(
+    client: openai.OpenAI, engine, tokenizer
+) -> None:
+    """n = 3: choice i is the engine's sample with seed + i; usage counts the prompt once and
+    every choice's tokens; streamed choices carry their index and add up to the same texts."""
+    ids = chat_ids(tokenizer, CHAT)
+    sampled = {"temperature": 1.0, "ignore_eos": True}
+    expected = [run_engine(engine, ids, max_tokens=10, seed=40 + i, **sampled) for i in range(3)]
+    assert len({r.text for r in expected}) > 1, "seeds should give different samples"
+    response = client.chat.completions.create(
+        model="tiny",
+        messages=CHAT,
+        max_tokens=10,
+        n=3,
+        seed=40,
+        temperature=1.0,
+        extra_body={"ignore_eos": True},
+    )
+    assert [c.index for c in response.choices] == [0, 1, 2]
+    assert [c.message.content for c in response.choices] == [r.text for r in expected]
+    assert all(c.finish_reason == "length" for c in response.choices)
+    check_usage_cost(response.usage, len(ids), 30)
+
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny",
+            messages=CHAT,
+            max_tokens=10,
+            n=3,
+            seed=40,
+            temperature=1.0,
+            extra_body={"ignore_eos": True},
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    texts = {0: "", 1: "", 2: ""}
+    roles, finishes = set(), {}
+    for chunk in chunks[:-1]:
+        choice = chunk.choices[0]
+        texts[choice.index] += choice.delta.content or ""
+        if choice.delta.role:
+            roles.add(choice.index)
+        if choice.finish_reason:
+            finishes[choice.index] = choice.finish_reason
+    assert roles == {0, 1, 2} and finishes == {0: "length", 1: "length", 2: "length"}
+    assert [texts[i] for i in range(3)] == [r.text for r in expected]
+    check_usage_cost(chunks[-1].usage, len(ids), 30)
+
+    # Completions too: n choices of a text prompt.
+    completion = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=5, n=2, temperature=0
+    )
+    assert [c.index for c in completion.choices] == [0, 1]
+    assert completion.choices[0].text == completion.choices[1].text  # greedy: the same answer
+
+
+def test_echo_scores_the_prompt(client: openai.OpenAI, engine, tokenizer) -> None:
+    """Completions with echo and logprobs (lm-eval's loglikelihood request): the text opens
+    with the prompt and the logprobs cover every prompt token (the first has none), equal to
+    the engine's own prompt logprobs; streamed, the prompt comes first."""
+    ids = list(tokenizer(PROMPT)["input_ids"])
+    expected = run_engine(engine, ids, max_tokens=1, prompt_logprobs=2, logprobs=2)
+    response = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=1, temperature=0, logprobs=2, echo=True
+    )
+    choice = response.choices[0]
+    assert choice.text == PROMPT + expected.text
+    lp = choice.logprobs
+    completion = 0 if expected.finish_reason == "stop" else 1  # a final EOS is not listed
+    assert len(lp.tokens) == len(ids) + completion
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    want = [x.logprob for x in expected.prompt_logprobs[1:]]
+    assert lp.token_logprobs[1 : len(ids)] == pytest.approx(want, abs=1e-4)
+    assert all(len(top) == 2 for top in lp.top_logprobs[1:])
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    check_usage_cost(response.usage, len(ids), expected.completion_tokens)
+
+    chunks = list(
+        client.completions.create(
+            model="tiny", prompt=PROMPT, max_tokens=3, temperature=0, echo=True, stream=True
+        )
+    )
+    assert chunks[0].choices[0].text == PROMPT
+    plain = run_engine(engine, ids, max_tokens=3)
+    assert "".join(c.choices[0].text for c in chunks) == PROMPT + plain.text
+    with pytest.raises(openai.BadRequestError, match="echo"):
+        client.chat.completions.create(
+            model="tiny", messages=CHAT, max_tokens=2, extra_body={"echo": True}
+        )
+
+
 def test_repeated_prefix_reports_cached_tokens(client: openai.OpenAI, tokenizer) -> None:
     # A long shared system message: its full KV blocks are reused the second time.
     chat = [
@@ -259,7 +351,8 @@ ERROR_CASES = [
     ("bad-role", auth(), with_(messages=[{"role": "robot", "content": "x"}]), 400, None, None),
     ("missing", auth(), {"model": "tiny"}, 400, "messages", "missing_required_parameter"),
     ("unknown-model", auth(), with_(model="gpt-9"), 404, "model", "model_not_found"),
-    ("n=2", auth(), with_(n=2), 400, "n", "unsupported_parameter"),
+    ("n=0", auth(), with_(n=0), 400, "n", "invalid_value"),
+    ("best_of=2", auth(), with_(best_of=2), 400, "best_of", "unsupported_parameter"),
     ("tools", auth(), with_(tools=[{"type": "function"}]), 400, "tools", "unsupported_parameter"),
     ("top_logprobs", auth(), with_(top_logprobs=2), 400, "top_logprobs", "invalid_value"),
     (
@@ -316,7 +409,7 @@ def test_errors_through_openai_client_then_server_still_serves(
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server.api_url, api_key="wrong", max_retries=0).models.list()
     with pytest.raises(openai.BadRequestError, match="'n'"):
-        client.chat.completions.create(model="tiny", messages=GOOD["messages"], n=2)
+        client.chat.completions.create(model="tiny", messages=GOOD["messages"], n=0)
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="nope", prompt="x")
     missing = httpx.get(server.api_url + "/nothing-here", headers=auth(), timeout=30)

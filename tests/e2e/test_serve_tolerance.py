@@ -394,3 +394,30 @@ def test_completion_logprobs_and_their_checks(client: openai.OpenAI) -> None:
     assert info.value.body["param"] == "top_logprobs"
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=MODEL, prompt="x", max_tokens=2, logprobs=21)
+
+
+def test_n_choices_with_a_format_in_one_hop(client: openai.OpenAI) -> None:
+    """n > 1 through the one-hop shape (engine in the ingress): every choice keeps the
+    format, streamed or not, and streamed choices end with their own finish chunk."""
+    labels = ["left", "right", "up"]
+    choice_format = {"response_format": {"type": "choice", "choices": labels}}
+    answer = client.completions.create(
+        model=MODEL, prompt="Which way?", max_tokens=8, n=4, seed=1, extra_body=choice_format
+    )
+    assert [c.index for c in answer.choices] == [0, 1, 2, 3]
+    assert all(c.text in labels and c.finish_reason == "stop" for c in answer.choices)
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=CHAT,
+        max_tokens=6,
+        n=2,
+        temperature=0,
+        stream=True,
+    )
+    texts, finished = {0: "", 1: ""}, set()
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                finished.add(choice.index)
+    assert finished == {0, 1} and texts[0] == texts[1]

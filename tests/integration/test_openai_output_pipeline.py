@@ -52,6 +52,7 @@ def test_openai_batch_output_files(
         }
         for i in range(7)
     ]
+    lines[3]["body"] |= {"n": 3, "temperature": 1.0, "seed": 4}  # three choices for req-3
     lines.append({"custom_id": "emb", "method": "POST", "url": "/v1/embeddings", "body": {}})
     lines.append({**lines[1]})  # a second req-1: a duplicate custom_id
     s3_server.put(f"s3://{bucket}/in.jsonl", "".join(json.dumps(x) + "\n" for x in lines))
@@ -85,7 +86,9 @@ def test_openai_batch_output_files(
         number = int(line["custom_id"].split("-")[1])
         assert body["object"] == ("chat.completion" if number % 2 else "text_completion")
         assert body["model"] == "tiny" and line["response"]["status_code"] == 200
-        assert body["usage"]["completion_tokens"] <= 4
+        choices = body["choices"]
+        assert [c["index"] for c in choices] == list(range(3 if number == 3 else 1))
+        assert body["usage"]["completion_tokens"] <= 4 * len(choices)
     # Usage adds up: the ok lines' usage is the ok rows' (a duplicate was generated before it
     # was marked, so the manifest's totals hold its tokens too, on its error row).
     table, _ = read_output(s3_server, prefix)

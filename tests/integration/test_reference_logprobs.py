@@ -107,3 +107,53 @@ def test_stream_carries_the_same_logprobs_and_masks_do_not_change_them(engine) -
     # Under a mask the chosen token need not be the model's favourite; its logprob is still
     # the unmasked one, so it can be below the top alternative.
     assert all(lp.logprob <= lp.top[0][1] + 1e-6 for lp in streamed)
+
+
+def _hf_prompt_logprobs(hf, prompt: list[int]) -> torch.Tensor:
+    """log_softmax at every prompt position but the last: row p predicts token p + 1."""
+    with torch.inference_mode():
+        logits = hf(torch.tensor([prompt])).logits[0].float()
+    return logits[:-1].log_softmax(-1)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {},
+        # Chunks of 16 tokens, and a pool so small that requests are preempted and recomputed.
+        {"max_num_tokens": 16, "kv_cache_tokens": 192, "block_size": 8},
+    ],
+    ids=["one-chunk", "chunked-preempted"],
+)
+def test_prompt_logprobs_are_the_models_log_softmax(model_dir, hf, settings) -> None:
+    """Every prompt token after the first gets its logprob given the tokens before it, also
+    when the prompt is in the prefix cache (it is then computed anyway), split into chunks, or
+    recomputed after a preemption (recorded once)."""
+    eng = ReferenceEngine(str(model_dir), num_threads=1, max_model_len=256, **settings)
+    try:
+        prompts = [p for p in varied_prompts(8, seed=5) if len(p) > 20]
+        # Warm the prefix cache with the same prompts first.
+        run_all(eng, [GenerationRequest(list(p), SamplingParams(max_tokens=2)) for p in prompts])
+        requests = [
+            GenerationRequest(
+                list(p), SamplingParams(max_tokens=30, temperature=0, prompt_logprobs=3)
+            )
+            for p in prompts
+        ]
+        results = run_all(eng, requests)
+        if settings:
+            assert sum(r.num_preemptions for r in results) > 0, "the pool should preempt"
+        for request, result in zip(requests, results, strict=True):
+            prompt = request.prompt_token_ids
+            got = result.prompt_logprobs
+            assert got is not None and len(got) == len(prompt) and got[0] is None
+            assert result.cached_prompt_tokens == 0
+            expected = _hf_prompt_logprobs(hf, prompt)
+            for pos, lp in enumerate(got[1:]):
+                assert lp.token_id == prompt[pos + 1]
+                assert lp.logprob == pytest.approx(expected[pos, lp.token_id].item(), abs=1e-4)
+                assert [t for t, _ in lp.top] == expected[pos].topk(3).indices.tolist()
+        plain = run_all(eng, [GenerationRequest(list(prompts[0]), SamplingParams(max_tokens=2))])
+        assert plain[0].prompt_logprobs is None
+    finally:
+        eng.shutdown()

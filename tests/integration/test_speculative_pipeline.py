@@ -1,5 +1,6 @@
-"""A batch job with n-gram speculation: the same greedy texts as without it, and per-row
-proposed / accepted token counts in the output."""
+"""Batch jobs with speculation (n-gram, and a draft model): the same greedy texts as without
+it, per-row proposed / accepted / verification counts in the output, and the acceptance rate
+and accepted tokens per verification in the manifest totals."""
 
 from __future__ import annotations
 
@@ -42,14 +43,44 @@ def test_speculative_job_matches_plain_job_and_counts_tokens(
         **common,
     )
     assert run_job(plain).status == "complete"
-    assert run_job(spec).status == "complete"
+    done = run_job(spec)
+    assert done.status == "complete"
     plain_rows = {r["id"]: r for r in read_output(s3_server, plain.output.uri)[0].to_pylist()}
     spec_table, _ = read_output(s3_server, spec.output.uri)
     assert "spec_proposed_tokens" not in read_output(s3_server, plain.output.uri)[0].column_names
-    proposed = accepted = 0
+    proposed = accepted = verifications = 0
     for row in spec_table.to_pylist():
         assert row["text"] == plain_rows[row["id"]]["text"]  # greedy: speculation changes nothing
         assert 0 <= row["spec_accepted_tokens"] <= row["spec_proposed_tokens"]
+        assert row["spec_verifications"] <= row["spec_proposed_tokens"]
         proposed += row["spec_proposed_tokens"]
         accepted += row["spec_accepted_tokens"]
+        verifications += row["spec_verifications"]
     assert proposed > 0
+    totals = done.totals
+    assert (totals["spec_proposed_tokens"], totals["spec_accepted_tokens"]) == (proposed, accepted)
+    assert totals["spec_acceptance_rate"] == pytest.approx(accepted / proposed)
+    assert totals["spec_accepted_per_verification"] == pytest.approx(accepted / verifications)
+    assert "spec_acceptance_rate" not in run_job(plain).totals  # (already complete: reread)
+
+    # The model as its own draft: greedy texts unchanged, proposals accepted.
+    draft = s3_jsonl_job(
+        "draft",
+        lines,
+        s3_server,
+        tiny_model_dir,
+        engine={
+            "speculative": {
+                "method": "draft",
+                "model": str(tiny_model_dir),
+                "num_tokens": 3,
+                "disable_above_batch_size": 64,
+            }
+        },
+        **common,
+    )
+    done = run_job(draft)
+    assert done.status == "complete"
+    for row in read_output(s3_server, draft.output.uri)[0].to_pylist():
+        assert row["text"] == plain_rows[row["id"]]["text"]
+    assert done.totals["spec_acceptance_rate"] > 0.9

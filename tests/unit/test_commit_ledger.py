@@ -197,3 +197,37 @@ def test_permanent_failures_are_not_retried(error: Exception) -> None:
     with pytest.raises(type(error)):
         with_retries(fail, "put", RetryPolicy(total_s=60), sleep=lambda s: None)
     assert calls == [1]
+
+
+def test_speculative_counts_add_up_and_give_rates() -> None:
+    """Parts of a speculative job sum their spec_* columns; the rates come from the sums
+    (not an average of per-part rates), and replaced rows leave them."""
+    from pipeline.batch.commit.stats import SpecCounts
+
+    schema = output_schema(speculative=True)
+
+    def rows(proposed: list[int], accepted: list[int], verifications: list[int]) -> pa.Table:
+        n = len(proposed)
+        data = {
+            "id": [f"r{i}" for i in range(n)],
+            "finish_reason": ["stop"] * n,
+            "spec_proposed_tokens": proposed,
+            "spec_accepted_tokens": accepted,
+            "spec_verifications": verifications,
+        }
+        return pa.table({f.name: pa.array(data.get(f.name, [None] * n), f.type) for f in schema})
+
+    a = RowStats.of_table(rows([8, 4, 0], [6, 1, 0], [2, 1, 0]))
+    b = RowStats.of_table(rows([12], [3], [3]))
+    assert a.spec == SpecCounts(12, 7, 3)
+    total = RowStats.from_json(a.to_json())
+    total.merge(b)
+    assert total.spec == SpecCounts(24, 10, 6)
+    assert total.spec.acceptance_rate == pytest.approx(10 / 24)
+    assert total.spec.accepted_per_verification == pytest.approx(10 / 6)
+    total.subtract(b)
+    assert total.spec == a.spec
+    plain = RowStats.of_table(rows([1], [1], [1]).drop_columns(["spec_verifications"]))
+    assert plain.spec == SpecCounts(1, 1, 0) and plain.spec.accepted_per_verification is None
+    assert SpecCounts().acceptance_rate is None
+    assert RowStats.from_json({}).spec == SpecCounts()  # manifests written before these counts

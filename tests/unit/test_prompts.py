@@ -207,6 +207,7 @@ def test_resolve_sampling_defaults_and_overrides(model_dir: Path) -> None:
         SEED: derive_seed(11, "a"),
         "response_format": None,
         "logprobs": None,
+        "num_samples": 1,
     }
     values, _ = resolve_sampling({"id": "a", "s": 99}, spec, {"seed": "s"})
     assert values[SEED] == 99  # an explicit per-row seed is used as given
@@ -222,6 +223,8 @@ def test_resolve_sampling_defaults_and_overrides(model_dir: Path) -> None:
         ("top_p", float("inf"), "must be a finite number"),
         ("top_k", -2, "must be >= 0"),
         ("seed", 2**64, "must fit in int64"),
+        ("n", 0, "must be in [1, 128]"),
+        ("n", 1.5, "must be an integer"),
     ],
 )
 def test_invalid_override_names_column_and_value(

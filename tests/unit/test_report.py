@@ -229,3 +229,22 @@ def test_estimate_is_recomputed_like_plan(output_dir, tmp_path):
     summary, _, _ = build_report(OutputDir(str(copy), StorageSpec()), plots=False)
     busy = sum(a.attributed_s / a.devices for a in summary.actors)
     assert summary.estimate.tokens_per_s == pytest.approx(40 / busy)
+
+
+def test_speculative_jobs_report_acceptance(output_dir, tmp_path):
+    """A job with engine.speculative shows its acceptance rate and accepted tokens per
+    verification, from the manifest's merged stats; other jobs show no such line."""
+    import shutil
+
+    spec_dir = tmp_path / "spec"
+    shutil.copytree(output_dir, spec_dir)
+    manifest = json.loads((spec_dir / "_manifest.json").read_text())
+    manifest["spec"]["engine"] = {"kind": "reference", "speculative": {"method": "ngram"}}
+    manifest["stats"]["spec"] = {"proposed": 400, "accepted": 300, "verifications": 120}
+    (spec_dir / "_manifest.json").write_text(json.dumps(manifest))
+    summary, markdown, _ = build_report(OutputDir(str(spec_dir), StorageSpec()), plots=False)
+    assert summary.spec is not None and summary.spec.acceptance_rate == pytest.approx(0.75)
+    assert summary.spec.accepted_per_verification == pytest.approx(2.5)
+    assert "75.0% of 400 proposed, 2.50" in markdown
+    plain, plain_md, _ = build_report(OutputDir(str(output_dir), StorageSpec()), plots=False)
+    assert plain.spec is None and "speculative" not in plain_md

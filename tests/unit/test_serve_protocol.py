@@ -153,7 +153,8 @@ def test_supported_parameters_map_through() -> None:
 @pytest.mark.parametrize(
     ("changes", "param", "code"),
     [
-        ({"n": 2}, "n", "unsupported_parameter"),
+        ({"n": 0}, "n", "invalid_value"),
+        ({"n": 129}, "n", "invalid_value"),
         ({"best_of": 3}, "best_of", "unsupported_parameter"),
         ({"tools": [{"type": "function"}]}, "tools", "unsupported_parameter"),
         ({"tool_choice": "auto"}, "tool_choice", "unsupported_parameter"),
@@ -162,7 +163,7 @@ def test_supported_parameters_map_through() -> None:
         ({"top_logprobs": 21}, "top_logprobs", "invalid_value"),
         ({"response_format": "json"}, "response_format", "invalid_value"),
         ({"frequency_penalty": 0.5}, "frequency_penalty", "unsupported_parameter"),
-        ({"n": True}, "n", "unsupported_parameter"),
+        ({"n": True}, "n", "invalid_value"),
         ({"temperature": "0.5"}, "temperature", "invalid_value"),
         ({"temperature": 3}, "temperature", "invalid_value"),
         ({"max_tokens": 0}, "max_tokens", "invalid_value"),
@@ -299,8 +300,9 @@ def test_strict_mode_refuses_unknown_fields_by_name() -> None:
             {"model": "m", "prompt": "x", "stream_options": {"x": 1}}, strict=True
         )
     # Known-but-unsupported values are refused in either mode.
-    with pytest.raises(ApiError, match="'n'"):
-        parse_chat_request({"model": "m", "messages": MESSAGES, "n": 2})
+    with pytest.raises(ApiError, match="'best_of'"):
+        parse_completion_request({"model": "m", "prompt": "x", "best_of": 2})
+    assert parse_chat_request({"model": "m", "messages": MESSAGES, "n": 4}).n == 4
 
 
 def test_strict_mode_header_overrides_the_serve_file() -> None:

@@ -100,6 +100,12 @@ def test_minimal_job_gets_documented_defaults() -> None:
             {"cost": {"prefill_weight": 0, "decode_weight": 0}},
             "cannot both be 0",
         ),
+        ({"sampling": {"n": 0}}, "sampling.n: Input should be greater than or equal to 1"),
+        ({"sampling": {"prompt_logprobs": 21}}, "sampling.prompt_logprobs: Input should be"),
+        (
+            {"engine": {"kind": "trtllm"}, "sampling": {"prompt_logprobs": 1}},
+            "sampling.prompt_logprobs: engine.kind trtllm does not return",
+        ),
     ],
 )
 def test_errors_name_the_field(changes: dict[str, Any], expected: str) -> None:

@@ -261,4 +261,6 @@ def test_resolve_fills_defaults_around_the_given_bound() -> None:
     with pytest.raises(EngineError, match="unknown setting"):
         resolve("reference", {"method": "ngram", "lookahead": 3})
     with pytest.raises(EngineError, match="not supported"):
-        resolve("reference", {"method": "draft", "model": "/d"})
+        resolve("reference", {"method": "eagle3", "model": "/d"})
+    draft = resolve("reference", {"method": "draft", "model": "/d", "num_tokens": 3})
+    assert draft == SpeculativeConfig("draft", num_tokens=3, model="/d")

@@ -42,7 +42,7 @@ from pipeline.batch.commit.parts import (
     list_part_names,
     read_part_record,
 )
-from pipeline.batch.commit.stats import RowStats
+from pipeline.batch.commit.stats import RowStats, SpecCounts
 from pipeline.batch.shards import ShardPlan
 from pipeline.batch.units import PartWritten
 from pipeline.spec import JobSpec
@@ -332,4 +332,18 @@ def compute_totals(ledger: CommitLedger, runs: list[RunRecord], spec: JobSpec) -
         "ttft_p50_s": stats.ttft_s.quantile(0.5),
         "ttft_p95_s": stats.ttft_s.quantile(0.95),
         **cost.to_dict(),
+        **_spec_totals(stats.spec, spec),
+    }
+
+
+def _spec_totals(counts: SpecCounts, spec: JobSpec) -> dict[str, Any]:
+    """Speculative decoding totals, for jobs with engine.speculative only (see SpecCounts)."""
+    if spec.engine.speculative is None:
+        return {}
+    return {
+        "spec_proposed_tokens": counts.proposed,
+        "spec_accepted_tokens": counts.accepted,
+        "spec_verifications": counts.verifications,
+        "spec_acceptance_rate": counts.acceptance_rate,
+        "spec_accepted_per_verification": counts.accepted_per_verification,
     }

@@ -10,7 +10,9 @@ job, `tokenmill report` and the summary then read the manifest only, never the r
 - error rows by kind;
 - a timeline of output tokens per second: each row's tokens spread over its decode interval
   (first token → finish), so throughput is drawn when tokens were made, not when rows ended;
-- per actor, the spans when it had rows in its engine.
+- per actor, the spans when it had rows in its engine;
+- speculative decoding: tokens proposed, accepted, and verification steps (jobs with
+  engine.speculative), whence the acceptance rate and accepted tokens per verification.
 
 All of it merges by addition; histograms and counters also subtract (a row replaced by
 `--retry-errors` leaves the sums).
@@ -109,6 +111,60 @@ class Histogram:
         return cls(
             Counter({int(k): int(v) for k, v in data.get("counts", {}).items()}),
             int(data.get("zeros", 0)),
+        )
+
+
+@dataclass
+class SpecCounts:
+    """Speculative decoding over a set of rows: sums of the spec_* output columns."""
+
+    proposed: int = 0  # tokens proposed and verified
+    accepted: int = 0  # of them, accepted by the model
+    verifications: int = 0  # engine steps that verified proposals (0 where not counted)
+
+    def add(self, other: SpecCounts, sign: int = 1) -> None:
+        self.proposed += sign * other.proposed
+        self.accepted += sign * other.accepted
+        self.verifications += sign * other.verifications
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """accepted / proposed; None when nothing was proposed."""
+        return self.accepted / self.proposed if self.proposed else None
+
+    @property
+    def accepted_per_verification(self) -> float | None:
+        """Mean accepted tokens per verification step (each also emits one token of the
+        model's own on top); None where the engine does not count verifications."""
+        return self.accepted / self.verifications if self.verifications else None
+
+    def to_json(self) -> dict[str, int]:
+        return {
+            "proposed": self.proposed,
+            "accepted": self.accepted,
+            "verifications": self.verifications,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any] | None) -> SpecCounts:
+        data = data or {}
+        return cls(
+            int(data.get("proposed", 0)),
+            int(data.get("accepted", 0)),
+            int(data.get("verifications", 0)),
+        )
+
+    @classmethod
+    def of_table(cls, table: pa.Table) -> SpecCounts:
+        def total(name: str) -> int:
+            if name not in table.column_names:
+                return 0
+            return int(pc.sum(table.column(name)).as_py() or 0)
+
+        return cls(
+            total("spec_proposed_tokens"),
+            total("spec_accepted_tokens"),
+            total("spec_verifications"),
         )
 
 
@@ -219,9 +275,11 @@ class RowStats:
     errors_by_kind: Counter[str] = field(default_factory=Counter)
     tokens: Timeline = field(default_factory=Timeline)  # output tokens over wall time
     busy: dict[str, list[tuple[float, float]]] = field(default_factory=dict)  # actor -> spans
+    spec: SpecCounts = field(default_factory=SpecCounts)
 
     def merge(self, other: RowStats) -> None:
         self.sums.add(other.sums)
+        self.spec.add(other.spec)
         self.latency_s.merge(other.latency_s)
         self.ttft_s.merge(other.ttft_s)
         self.gpu_seconds.merge(other.gpu_seconds)
@@ -233,6 +291,7 @@ class RowStats:
     def subtract(self, other: RowStats) -> None:
         """Remove rows that were replaced (their tokens and busy time stay: they happened)."""
         self.sums.add(other.sums, sign=-1)
+        self.spec.add(other.spec, sign=-1)
         self.latency_s.subtract(other.latency_s)
         self.ttft_s.subtract(other.ttft_s)
         self.gpu_seconds.subtract(other.gpu_seconds)
@@ -248,6 +307,7 @@ class RowStats:
             "errors_by_kind": dict(self.errors_by_kind.most_common()),
             "tokens": self.tokens.to_json(),
             "busy": {a: [[round(s, 3), round(e, 3)] for s, e in v] for a, v in self.busy.items()},
+            "spec": self.spec.to_json(),
         }
 
     @classmethod
@@ -261,6 +321,7 @@ class RowStats:
             errors_by_kind=Counter(data.get("errors_by_kind", {})),
             tokens=Timeline.from_json(data.get("tokens")),
             busy={a: [(float(s), float(e)) for s, e in v] for a, v in data.get("busy", {}).items()},
+            spec=SpecCounts.from_json(data.get("spec")),
         )
 
     @classmethod
@@ -309,4 +370,5 @@ class RowStats:
         for message in table.filter(is_error).column("error").to_pylist():
             stats.errors_by_kind[error_kind(message)] += 1
         stats.busy = {a: merge_spans(s) for a, s in spans.items()}
+        stats.spec = SpecCounts.of_table(table)
         return stats

@@ -48,6 +48,7 @@ BATCH_OVERRIDE_COLUMNS: dict[str, str] = {
     "seed": "seed",
     "response_format": "response_format",
     "logprobs": "logprobs",
+    "n": "num_samples",
 }
 # The Python type each overridable sampling field is coerced to.
 OVERRIDE_TYPES: dict[str, type] = {
@@ -57,6 +58,7 @@ OVERRIDE_TYPES: dict[str, type] = {
     "top_k": int,
     "seed": int,
     "logprobs": int,
+    "n": int,
     "response_format": str,  # JSON text; read and checked by the prompt stage
 }
 

@@ -1,7 +1,7 @@
 """OpenAI Batch API lines (`input.format: openai_batch`): one request per line, by custom_id.
 
 `parse_batch_request` turns one line's JSON object into the prompt or chat, the per-request
-sampling values and an error for what the pipeline cannot serve (another endpoint, n > 1,
+sampling values and an error for what the pipeline cannot serve (another endpoint, best_of,
 tools, ...): such a request becomes an error row naming the parameter, never a silent skip.
 """
 
@@ -27,7 +27,6 @@ SUPPORTED_BATCH_URLS = ("/v1/chat/completions", "/v1/completions")
 # Request body parameters that would change results and that the pipeline does not implement:
 # name -> predicate on the value saying "this value needs the feature".
 UNSUPPORTED_BODY: dict[str, Any] = {
-    "n": lambda v: v not in (None, 1),
     "best_of": lambda v: v not in (None, 1),
     "echo": lambda v: bool(v),
     "suffix": lambda v: bool(v),
@@ -92,6 +91,7 @@ def parse_batch_request(obj: dict[str, Any]) -> dict[str, Any]:
         "seed": body.get("seed"),
         "response_format": body.get("response_format"),
         "logprobs": _logprobs(url, body),
+        "n": body.get("n"),
     }
     for field, value in values.items():
         column = BATCH_OVERRIDE_COLUMNS[field]

@@ -13,7 +13,10 @@ _core.py): stop words stripped from token_ids and stop strings from the text unl
 include_stop_str_in_output, the end_id token dropped by the TensorRT backend, greedy decoding
 for top_k/top_p None on the C++ samplers, per-request seeds ignored by the PyTorch backend,
 RequestError for a failed request, and a quantizing build that refuses to download its
-calibration set. Tests put `tests/standins` on sys.path themselves; nothing else imports it.
+calibration set. Guided decoding (GuidedDecodingParams, with guided_decoding_backend
+"xgrammar" on the LLM) is enforced with xgrammar over the checkpoint's own tokenizer, and
+logprobs come back in the real types (executor.result.Logprob per position); see _core.py.
+Tests put `tests/standins` on sys.path themselves; nothing else imports it.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from tensorrt_llm._core import (
     LlmCore,
     RequestOutput,
 )
+from tensorrt_llm.sampling_params import GuidedDecodingParams
 
 __version__ = "1.2.0+standin"
 IS_STANDIN = True
@@ -57,6 +61,8 @@ class SamplingParams:
     seed: int | None = None
     min_tokens: int | None = None
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    guided_decoding: GuidedDecodingParams | None = None
     ignore_eos: bool = False
     detokenize: bool = True
     skip_special_tokens: bool = True
@@ -74,6 +80,11 @@ class SamplingParams:
             raise ValueError(f"require temperature >= 0, got temperature={self.temperature}")
         if self.max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
+        if self.guided_decoding is not None:
+            self.guided_decoding._validate()
+        # As the real _validate: logprobs=True means 1, and 0 stays 0 (falsy: no logprobs).
+        self.logprobs = self.logprobs and int(self.logprobs)
+        self.prompt_logprobs = self.prompt_logprobs and int(self.prompt_logprobs)
 
     @staticmethod
     def params_imply_greedy_decoding(
@@ -118,4 +129,10 @@ class LLM(LlmCore):
     rejected_args: dict[str, Any] = TENSORRT_ONLY_ARGS
 
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "GuidedDecodingParams",
+    "RequestOutput",
+    "SamplingParams",
+]

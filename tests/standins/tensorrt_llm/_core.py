@@ -21,7 +21,18 @@ What it copies from TensorRT-LLM 1.2 (see the notes at each place):
   backend draws every request from one generator seeded 42 (per-request seeds ignored);
 - perf-metric time points never reached are timedelta(0), not None;
 - a failure of one request inside the executor is raised as RequestError from awaiting or
-  iterating it.
+  iterating it;
+- guided decoding: with guided_decoding_backend "xgrammar" on the LLM, a request's
+  GuidedDecodingParams constrain its tokens (xgrammar over the checkpoint's own tokenizer, which
+  then also detokenizes that request: the toy "<t>" vocabulary spells no JSON). The toy model
+  keeps its token when the grammar allows it, else takes the next allowed id, and ends (end_id)
+  as soon as the grammar may. "llguidance" is refused on the TensorRT backend, any other name
+  on both. A guide sent to an LLM built without a guided decoding backend is ignored here (the
+  worst case: the adapter must set the backend);
+- logprobs: SamplingParams.logprobs k (0 and None: none) gives one {token id: Logprob(logprob,
+  rank)} per output token, the top k by rank plus the chosen token, from a toy distribution
+  that peaks at the greedy toy token (log-softmax of -0.7 * |t - greedy|, before any guide or
+  sampling offset).
 """
 
 from __future__ import annotations
@@ -30,6 +41,7 @@ import asyncio
 import datetime as dt
 import enum
 import json
+import math
 import random
 import re
 import time
@@ -37,6 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tensorrt_llm.executor.result import Logprob
 from tensorrt_llm.executor.utils import RequestError
 from tensorrt_llm.llmapi import DecodingBaseConfig, KvCacheConfig, SchedulerConfig
 
@@ -147,6 +160,7 @@ class CompletionOutput:
     token_ids: list[int] = field(default_factory=list)
     cumulative_logprob: float | None = None
     logprobs: list[Any] = field(default_factory=list)
+    prompt_logprobs: list[Any] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length" | "timeout" | "cancelled"
     stop_reason: int | str | None = None
     request_perf_metrics: RequestPerfMetrics | None = None
@@ -214,6 +228,7 @@ class RequestOutput:
         self._error: RequestError | None = None
         self._fail_after = llm._take_injected_failure()
         self._rng = llm._rng_for(params)
+        self._matcher = llm._matcher_for(params)
         self._timing = TimingMetrics(arrival_time=_td(time.monotonic()))
         self._updates: asyncio.Queue = asyncio.Queue()
         self._task = asyncio.get_running_loop().create_task(self._run())
@@ -249,6 +264,11 @@ class RequestOutput:
             if self._fail_after is not None and len(ids) >= self._fail_after[1]:
                 raise RequestError(self._fail_after[0])
             token = self._llm._next_token(self.prompt_token_ids, len(ids), p, self._rng)
+            if self._matcher is not None:
+                token = self._llm._guide.constrain(self._matcher, token, p.end_id)
+            if p.logprobs:
+                greedy = toy_token(self.prompt_token_ids, len(ids))
+                out.logprobs.append(self._llm._toy_logprobs(greedy, token, p.logprobs))
             ids.append(token)
             now = _td(time.monotonic())
             if self._timing.first_token_time == _ZERO:
@@ -295,7 +315,8 @@ class RequestOutput:
         p, out = self._params, self.outputs[0]
         if not p.detokenize:
             return
-        out.text = self._llm.tokenizer.decode(out.token_ids, p.skip_special_tokens)
+        tokenizer = self._llm._guide.tokenizer if self._matcher is not None else self._llm.tokenizer
+        out.text = tokenizer.decode(out.token_ids, skip_special_tokens=p.skip_special_tokens)
         if final and out.finish_reason not in ("stop", "length"):
             return
         for stop_reason, _ in p._get_stop_reasons_and_words():
@@ -382,6 +403,15 @@ class LlmCore:
         if not isinstance(sched, SchedulerConfig):
             raise ValueError("scheduler_config must be a SchedulerConfig")
         self.kv_cache_config = kv
+        guide_backend = self.args["guided_decoding_backend"]
+        if guide_backend not in (None, "xgrammar", "llguidance") or (
+            guide_backend == "llguidance" and self.backend == "tensorrt"
+        ):
+            raise ValueError(f"Unsupported guided decoding backend {guide_backend}")
+        self._guide: _Guide | None = None
+        config = json.loads((Path(model) / "config.json").read_text())
+        self._vocab_size = int(config["vocab_size"])
+        self._log_norm: dict[int, float] = {}
         spec = self.args["speculative_config"]
         if spec is not None:
             if not isinstance(spec, DecodingBaseConfig):
@@ -440,6 +470,29 @@ class LlmCore:
     def _next_token(self, prompt: list[int], i: int, p: Any, rng: random.Random) -> int:
         offset = 0 if self._is_greedy(p) else rng.randint(1, 4)
         return (sum(prompt) + 7 * i + offset) % 50 + 10
+
+    def _matcher_for(self, p: Any) -> Any:
+        """A grammar matcher for a guided request; None for free text (or no backend)."""
+        if p.guided_decoding is None or self.args["guided_decoding_backend"] is None:
+            return None
+        if self._guide is None:
+            self._guide = _Guide(self.args["model"], self._vocab_size, self.tokenizer.special_ids)
+        return self._guide.matcher(p.guided_decoding)
+
+    def _toy_logprobs(self, greedy: int, chosen: int, k: int) -> dict[int, Logprob]:
+        """One position's {token id: Logprob}: the top k by rank, and the chosen token."""
+        vocab = self._vocab_size
+        norm = self._log_norm.get(greedy)
+        if norm is None:
+            norm = math.log(sum(math.exp(-0.7 * abs(t - greedy)) for t in range(vocab)))
+            self._log_norm[greedy] = norm
+        by_rank = sorted(range(vocab), key=lambda t: (abs(t - greedy), t))
+        entry = {
+            t: Logprob(-0.7 * abs(t - greedy) - norm, rank=r + 1) for r, t in enumerate(by_rank[:k])
+        }
+        if chosen not in entry:
+            entry[chosen] = Logprob(-0.7 * abs(chosen - greedy) - norm, by_rank.index(chosen) + 1)
+        return entry
 
     def _stop_check(self, ids: list[int], p: Any) -> FinishReason | None:
         """TorchSampler._handle_stop_criteria's order: end_id, length, stop words."""
@@ -503,3 +556,56 @@ class LlmCore:
 
     def __exit__(self, *exc: Any) -> None:
         self.shutdown()
+
+
+class _Guide:
+    """xgrammar over the checkpoint's own tokenizer: compiled guides and per-request matchers."""
+
+    def __init__(self, model_dir: str, vocab_size: int, stop_ids: frozenset[int]) -> None:
+        import xgrammar as xgr
+        from transformers import AutoTokenizer
+
+        self._xgr = xgr
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.vocab_size = vocab_size
+        self.stop_ids = sorted(stop_ids)
+        info = xgr.TokenizerInfo.from_huggingface(
+            self.tokenizer, vocab_size=vocab_size, stop_token_ids=self.stop_ids
+        )
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+
+    def matcher(self, guide: Any) -> Any:
+        c = self._compiler
+        if guide.json_object:
+            compiled = c.compile_builtin_json_grammar()
+        elif guide.json is not None:
+            schema = guide.json if isinstance(guide.json, str) else json.dumps(guide.json)
+            compiled = c.compile_json_schema(schema, any_whitespace=False)
+        elif guide.regex is not None:
+            compiled = c.compile_regex(guide.regex)
+        elif guide.grammar is not None:
+            compiled = c.compile_grammar(guide.grammar)
+        else:
+            raise RequestError("structural_tag guides are not modelled by the stand-in")
+        return self._xgr.GrammarMatcher(compiled)
+
+    def constrain(self, matcher: Any, token: int, end_id: int | None) -> int:
+        """The toy model's token under the grammar: end as soon as allowed, else the token
+        itself when allowed, else the next allowed id (wrapping)."""
+        import numpy as np
+
+        bitmask = self._xgr.allocate_token_bitmask(1, self.vocab_size)
+        matcher.fill_next_token_bitmask(bitmask)
+        bits = np.unpackbits(bitmask.numpy().view(np.uint8), bitorder="little")
+        allowed = np.flatnonzero(bits[: self.vocab_size])
+        stops = [t for t in ([end_id] if end_id is not None else []) + self.stop_ids if bits[t]]
+        if stops:
+            choice = stops[0]
+        elif token < self.vocab_size and bits[token]:
+            choice = token
+        else:
+            later = allowed[allowed >= token]
+            choice = int(later[0] if len(later) else allowed[0])
+        if not matcher.accept_token(choice):
+            raise RequestError(f"the grammar refused token {choice}")
+        return choice

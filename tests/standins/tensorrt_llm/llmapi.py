@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tensorrt_llm.sampling_params import GuidedDecodingParams  # noqa: F401  (re-exported, as in 1.2)
+
 
 class CapacitySchedulerPolicy(enum.Enum):
     MAX_UTILIZATION = "MAX_UTILIZATION"
