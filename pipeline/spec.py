@@ -583,6 +583,12 @@ class LimitsSpec(_Strict):
         le=1,
         description="Error rows above this fraction of all rows make the run exit 3 (partial).",
     )
+    stop_at: float | None = Field(
+        None,
+        description="Unix time (seconds) at which a run stops taking rows, commits what has "
+        "finished and ends incomplete (exit 1; a rerun resumes), as on SIGTERM: a deadline "
+        "such as a Batch API completion window. Null: none.",
+    )
 
 
 class PricePerMillion(_Strict):

@@ -193,6 +193,7 @@ def run_job(
     committer = Committer(
         out, spec, plan, fingerprint, schema_to_json(schema), input_listing(files), lease
     )
+    deadline = _deadline(spec.limits.stop_at, stop, say)
     try:
         with LeaseKeeper(lease, stop) as keeper:
             return _run(
@@ -209,7 +210,26 @@ def run_job(
                 progress_interval_s=progress_interval_s,
             )
     finally:
+        if deadline is not None:
+            deadline.cancel()
         lease.release()
+
+
+def _deadline(
+    stop_at: float | None, stop: threading.Event, say: Callable[[str], None]
+) -> threading.Timer | None:
+    """limits.stop_at: a timer that stops the run at that wall time, as SIGTERM would."""
+    if stop_at is None:
+        return None
+
+    def fire() -> None:
+        say(f"limits.stop_at ({stop_at:.0f}) reached: stopping; writing what is finished")
+        stop.set()
+
+    timer = threading.Timer(max(0.0, stop_at - time.time()), fire)
+    timer.daemon = True
+    timer.start()
+    return timer
 
 
 def _run(
@@ -406,8 +426,11 @@ def _result(
             "rerun with a higher budget (e.g. --set cost.budget_usd=...) to resume"
         )
     elif status == "incomplete":
+        # Unknown when the run stopped before reading every shard (JSONL rows are counted
+        # as they are read).
+        count = "some" if manifest.missing_rows is None else str(missing)
         message = (
-            f"{committer.out.uri}: {missing} input row(s) have no committed result; rerun the "
+            f"{committer.out.uri}: {count} input row(s) have no committed result; rerun the "
             "same command to generate them"
         )
     else:

@@ -109,10 +109,15 @@ def _list_order(batch_id: str) -> tuple[bool, str]:
 
 
 def job_spec_data(
-    batch_id: str, served: ServedModelSpec, spec: ServeSpec, input_uri: str, output_uri: str
+    batch_id: str,
+    served: ServedModelSpec,
+    spec: ServeSpec,
+    input_uri: str,
+    output_uri: str,
+    expires_at: float | None = None,
 ) -> dict[str, Any]:
     """The pipeline job of a batch: the served model's sections, its batch template, the
-    uploaded file in and OpenAI-format files out."""
+    uploaded file in and OpenAI-format files out; the job stops itself at `expires_at`."""
     template = served.batch
     assert template is not None
     engine = template.engine or served.engine
@@ -141,8 +146,10 @@ def job_spec_data(
             "commit_interval_s": 5.0,
         },
         "storage": spec.storage.model_dump(mode="json"),
-        # A failed request is an error line, never a failed batch.
-        "limits": {"max_error_fraction": 1.0},
+        # A failed request is an error line, never a failed batch. At the end of the window
+        # the job stops itself and commits what finished, whether or not anyone reads the
+        # batch then (a read past the window stops it too, in case the job could not).
+        "limits": {"max_error_fraction": 1.0, "stop_at": expires_at},
         "cost": served.cost.model_copy(
             update={"batch_discount": template.batch_discount, "budget_usd": None}
         ).model_dump(mode="json"),
@@ -266,7 +273,14 @@ class BatchService:
             # The manifest is the stopped batch's until the new job begins its run.
             before = read_manifest(OutputDir(output_uri, self.spec.storage))
             record[PRIVATE]["runs_before"] = len(before.runs) if before else 0
-        job = job_spec_data(batch_id, served, self.spec, files.content_uris(stored)[0], output_uri)
+        job = job_spec_data(
+            batch_id,
+            served,
+            self.spec,
+            files.content_uris(stored)[0],
+            output_uri,
+            expires_at=record["expires_at"],
+        )
         self._submit(batch_id, job)
         self._save(out, record)
         if resumed is not None:  # after the submit: a refused job leaves it resumable
@@ -525,11 +539,13 @@ class BatchService:
             }
             if totals.get("list_price_usd") is not None:
                 record["metadata"]["tokenmill_list_price_usd"] = f"{totals['list_price_usd']:.6f}"
+        complete = manifest is not None and manifest.status == "complete"
         if record["cancelling_at"] is not None:
             record["status"], record["cancelled_at"] = "cancelled", now
-        elif record[PRIVATE].get("expiring"):
+        elif record[PRIVATE].get("expiring") or (not complete and now >= record["expires_at"]):
+            # Stopped at its window's end, by this service or by the job's own deadline.
             record["status"], record["expired_at"] = "expired", now
-        elif job_status == "SUCCEEDED" and manifest is not None and manifest.status == "complete":
+        elif job_status == "SUCCEEDED" and complete:
             record["finalizing_at"] = record["finalizing_at"] or now
             record["status"], record["completed_at"] = "completed", now
         else:

@@ -485,3 +485,28 @@ def test_duplicate_ids_across_shards_become_error_rows_naming_the_first(
     assert {e["id"] for e in manifest["duplicate_ids"]["examples"]} == {"x2", "x3"}
     assert manifest["totals"]["rows_error"] == 2
     assert {p.name for p in out.glob("part-*.parquet")} == {p["name"] for p in manifest["parts"]}
+
+
+def test_stop_at_ends_the_run_with_what_finished_and_a_rerun_resumes(
+    ray_local: Any, s3_server: S3Server, tiny_model_dir: Path
+) -> None:
+    """limits.stop_at (a Batch API completion window): the run stops taking rows at that wall
+    time, commits what finished and ends incomplete; without the deadline a rerun adds exactly
+    the missing rows."""
+    import time
+
+    lines = [{"id": f"d{i:03d}", "text": f"Deadline row {i}."} for i in range(40)]
+    spec = s3_jsonl_job("deadline", lines, s3_server, tiny_model_dir)
+    said: list[str] = []
+    past = spec.model_copy(update={"limits": spec.limits.model_copy(update={"stop_at": 1.0})})
+    result = run_job(past, emit=said.append)
+    assert result.status == "incomplete" and result.exit_code == 1
+    assert any("limits.stop_at" in line for line in said)
+    assert result.rows_written < 40 and "rerun the same command" in result.message
+    later = spec.model_copy(
+        update={"limits": spec.limits.model_copy(update={"stop_at": time.time() + 3600})}
+    )
+    done = run_job(later)  # a far deadline changes nothing, and the output resumes
+    assert done.status == "complete"
+    table, _ = read_output(s3_server, spec.output.uri)
+    assert_exactly_once(table, [x["id"] for x in lines])

@@ -323,7 +323,10 @@ def test_batch_job_spec_is_a_valid_openai_batch_job(app: FastAPI, jobs: FakeJobs
 
     served = service.spec.model_named("tiny")
     assert served is not None
-    spec = parse_job_spec(job_spec_data(batch.id, served, service.spec, "/in.jsonl", "/out"))
+    spec = parse_job_spec(
+        job_spec_data(batch.id, served, service.spec, "/in.jsonl", "/out", batch.expires_at)
+    )
+    assert spec.limits.stop_at == batch.expires_at  # the job stops itself at the window's end
     assert spec.output.format == "openai_batch" and spec.input.passthrough_columns == ["url"]
     assert spec.model.display_name == "tiny" and spec.sampling.max_tokens == 8
     assert spec.cost.batch_discount == 0.5 and spec.limits.max_error_fraction == 1.0

@@ -103,6 +103,16 @@ def model_content(path: str, storage: StorageSpec) -> dict[str, Any]:
     return {"config_sha256": config_hash, "files": sizes}
 
 
+def _sampling_part(spec: JobSpec) -> dict[str, Any]:
+    sampling = spec.sampling.model_dump(mode="json")
+    # Fields added later count only when set, so outputs written before they existed keep
+    # their fingerprint (and resume) unless the job asks for the new feature.
+    for name, default in (("n", 1), ("prompt_logprobs", None)):
+        if sampling.get(name) == default:
+            sampling.pop(name, None)
+    return sampling
+
+
 def job_fingerprint(
     spec: JobSpec,
     files: Iterable[Any],
@@ -129,7 +139,7 @@ def job_fingerprint(
     parts: dict[str, Any] = {
         "model": model_part,
         "engine": {"kind": spec.engine.kind, "settings": engine_settings(spec.engine)},
-        "sampling": spec.sampling.model_dump(mode="json"),
+        "sampling": _sampling_part(spec),
         "prompt": {
             **spec.prompt.model_dump(mode="json"),
             "format": spec.input.format,
