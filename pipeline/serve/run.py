@@ -17,6 +17,16 @@ from dataclasses import dataclass
 from pipeline.serve.auth import KeyDigests
 from pipeline.serve.spec import ServeSpec
 
+# http.direct_ingress on a Ray started here: HAProxy listens on the serve port and forwards to
+# the ingress replicas' own HTTP servers. The drain wait before a replica stops (30 s by
+# default, for cloud load balancers to deregister it) is cut to 1 s: this HAProxy is told at
+# once, and graceful_shutdown_timeout_s still lets in-flight requests finish.
+DIRECT_INGRESS_ENV = {
+    "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+    "RAY_SERVE_ENABLE_HA_PROXY": "1",
+    "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1",
+}
+
 
 @dataclass(frozen=True)
 class ServerOptions:
@@ -50,6 +60,11 @@ def run_server(
     on_ready: Callable[[str], None] = print,
 ) -> None:
     """Deploy and block until SIGINT/SIGTERM; `on_ready` gets the base URL once it serves."""
+    if spec.http.direct_ingress and not os.environ.get("RAY_ADDRESS"):
+        # Read when Ray's Serve modules load, here and in every process of the Ray started
+        # below (which inherit this environment): so set before either happens.
+        for name, value in DIRECT_INGRESS_ENV.items():
+            os.environ.setdefault(name, value)
     import ray
     from ray import serve
 

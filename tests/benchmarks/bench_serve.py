@@ -2,7 +2,7 @@
 
     .venv/bin/python tests/benchmarks/bench_serve.py [--requests 200] [--concurrency 32]
         [--max-tokens 16] [--size tiny-hd32|tiny|small] [--threads 1]
-        [--peers engine,vllm] [--out result.json]
+        [--peers engine,vllm] [--one-hop] [--direct-ingress] [--out result.json]
 
 Every side gets the same model (a tiny random Llama built here), the same chat prompts, the
 same concurrency cap, greedy decoding, and exactly --max-tokens tokens per request
@@ -192,6 +192,7 @@ def bench_serve(model_dir: Path, work: Path, args: argparse.Namespace) -> dict[s
             "cpus_per_ingress": 0.25,
             "access_log": args.access_log,
             "one_hop": args.one_hop,
+            "direct_ingress": args.direct_ingress,
         },
     }
     path = work / "serve.yaml"
@@ -296,6 +297,12 @@ def main() -> None:
         action=argparse.BooleanOptionalAction,
         default=False,
         help="run tokenmill serve with http.one_hop (the engine inside the ingress replica)",
+    )
+    parser.add_argument(
+        "--direct-ingress",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="run tokenmill serve with http.direct_ingress (HAProxy straight to the replicas)",
     )
     parser.add_argument("--out", type=Path, help="also write the results here as JSON")
     args = parser.parse_args()
