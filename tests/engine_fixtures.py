@@ -97,3 +97,37 @@ def run_all(
         return await asyncio.gather(*tasks)
 
     return asyncio.run(main())
+
+
+def check_speculative_run(results, expected, records, stats, variant: str) -> None:
+    """What every speculative run of the equality tests must show: exactly the greedy ids of
+    the run without speculation, some proposals accepted, every KV block back, step records
+    that agree with the results and charge each verified position (1 + k) to its row, a
+    preemption in the preempting variant, and the cost split conserved."""
+    import pytest
+
+    from pipeline.cost import split_steps
+
+    assert [r.finish_reason for r in results] == ["length"] * len(results)
+    mismatched = [
+        (r.request_id, exp, r.output_token_ids)
+        for r, exp in zip(results, expected, strict=True)
+        if r.output_token_ids != exp
+    ]
+    assert not mismatched, mismatched[:2]
+    accepted = sum(r.spec_accepted_tokens for r in results)
+    proposed = sum(r.spec_proposed_tokens for r in results)
+    assert 0 < accepted <= proposed
+    assert stats.kv_blocks_used == 0  # rolled-back blocks all came back
+    assert sum(sum(rec.spec_proposed_tokens.values()) for rec in records) == proposed
+    assert sum(sum(rec.spec_accepted_tokens.values()) for rec in records) == accepted
+    for r in results:
+        decode = sum(rec.decode_tokens.get(r.request_id, 0) for rec in records)
+        assert decode == r.completion_tokens + r.spec_proposed_tokens - r.spec_accepted_tokens
+    if variant == "chunked-preempting":
+        assert stats.num_preemptions > 0
+    if variant == "default":
+        # The rows share every step's time (a draft's forwards included): nothing lost.
+        seconds = split_steps(records)
+        busy = sum(rec.end - rec.start for rec in records)
+        assert sum(seconds.values()) == pytest.approx(busy, rel=1e-9)

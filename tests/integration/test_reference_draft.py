@@ -16,8 +16,7 @@ import pytest
 
 from engines.api import EngineError, GenerationRequest, SamplingParams
 from engines.reference.engine import ReferenceEngine
-from pipeline.cost import split_steps
-from tests.engine_fixtures import run_all
+from tests.engine_fixtures import check_speculative_run, run_all
 from tests.integration.test_reference_speculative import (
     MODELS,
     VARIANTS,
@@ -94,30 +93,8 @@ def test_greedy_ids_equal_decoding_without_speculation(arch, tied, variant) -> N
         model, reqs, speculative=spec(draft, disable_above_batch_size=64), **VARIANTS[variant]
     )
 
-    assert [r.finish_reason for r in results] == ["length"] * len(reqs)
-    mismatched = [
-        (r.request_id, exp, r.output_token_ids)
-        for r, exp in zip(results, expected, strict=True)
-        if r.output_token_ids != exp
-    ]
-    assert not mismatched, mismatched[:2]
-    accepted = sum(r.spec_accepted_tokens for r in results)
-    proposed = sum(r.spec_proposed_tokens for r in results)
-    assert 0 < accepted <= proposed
-    assert stats.kv_blocks_used == 0 and draft_used == 0  # both pools got every block back
-    assert sum(sum(rec.spec_proposed_tokens.values()) for rec in records) == proposed
-    assert sum(sum(rec.spec_accepted_tokens.values()) for rec in records) == accepted
-    for r in results:
-        # A verification charges the row 1 + k positions, as with n-gram proposals.
-        decode = sum(rec.decode_tokens.get(r.request_id, 0) for rec in records)
-        assert decode == r.completion_tokens + r.spec_proposed_tokens - r.spec_accepted_tokens
-    if variant == "chunked-preempting":
-        assert stats.num_preemptions > 0
-    if variant == "default":
-        # The draft's forwards are inside the steps: the rows share all of it, nothing lost.
-        seconds = split_steps(records)
-        busy = sum(rec.end - rec.start for rec in records)
-        assert sum(seconds.values()) == pytest.approx(busy, rel=1e-9)
+    check_speculative_run(results, expected, records, stats, variant)
+    assert draft_used == 0  # the draft pool got every block back too
 
 
 def test_target_as_its_own_draft_is_accepted_throughout() -> None:
