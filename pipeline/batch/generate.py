@@ -392,7 +392,10 @@ class EngineWorker:
         now = time.monotonic()
         for r in requests:
             self.meter.on_submit(r.request_id, now)
-        results = await asyncio.gather(*(self._generate(r) for r in requests))
+        if len(requests) == 1:  # the common case: no task per row
+            results = [await self._generate(request)]
+        else:
+            results = list(await asyncio.gather(*(self._generate(r) for r in requests)))
         self.meter.add_steps(self.engine.drain_step_records())
         for result in results:
             self.meter.on_finish(result)
@@ -404,7 +407,7 @@ class EngineWorker:
                 lambda: all(self.meter.is_final(r.request_id) for r in requests)
             )
         gpu_seconds = sum(self.meter.pop_row_seconds(r.request_id) for r in requests)
-        return RowOutcome.from_results(list(results), gpu_seconds, sampling.response_format)
+        return RowOutcome.from_results(results, gpu_seconds, sampling.response_format)
 
     async def _generate(self, request: GenerationRequest) -> GenerationResult:
         try:

@@ -177,12 +177,7 @@ def _join(lines: list[str]) -> bytes:
 
 def export_part(out: OutputDir, part_name: str, ctx: LineContext) -> list[str]:
     """Write a committed part's export files; returns their names."""
-    import pyarrow.parquet as pq
-
-    with out.fs.open(out.path(part_name), "rb") as handle:
-        names = set(pq.ParquetFile(handle).schema_arrow.names)
-    columns = [*COLUMNS, SAMPLES] if SAMPLES in names else list(COLUMNS)
-    table = read_part(out, part_name, columns=columns)
+    table = read_part(out, part_name, columns=list(COLUMNS), optional=(SAMPLES,))
     output, errors = part_lines(table.to_pylist(), ctx, part_name)
     output_name, errors_name = export_names(part_name)
     written = []

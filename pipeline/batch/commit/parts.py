@@ -169,12 +169,20 @@ def write_part(
     return dataclasses.replace(record, size_bytes=len(data), version=version)
 
 
-def read_part(out: OutputDir, name: str, columns: list[str] | None = None) -> pa.Table:
-    """A committed part's rows (only `columns` when given)."""
+def read_part(
+    out: OutputDir, name: str, columns: list[str] | None = None, optional: tuple[str, ...] = ()
+) -> pa.Table:
+    """A committed part's rows (only `columns` when given, plus those of `optional` the part
+    has: columns that parts of older jobs lack)."""
     try:
         # Through a file handle, so only the requested columns' byte ranges are fetched.
         with out.fs.open(out.path(name), "rb") as handle:
-            return pq.read_table(handle, columns=columns)
+            if not optional:
+                return pq.read_table(handle, columns=columns)
+            parquet = pq.ParquetFile(handle)  # one open: the footer says what is there
+            present = set(parquet.schema_arrow.names)
+            extra = [c for c in optional if c in present]
+            return parquet.read(columns=None if columns is None else [*columns, *extra])
     except (pa.ArrowInvalid, OSError) as exc:
         raise RuntimeError(
             f"{out.uri}/{name}: committed part is unreadable ({exc}); delete it and rerun "
