@@ -44,7 +44,13 @@ from pipeline.serve.auth import KeyDigests
 from pipeline.serve.board import open_board
 from pipeline.serve.health import unready_models
 from pipeline.serve.keys import ApiKey, KeyFileWatcher
-from pipeline.serve.limits import Gate, Lease, Limiter, LimitExceeded, retry_after_header
+from pipeline.serve.limits import (
+    Admission,
+    Gate,
+    LimitExceeded,
+    RequestLease,
+    retry_after_header,
+)
 from pipeline.serve.local import LocalEngine
 from pipeline.serve.logprobs import LogprobsBody, join_completion_logprobs
 from pipeline.serve.metrics import CONTENT_TYPE, ServeMetrics
@@ -72,6 +78,7 @@ from pipeline.serve.requests import (
     to_engine_request,
     usage_of_all,
 )
+from pipeline.serve.shared_limits import admission_for
 from pipeline.serve.spec import (
     ServedModelSpec,
     ServeSpec,
@@ -153,7 +160,7 @@ class _Held:
 
     gate: Gate
     slot: bool = False
-    lease: Lease | None = None
+    lease: RequestLease | None = None
 
     def close(self) -> None:
         if self.lease is not None:
@@ -240,7 +247,9 @@ class OpenAIIngress:
         # Named keys: this replica reads (and re-reads) the keys file itself.
         self._key_watcher = KeyFileWatcher(keys, spec.auth.keys_file, spec.auth.reload_interval_s)
         self._key_watcher.start()
-        self._limiter = Limiter()
+        # Per-key limits: this replica's own, or leased from the app's coordinator when the
+        # app can run several ingress replicas (pipeline.serve.shared_limits).
+        self._limiter: Admission = admission_for(spec, self._app_name, _replica_id())
         self._slots = Gate(spec.http.max_concurrent_requests)
         self._tokenize_slots = Gate(spec.http.max_tokenizing_requests)
         self._usage = UsageAccounting(self._metrics, self._open_usage_log(spec))
@@ -274,6 +283,9 @@ class OpenAIIngress:
         watcher = getattr(self, "_key_watcher", None)
         if watcher is not None:
             watcher.stop()
+        limiter = getattr(self, "_limiter", None)
+        if limiter is not None:
+            limiter.close()
         usage = getattr(self, "_usage", None)
         if usage is not None and usage.log is not None:
             usage.log.close()
@@ -381,7 +393,7 @@ class OpenAIIngress:
                     f"this server is handling its maximum of {self._slots.capacity} requests",
                 )
             held.slot = True
-            held.lease = self._admit(key)
+            held.lease = await self._admit(key)
             data = parse_json_body(await self._read_body(request))
             # Label metrics with served names only: client-chosen strings would let anyone
             # grow the metric label set without bound.
@@ -395,12 +407,12 @@ class OpenAIIngress:
             engine_request = prepared.engine_request
             try:
                 # The most the request can use; settled to what it did use when it ends.
-                held.lease.charge_tokens(
+                await held.lease.charge(
                     len(engine_request.prompt_token_ids)
                     + prepared.n * engine_request.sampling.max_tokens
                 )
             except LimitExceeded as exc:
-                held.lease = None  # charge_tokens gave it back
+                held.lease = None  # charge gave it back
                 raise self._rate_limited(exc) from None
             call = _Call(prepared, key, held, started)
             if prepared.stream:
@@ -437,9 +449,9 @@ class OpenAIIngress:
             )
         return key
 
-    def _admit(self, key: ApiKey) -> Lease:
+    async def _admit(self, key: ApiKey) -> RequestLease:
         try:
-            return self._limiter.admit(key)
+            return await self._limiter.acquire(key)
         except LimitExceeded as exc:
             raise self._rate_limited(exc) from None
 

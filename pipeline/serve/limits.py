@@ -1,4 +1,4 @@
-"""Admission limits of one ingress replica: per-key budgets and the replica's own slots.
+"""Admission limits of an ingress replica: per-key budgets and the replica's own slots.
 
 Per key (pipeline.serve.keys.KeyLimits):
 - requests_per_minute and tokens_per_minute are token buckets holding one minute's budget,
@@ -19,9 +19,12 @@ refill time exists; the caller's default applies.
 `Gate` caps what one ingress replica holds at once (requests, tokenizer queue): a full gate
 refuses at once rather than queueing, so a flood meets 429s and bounded memory.
 
-All state is in this replica's memory and changed only on its event loop: with several
-ingress replicas each enforces the limits on the requests it receives (Serve's proxy spreads
-requests over them), so a key's effective limit is up to `ingress_replicas` times its own.
+`Limiter` keeps every key's budget in this replica's memory, changed only on its event loop:
+what an app with one ingress replica uses (no actor, no remote call). An app that can run
+several (http.ingress_replicas > 1, or one_hop with several model replicas) uses
+pipeline.serve.shared_limits.SharedLimiter instead, which leases budget from one coordinator
+per app so the limits hold over all replicas together (the bounds are in its docstring); both
+are `Admission`s, and app.py sees only that and `RequestLease`.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
 from pipeline.serve.keys import ApiKey, KeyLimits
 
@@ -91,6 +94,67 @@ class LimitExceeded(Exception):
         self.key, self.limit, self.message, self.retry_after_s = key, limit, message, retry_after_s
 
 
+def concurrency_exceeded(key: str, limits: KeyLimits) -> LimitExceeded:
+    return LimitExceeded(
+        key,
+        "max_concurrent",
+        f"Concurrency limit reached for key '{key}': {limits.max_concurrent} "
+        "requests in flight at once. Retry when one of them has finished.",
+        None,
+    )
+
+
+def requests_exceeded(key: str, limits: KeyLimits, wait: float) -> LimitExceeded:
+    return LimitExceeded(
+        key,
+        "requests_per_minute",
+        f"Rate limit reached for key '{key}' on requests per min: limit "
+        f"{limits.requests_per_minute}. Try again in {retry_after_header(wait)}s.",
+        wait,
+    )
+
+
+def tokens_exceeded(key: str, limits: KeyLimits, amount: int, wait: float) -> LimitExceeded:
+    return LimitExceeded(
+        key,
+        "tokens_per_minute",
+        f"Rate limit reached for key '{key}' on tokens per min: limit "
+        f"{limits.tokens_per_minute}, requested {amount} (prompt tokens + max_tokens). Try "
+        f"again in {retry_after_header(wait)}s, or lower max_tokens.",
+        wait,
+    )
+
+
+class RequestLease(Protocol):
+    """One admitted request's hold on its key's limits, whoever keeps the books."""
+
+    async def charge(self, amount: int) -> None:
+        """Charge prompt + max_tokens; LimitExceeded (the request given back) if over."""
+
+    def settle(self, used_tokens: int | None) -> None:
+        """Settle the token charge to what the request used (None: unknown, it stands)."""
+
+    def release(self) -> None:
+        """The response is done: its concurrency slot goes back (idempotent)."""
+
+
+class Admission(Protocol):
+    """Per-key limits of one ingress replica: `Limiter` on its own (one ingress replica) or
+    pipeline.serve.shared_limits.SharedLimiter (several, leasing from one coordinator)."""
+
+    async def acquire(self, key: ApiKey) -> RequestLease:
+        """Admit a new request against max_concurrent and requests_per_minute."""
+
+    def in_flight(self) -> dict[str, int]:
+        """Requests in flight in this replica, by key name."""
+
+    def forget(self, keep: set[str]) -> None:
+        """Drop idle state of keys no longer accepted."""
+
+    def close(self) -> None:
+        """Stop background work (replica shutdown)."""
+
+
 class KeyBudget:
     """One key's buckets and in-flight count, under its current limits."""
 
@@ -104,11 +168,12 @@ class KeyBudget:
     def reconfigure(self, limits: KeyLimits, now: float) -> None:
         """New limits from a reloaded keys file: the budget used so far carries over."""
         self.limits = limits
-        self.requests = _bucket(self.requests, limits.requests_per_minute, now)
-        self.tokens = _bucket(self.tokens, limits.tokens_per_minute, now)
+        self.requests = bucket_for(self.requests, limits.requests_per_minute, now)
+        self.tokens = bucket_for(self.tokens, limits.tokens_per_minute, now)
 
 
-def _bucket(old: TokenBucket | None, budget: int | None, now: float) -> TokenBucket | None:
+def bucket_for(old: TokenBucket | None, budget: int | None, now: float) -> TokenBucket | None:
+    """A per-minute bucket for `budget` (None: no limit), carrying `old`'s level over."""
     if budget is None:
         return None
     if old is None:
@@ -137,17 +202,12 @@ class Lease:
         if wait > 0:
             self.refund_request()
             self.release()
-            budget = self.budget.limits.tokens_per_minute
-            raise LimitExceeded(
-                self.key,
-                "tokens_per_minute",
-                f"Rate limit reached for key '{self.key}' on tokens per min: limit {budget}, "
-                f"requested {amount} (prompt tokens + max_tokens). Try again in "
-                f"{retry_after_header(wait)}s, or lower max_tokens.",
-                wait,
-            )
+            raise tokens_exceeded(self.key, self.budget.limits, amount, wait)
         bucket.take(amount, now)
         self.tokens_charged = amount
+
+    async def charge(self, amount: int) -> None:
+        self.charge_tokens(amount)
 
     def refund_request(self) -> None:
         if self.budget.requests is not None:
@@ -190,26 +250,17 @@ class Limiter:
             budget.reconfigure(key.limits, now)
         limits = key.limits
         if limits.max_concurrent is not None and budget.in_flight >= limits.max_concurrent:
-            raise LimitExceeded(
-                key.name,
-                "max_concurrent",
-                f"Concurrency limit reached for key '{key.name}': {limits.max_concurrent} "
-                "requests in flight at once. Retry when one of them has finished.",
-                None,
-            )
+            raise concurrency_exceeded(key.name, limits)
         if budget.requests is not None:
             wait = budget.requests.wait_s(1, now)
             if wait > 0:
-                raise LimitExceeded(
-                    key.name,
-                    "requests_per_minute",
-                    f"Rate limit reached for key '{key.name}' on requests per min: limit "
-                    f"{limits.requests_per_minute}. Try again in {retry_after_header(wait)}s.",
-                    wait,
-                )
+                raise requests_exceeded(key.name, limits, wait)
             budget.requests.take(1, now)
         budget.in_flight += 1
         return Lease(key.name, budget, self._clock)
+
+    async def acquire(self, key: ApiKey) -> Lease:
+        return self.admit(key)
 
     def in_flight(self) -> dict[str, int]:
         return {name: b.in_flight for name, b in self._budgets.items()}
@@ -218,6 +269,9 @@ class Limiter:
         """Drop idle budgets of keys no longer accepted (a re-added key starts afresh)."""
         for name in [n for n, b in self._budgets.items() if n not in keep and not b.in_flight]:
             del self._budgets[name]
+
+    def close(self) -> None:
+        pass  # nothing runs in the background
 
 
 class Gate:

@@ -1,31 +1,23 @@
 """Run the Serve application on Ray until told to stop: what `tokenmill serve` does.
 
 Starts (or joins, with RAY_ADDRESS) a Ray cluster, starts Serve's HTTP proxy on the given
-host and port, deploys the app, and blocks until Ctrl-C or SIGTERM, then deletes the app (and
-stops Serve, when the cluster is this process's own) so replicas release their engines before
-the process exits.
+host and port, deploys the app, and blocks until Ctrl-C or SIGTERM, then deletes the app and
+its limits coordinator (or stops Serve, when the cluster is this process's own) so replicas
+release their engines before the process exits.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from pipeline.serve.auth import KeyDigests
+from pipeline.serve.haproxy import direct_ingress_env
 from pipeline.serve.spec import ServeSpec
-
-# http.direct_ingress on a Ray started here: HAProxy listens on the serve port and forwards to
-# the ingress replicas' own HTTP servers. The drain wait before a replica stops (30 s by
-# default, for cloud load balancers to deregister it) is cut to 1 s: this HAProxy is told at
-# once, and graceful_shutdown_timeout_s still lets in-flight requests finish.
-DIRECT_INGRESS_ENV = {
-    "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
-    "RAY_SERVE_ENABLE_HA_PROXY": "1",
-    "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1",
-}
 
 
 @dataclass(frozen=True)
@@ -60,15 +52,30 @@ def run_server(
     on_ready: Callable[[str], None] = print,
 ) -> None:
     """Deploy and block until SIGINT/SIGTERM; `on_ready` gets the base URL once it serves."""
+    wrapper_dir = None
     if spec.http.direct_ingress and not os.environ.get("RAY_ADDRESS"):
         # Read when Ray's Serve modules load, here and in every process of the Ray started
         # below (which inherit this environment): so set before either happens.
-        for name, value in DIRECT_INGRESS_ENV.items():
-            os.environ.setdefault(name, value)
+        env, wrapper_dir = direct_ingress_env()
+        os.environ.update(env)
+    try:
+        _serve_until_stopped(spec, keys, options, on_ready)
+    finally:
+        if wrapper_dir is not None:
+            shutil.rmtree(wrapper_dir, ignore_errors=True)
+
+
+def _serve_until_stopped(
+    spec: ServeSpec,
+    keys: KeyDigests,
+    options: ServerOptions,
+    on_ready: Callable[[str], None],
+) -> None:
     import ray
     from ray import serve
 
     from pipeline.serve.app import build_app
+    from pipeline.serve.limit_coordinator import kill_coordinator
 
     stop = threading.Event()
     own_cluster = start_ray(options)
@@ -94,10 +101,12 @@ def run_server(
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         try:
-            # On a shared cluster only this app goes; other Serve apps keep running.
+            # On a shared cluster only this app goes (with its limits coordinator, which is
+            # detached so that it outlives ingress replicas); other Serve apps keep running.
             if own_cluster:
                 serve.shutdown()
             else:
                 serve.delete(spec.name)
+                kill_coordinator(spec.name)
         finally:
             ray.shutdown()

@@ -301,19 +301,23 @@ class HttpSpec(_Strict):
         "single-model file, off otherwise.",
     )
     direct_ingress: bool = Field(
-        False,
+        True,
         description="Requests go from HAProxy (bundled with Ray Serve) straight to the ingress "
         "replicas' own HTTP servers (Serve's direct ingress) instead of through Serve's Python "
         "proxy actor: 1.4-2.1x the requests/s of the proxy, with time to first token below "
-        "vLLM's server (docs/serve.md). Off by default because a client that "
-        "disconnects while waiting for a whole (non-streamed) answer is not noticed on this "
-        "path, so its request runs to the end (streamed requests are cancelled as usual). "
-        "Applies to the Ray that `tokenmill serve` starts itself; on a shared cluster these "
-        "are the Ray nodes' settings (RAY_SERVE_ENABLE_DIRECT_INGRESS=1 and "
-        "RAY_SERVE_ENABLE_HA_PROXY=1 in their environment).",
+        "vLLM's server (docs/serve.md). A client that goes away is noticed on both paths and "
+        "its request cancelled (HAProxy runs without kernel splice for that: "
+        "pipeline/serve/haproxy.py). false: Serve's proxy actor, for a platform without "
+        "HAProxy. Applies to the Ray that `tokenmill serve` starts itself; on a shared cluster "
+        "these are the Ray nodes' settings (RAY_SERVE_ENABLE_DIRECT_INGRESS=1 and "
+        "RAY_SERVE_ENABLE_HA_PROXY=1 in their environment, docs/serve.md).",
     )
     ingress_replicas: int = Field(
-        1, ge=1, description="Replicas of the HTTP ingress (parsing, auth, tokenization)."
+        1,
+        ge=1,
+        description="Replicas of the HTTP ingress (parsing, auth, tokenization). With more "
+        "than one, per-key limits still hold over all of them together: each replica leases "
+        "budget from one small coordinator actor per app (docs/serve.md, Per-key limits).",
     )
     cpus_per_ingress: float = Field(0.25, gt=0, description="CPUs reserved per ingress replica.")
     strict_fields: bool = Field(
@@ -462,6 +466,11 @@ class ServeSpec(_Strict):
     def one_hop(self) -> bool:
         """Whether the engine runs inside the ingress (http.one_hop, null: one model)."""
         return self.http.one_hop if self.http.one_hop is not None else len(self.models) == 1
+
+    @property
+    def max_ingress_replicas(self) -> int:
+        """The most ingress replicas this app can run: with one_hop the model's replicas."""
+        return self.models[0].replicas.max_replicas if self.one_hop else self.http.ingress_replicas
 
     def model_named(self, name: str) -> ServedModelSpec | None:
         return next((m for m in self.models if m.name == name), None)

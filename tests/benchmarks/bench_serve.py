@@ -2,7 +2,7 @@
 
     .venv/bin/python tests/benchmarks/bench_serve.py [--requests 200] [--concurrency 32]
         [--max-tokens 16] [--size tiny-hd32|tiny|small] [--threads 1]
-        [--peers engine,vllm] [--one-hop] [--direct-ingress] [--out result.json]
+        [--peers engine,vllm] [--one-hop] [--no-direct-ingress] [--out result.json]
 
 Every side gets the same model (a tiny random Llama built here), the same chat prompts, the
 same concurrency cap, greedy decoding, and exactly --max-tokens tokens per request
@@ -301,8 +301,9 @@ def main() -> None:
     parser.add_argument(
         "--direct-ingress",
         action=argparse.BooleanOptionalAction,
-        default=False,
-        help="run tokenmill serve with http.direct_ingress (HAProxy straight to the replicas)",
+        default=True,
+        help="http.direct_ingress of tokenmill serve (HAProxy straight to the replicas, the "
+        "default); --no-direct-ingress: through Serve's proxy actor",
     )
     parser.add_argument("--out", type=Path, help="also write the results here as JSON")
     args = parser.parse_args()

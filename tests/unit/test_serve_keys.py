@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -205,3 +206,54 @@ def test_a_broken_file_at_start_is_an_error(tmp_path: Path) -> None:
     path.write_text("keys: [")
     with pytest.raises(KeyFileError, match="not valid YAML"):
         KeyFileWatcher(KeyDigests(frozenset()), str(path))
+
+
+def _kubernetes_update(mount: Path, version: str, entries: list[dict]) -> Path:
+    """Write the keys file into `mount` as the kubelet updates a secret volume: the files go
+    into a new timestamped directory, `..data` is re-pointed at it by renaming a fresh symlink
+    over it (atomic), and the old directory is removed. `keys.yaml` itself is a symlink to
+    `..data/keys.yaml` that never changes, so its own mtime (lstat) says nothing."""
+    new = mount / f"..2025_01_01_00_00_0{version}.000000001"
+    new.mkdir()
+    (new / "keys.yaml").write_text(yaml.safe_dump({"keys": entries}))
+    data = mount / "..data"
+    old = data.resolve() if data.is_symlink() else None
+    tmp = mount / "..data_tmp"
+    tmp.symlink_to(new.name)
+    tmp.rename(data)
+    link = mount / "keys.yaml"
+    if not link.is_symlink():
+        link.symlink_to("..data/keys.yaml")
+    if old is not None:
+        # Same size and mtime as the new file: only the content tells them apart.
+        stat = (new / "keys.yaml").stat()
+        os.utime(new / "keys.yaml", ns=(stat.st_atime_ns, (old / "keys.yaml").stat().st_mtime_ns))
+        for child in old.iterdir():
+            child.unlink()
+        old.rmdir()
+    return link
+
+
+def test_reload_sees_a_kubernetes_secret_update(tmp_path: Path) -> None:
+    mount = tmp_path / "serve-keys"
+    mount.mkdir()
+    limits = {"requests_per_minute": 10}
+    before = [{"name": "team-a", "sha256": sha("key-a"), "limits": limits}]
+    path = _kubernetes_update(mount, "1", before)
+    watcher = KeyFileWatcher(KeyDigests(frozenset()), str(path), interval_s=0.05)
+    assert watcher.ring.identify(bearer("key-a")).limits.requests_per_minute == 10
+    link_mtime = os.lstat(path).st_mtime_ns
+
+    # The same key with another limit of the same length: same size, same mtime.
+    after = [{"name": "team-a", "sha256": sha("key-a"), "limits": {"requests_per_minute": 20}}]
+    _kubernetes_update(mount, "2", after)
+    assert os.lstat(path).st_mtime_ns == link_mtime  # the symlink itself did not change
+    assert watcher.poll() is True
+    assert watcher.ring.identify(bearer("key-a")).limits.requests_per_minute == 20
+    assert watcher.poll() is False
+
+    # A revocation arrives the same way.
+    _kubernetes_update(mount, "3", [{"name": "team-b", "sha256": sha("key-b")}])
+    assert watcher.poll() is True
+    assert watcher.ring.identify(bearer("key-a")) is None
+    assert watcher.ring.names == ["team-b"]

@@ -16,8 +16,9 @@ from typing import Any
 
 import hcl2
 import pytest
+import yaml
 
-from pipeline.serve.spec import load_serve_spec
+from pipeline.serve.spec import ServeSpec, load_serve_spec
 from pipeline.spec import load_job_spec
 from pipeline.submit import NIGHTLY_DATE_EXPR, nightly_submit_argv, nightly_submit_shell
 
@@ -286,7 +287,13 @@ def test_ray_service_serves_the_serve_yaml(workloads: dict[str, Any]) -> None:
     module_dir = TF_ROOT / "workloads"
     serve_path = resolve(workloads, workloads["locals"]["serve_config_path"], module_dir)
     config_map = workloads["resource"][("kubernetes_config_map_v1", "jobs")]
-    assert config_map["data"][Path(serve_path).name] == "${file(local.serve_config_file)}"
+    assert config_map["data"][Path(serve_path).name] == "${local.serve_config_yaml}"
+    # Without a keys-file secret the file goes in as written.
+    rendered = workloads["locals"]["serve_config_yaml"]
+    assert rendered.startswith(
+        "${var.serve_keys_file_secret == null ? local.serve_config_text : "
+    ), rendered
+    assert workloads["locals"]["serve_config_text"] == "${file(local.serve_config_file)}"
     source = Path(resolve(workloads, workloads["locals"]["serve_config_file"], module_dir))
     assert source.resolve() == REPO / "jobs" / "serve.yaml"
     assert load_serve_spec(source, env={}).models
@@ -298,6 +305,46 @@ def test_ray_service_serves_the_serve_yaml(workloads: dict[str, Any]) -> None:
     env = workloads["locals"]["serve_keys_env"]
     assert env["name"] == "TOKENMILL_API_KEYS"
     assert env["valueFrom"]["secretKeyRef"]["name"] == "${var.serve_api_keys_secret}"
+
+
+def test_serve_pods_mount_the_keys_file_secret_where_the_serve_yaml_points(
+    workloads: dict[str, Any],
+) -> None:
+    module_dir = TF_ROOT / "workloads"
+    variable = workloads["variable"]["serve_keys_file_secret"]
+    assert variable["default"] is None  # opt-in
+    path = resolve(workloads, workloads["locals"]["serve_keys_file_path"], module_dir)
+    mount_dir = resolve(workloads, workloads["locals"]["serve_keys_dir"], module_dir)
+    assert path == f"{mount_dir}/keys.yaml"
+    assert mount_dir != workloads["locals"]["config_dir"]  # a volume of its own
+    # The serve YAML's auth.keys_file is set to that path, other auth settings kept.
+    rendered = workloads["locals"]["serve_config_yaml"]
+    assert "yamlencode(merge(yamldecode(local.serve_config_text)" in rendered
+    assert "auth = merge(try(yamldecode(local.serve_config_text).auth, null)" in rendered
+    assert "{keys_file = local.serve_keys_file_path}" in rendered
+    # The secret is a whole-directory read-only mount (a subPath mount would never see an
+    # update of the secret, and the replicas reload the file on change).
+    volumes = workloads["locals"]["serve_keys_file_volumes"]
+    mounts = workloads["locals"]["serve_keys_file_mounts"]
+    for expression in (volumes, mounts):
+        assert expression.startswith("${var.serve_keys_file_secret == null ? [] : [{")
+    assert "secretName = var.serve_keys_file_secret" in volumes
+    assert '{key = "keys.yaml", path = "keys.yaml"}' in volumes
+    assert "mountPath = local.serve_keys_dir" in mounts and "readOnly = true" in mounts
+    assert "subPath" not in mounts
+    # Head and GPU workers alike get the volume and its mount.
+    head = workloads["locals"]["serve_head_group"]
+    worker = workloads["locals"]["serve_worker_template"]["spec"]
+    for template in (head, worker):
+        assert "concat(c.volumeMounts, local.serve_keys_file_mounts)" in template
+        assert "local.serve_keys_file_volumes)" in template
+    # What the rendered serve YAML amounts to is a valid serve file naming that keys file.
+    source = Path(resolve(workloads, workloads["locals"]["serve_config_file"], module_dir))
+    data = yaml.safe_load(source.read_text())
+    data["auth"] = {**(data.get("auth") or {}), "keys_file": path}
+    spec = ServeSpec.model_validate(data)
+    assert spec.auth.keys_file == "/etc/tokenmill/serve-keys/keys.yaml"
+    assert spec.auth.api_keys_env == load_serve_spec(source, env={}).auth.api_keys_env
 
 
 def test_every_container_image_is_a_variable(workloads: dict[str, Any]) -> None:

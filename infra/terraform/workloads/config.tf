@@ -5,7 +5,8 @@ resource "kubernetes_namespace_v1" "tokenmill" {
 }
 
 # The job and serve files, mounted read-only into the Ray pods and the nightly pod.
-# No secrets: job files reference credentials only through ${ENV} names.
+# No secrets: job files reference credentials only through ${ENV} names, and the keys file
+# (digests, but still the list of who may call) comes from its own secret.
 resource "kubernetes_config_map_v1" "jobs" {
   metadata {
     name      = "tokenmill-jobs"
@@ -13,7 +14,7 @@ resource "kubernetes_config_map_v1" "jobs" {
   }
   data = {
     "nightly.yaml" = file(local.nightly_job_file)
-    "serve.yaml"   = file(local.serve_config_file)
+    "serve.yaml"   = local.serve_config_yaml
   }
 }
 

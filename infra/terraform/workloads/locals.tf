@@ -9,6 +9,20 @@ locals {
   nightly_job_path  = "${local.config_dir}/nightly.yaml"
   serve_config_path = "${local.config_dir}/serve.yaml"
 
+  # The keys file (var.serve_keys_file_secret): a secret volume mounted as a whole directory,
+  # never through subPath, since a subPath mount is not updated when the secret changes and
+  # the ingress replicas reload the file on change (pipeline/serve/keys.py).
+  serve_keys_dir       = "/etc/tokenmill/serve-keys"
+  serve_keys_file_path = "${local.serve_keys_dir}/keys.yaml"
+
+  # The serve YAML as mounted: the file as written, or, with a keys-file secret, the same
+  # settings with auth.keys_file pointing at the mounted file (merge skips a null `auth`).
+  serve_config_text = file(local.serve_config_file)
+  serve_config_yaml = var.serve_keys_file_secret == null ? local.serve_config_text : yamlencode(merge(
+    yamldecode(local.serve_config_text),
+    { auth = merge(try(yamldecode(local.serve_config_text).auth, null), { keys_file = local.serve_keys_file_path }) },
+  ))
+
   batch_cluster_name = "tokenmill-batch"
   serve_name         = "tokenmill-serve"
   # KubeRay names the head Service <cluster>-head-svc; 8265 is the dashboard / Jobs API.

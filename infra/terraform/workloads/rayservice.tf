@@ -12,20 +12,42 @@ locals {
     }]
   })
 
-  # Serve pods additionally get the accepted API keys from their secret.
+  # Serve pods additionally get the accepted API keys from their secret and, with
+  # var.serve_keys_file_secret, the keys file mounted read-only where the serve YAML's
+  # auth.keys_file points (local.serve_config_yaml). Head and workers alike: ingress replicas
+  # and the app builder (which checks the file) may run on any of them.
   serve_keys_env = {
     name      = "TOKENMILL_API_KEYS"
     valueFrom = { secretKeyRef = { name = var.serve_api_keys_secret, key = "api_keys" } }
   }
+  serve_keys_file_volumes = var.serve_keys_file_secret == null ? [] : [{
+    name = "serve-keys-file"
+    secret = {
+      secretName  = var.serve_keys_file_secret
+      items       = [{ key = "keys.yaml", path = "keys.yaml" }]
+      defaultMode = 292 # 0444: digests only, but nobody in the pod needs to write it
+    }
+  }]
+  serve_keys_file_mounts = var.serve_keys_file_secret == null ? [] : [{
+    name      = "serve-keys-file"
+    mountPath = local.serve_keys_dir
+    readOnly  = true
+  }]
   serve_head_group = merge(local.head_group, {
     template = { spec = merge(local.head_group.template.spec, {
-      containers = [for c in local.head_group.template.spec.containers :
-      merge(c, { env = concat(c.env, [local.serve_keys_env]) })]
+      containers = [for c in local.head_group.template.spec.containers : merge(c, {
+        env          = concat(c.env, [local.serve_keys_env])
+        volumeMounts = concat(c.volumeMounts, local.serve_keys_file_mounts)
+      })]
+      volumes = concat(local.head_group.template.spec.volumes, local.serve_keys_file_volumes)
     }) }
   })
   serve_worker_template = { spec = merge(local.gpu_worker_template.spec, {
-    containers = [for c in local.gpu_worker_template.spec.containers :
-    merge(c, { env = concat(c.env, [local.serve_keys_env]) })]
+    containers = [for c in local.gpu_worker_template.spec.containers : merge(c, {
+      env          = concat(c.env, [local.serve_keys_env])
+      volumeMounts = concat(c.volumeMounts, local.serve_keys_file_mounts)
+    })]
+    volumes = concat(local.gpu_worker_template.spec.volumes, local.serve_keys_file_volumes)
   }) }
 }
 

@@ -63,6 +63,12 @@ variable "serve_api_keys_secret" {
   default     = "tokenmill-serve-keys"
 }
 
+variable "serve_keys_file_secret" {
+  description = "Secret holding the Serve keys file (named keys by SHA-256 digest, with per-key limits and allowed models; docs/serve.md) under key keys.yaml. When set, it is mounted read-only into every Serve pod at /etc/tokenmill/serve-keys and the serve YAML's auth.keys_file points at it; an update of the secret reaches the running replicas without a restart. null: no keys file."
+  type        = string
+  default     = null
+}
+
 variable "s3_endpoint_url" {
   description = "S3 endpoint of the bucket (../cluster output s3_endpoint_url), exported as AWS_ENDPOINT_URL in Ray pods."
   type        = string

@@ -1,6 +1,7 @@
-"""http.direct_ingress: HAProxy in front of the ingress replica's own HTTP server instead of
-Serve's proxy actor. The same endpoint answers the same way: greedy chat equal to the engine,
-streaming, n choices, auth, and a full queue's 429."""
+"""http.direct_ingress: false, Serve's Python proxy actor in front of the ingress replica
+instead of HAProxy (the default, which every other serve test runs through). The same endpoint
+answers the same way: greedy chat equal to the engine, streaming, n choices, auth, health; and a
+client leaving a whole-answer request cancels it on this path too."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from tests.e2e.serve_fixtures import (
     serve_config,
     start_server,
 )
+from tests.e2e.test_serve_openai import check_whole_response_disconnect_cancels
 
 serve_model_dir = serve_fixtures.serve_model_dir
 
@@ -34,9 +36,9 @@ CHAT = [{"role": "user", "content": "Tell me about the river and the bridge."}]
 def server(serve_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
     config = serve_config(serve_model_dir)
     model = {**config["models"][0], "replicas": {"cpus_per_replica": 0.25}}
-    data = {**config, "name": "tokenmill-direct", "models": [model]}
-    data["http"] = {**data.get("http", {}), "direct_ingress": True}
-    path = tmp_path_factory.mktemp("serve-direct") / "serve.yaml"
+    data = {**config, "name": "tokenmill-proxy", "models": [model]}
+    data["http"] = {**data.get("http", {}), "direct_ingress": False}
+    path = tmp_path_factory.mktemp("serve-proxy") / "serve.yaml"
     path.write_text(yaml.safe_dump(data))
     proc = start_server(path, {"TOKENMILL_API_KEYS": API_KEY}, [])
     yield proc
@@ -70,3 +72,7 @@ def test_the_endpoint_behaves_the_same(server: ServerProcess, serve_model_dir: P
         openai.OpenAI(base_url=server.api_url, api_key="wrong", max_retries=0).models.list()
     health = httpx.get(server.base_url + "/health", timeout=30)
     assert health.status_code == 200
+
+
+def test_client_leaving_a_whole_answer_cancels_it(server: ServerProcess) -> None:
+    check_whole_response_disconnect_cancels(server)
