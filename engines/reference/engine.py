@@ -73,9 +73,11 @@ SETTINGS = (
 
 # Speculation is off in steps with more running requests than this, unless the job says
 # otherwise. Measured on 2 CPU cores (tests/benchmarks/bench_speculative.py, numbers in
-# docs/speculative-decoding.md): up to 8 requests speculation won 1.2-1.9x on the copy-heavy
-# workload, at 16 it was a wash and at 64 it lost ~10-20%, because there the step is already
-# compute-bound and the k extra positions per request cost more than the steps they save.
+# docs/speculative-decoding.md): up to 8 requests speculation won 1.25-1.5x on the copy-heavy
+# workload and still 1.1-1.2x at 16-64, where acceptance is ~0.65 by construction. With
+# output that copies less the k extra positions per request are waste where the step is
+# already compute-bound (`--size small`, which hardly repeats, lost ~20% at 64, measured
+# before verification chunks attended in decode groups).
 DEFAULT_DISABLE_ABOVE_BATCH_SIZE = 8
 
 

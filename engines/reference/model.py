@@ -2,8 +2,9 @@
 
 Every step runs ONE batch of T tokens drawn from many requests (prefill chunks and decode
 tokens mixed): the linears see a [T, hidden] matrix, which is where batching pays. Attention
-is the only per-request part: decode tokens are batched against their gathered KV context,
-prefill chunks go through scaled_dot_product_attention one request at a time.
+is the only per-request part: decode tokens and other short chunks (a speculative
+verification's 1 + k tokens) are batched against their gathered KV context, prefill chunks go
+through scaled_dot_product_attention one request at a time.
 
 Module and parameter names match the Hugging Face checkpoints exactly
 (`model.layers.{i}.self_attn.q_proj`, ...), so weights load by name and a quantized linear can
@@ -36,11 +37,16 @@ class PrefillSeq:
 
 @dataclass
 class DecodeGroup:
-    """Single-token requests of similar context length, attended to together."""
+    """Requests of n tokens each (n = 1: decode; a few: a verification's 1 + k, a short
+    prefill chunk) and similar context length, attended to together over their cached
+    context, which already holds the chunk's own K/V."""
 
-    rows: torch.Tensor  # [B] int64 rows of the flat batch
+    rows: torch.Tensor  # [B * n] int64 rows of the flat batch, request by request
     blocks: torch.Tensor  # [B * NB] int64 block ids of each context, padded to NB blocks
-    mask: torch.Tensor  # [1, B, 1, NB * block_size] bool, True for real (unpadded) keys
+    # True where a query may attend: real (unpadded) keys up to the query's own position.
+    # [1, B, 1, L] for n = 1 (shared by the G heads); [1, B, n * G, L], query-major, for n > 1.
+    mask: torch.Tensor
+    num_queries: int = 1  # n
 
 
 @dataclass
@@ -143,20 +149,22 @@ class Attention(nn.Module):
         return self.o_proj(out.view(num_tokens, self.num_heads * self.head_dim))
 
     def _decode(self, q, k_cache, v_cache, group: DecodeGroup) -> torch.Tensor:
-        # One query per request, so the G query heads sharing a KV head ride in SDPA's
-        # query-length dimension (GQA without repeating K/V), and with KV heads outermost in
-        # the cache one index_select of whole blocks yields SDPA-ready [KVH, B, L, D] K/V:
-        # (KVH, B) act as SDPA's (batch, heads), no transposed copy.
-        rows = group.rows
-        num_seqs = rows.shape[0]
+        # The n queries of a request times the G query heads sharing a KV head ride in SDPA's
+        # query-length dimension (GQA without repeating K/V; the mask keeps each query causal),
+        # and with KV heads outermost in the cache one index_select of whole blocks yields
+        # SDPA-ready [KVH, B, L, D] K/V: (KVH, B) act as SDPA's (batch, heads), no transposed
+        # copy. One SDPA call for the group, however many tokens each request verifies.
+        n = group.num_queries
+        num_seqs = group.rows.shape[0] // n
         per_kv = self.num_heads // self.num_kv_heads  # G
-        qd = q[rows].view(num_seqs, self.num_kv_heads, per_kv, self.head_dim)  # [B, KVH, G, D]
-        qd = qd.transpose(0, 1)  # [KVH, B, G, D]
-        shape = (self.num_kv_heads, num_seqs, -1, self.head_dim)
-        kd = k_cache.index_select(1, group.blocks).view(shape)  # [KVH, B, L, D]
-        vd = v_cache.index_select(1, group.blocks).view(shape)  # [KVH, B, L, D]
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=group.mask)  # [KVH, B, G, D]
-        return od.transpose(0, 1).reshape(num_seqs, self.num_heads, self.head_dim)  # [B, H, D]
+        kvh, dim = self.num_kv_heads, self.head_dim
+        qd = q[group.rows].view(num_seqs, n, kvh, per_kv, dim)  # [B, n, KVH, G, D]
+        qd = qd.permute(2, 0, 1, 3, 4).reshape(kvh, num_seqs, n * per_kv, dim)  # [KVH, B, nG, D]
+        kd = k_cache.index_select(1, group.blocks).view(kvh, num_seqs, -1, dim)  # [KVH, B, L, D]
+        vd = v_cache.index_select(1, group.blocks).view(kvh, num_seqs, -1, dim)  # [KVH, B, L, D]
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=group.mask)  # [KVH, B, nG, D]
+        od = od.unflatten(2, (n, per_kv)).permute(1, 2, 0, 3, 4)  # [B, n, KVH, G, D]
+        return od.reshape(num_seqs * n, self.num_heads, dim)  # [B * n, H, D]
 
     def _prefill(self, q, k, v, k_flat, v_flat, seq: PrefillSeq) -> torch.Tensor:
         qs = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]

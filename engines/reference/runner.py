@@ -6,7 +6,8 @@ target's distribution after its last real token and after each proposal).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,17 @@ from engines.reference.scheduler import ScheduledChunk
 
 # Decode requests attended together; smaller groups pad less, larger ones call SDPA less.
 _DECODE_GROUP_SIZE = 16
+# Chunks of up to this many tokens (a decode token, a verification chunk of 1 + k) attend in
+# decode groups; longer ones (prefill) one request at a time (see Attention._prefill).
+_MAX_GROUPED_QUERIES = 8
+# Below this many multiply-adds per decoder layer a step runs its forward on one thread. Every
+# op that goes parallel wakes the step thread's OpenMP workers, which sleep between ops: 25-120
+# us each on the step thread, against a few us of work in a small step. A verification chunk
+# paid it ~10 times per step (its 1 + k row matmuls take a threaded GEMM where one decode row
+# takes a single-threaded GEMV), which made it cost ~3 decode steps. Measured on 2 shared CPU
+# cores: one thread won every decode batch of the `tiny` model (up to ~4M at 64 requests) and
+# about tied at ~24M (`small`, 8 requests); two won from ~48M (`small`, 16 requests).
+_PARALLEL_MIN_LAYER_MACS = 1 << 25
 
 
 @dataclass(frozen=True)
@@ -29,6 +41,7 @@ class StepInputs:
     sin: torch.Tensor  # [T, 1, D]
     batch: AttentionBatch
     logits_rows: torch.Tensor  # [S] int64
+    layer_macs: int  # multiply-adds of one decoder layer (estimate): picks the thread count
 
 
 @dataclass(frozen=True)
@@ -49,6 +62,26 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
     return 2 * cfg.num_layers * cfg.kv_size * torch.tensor([], dtype=dtype).element_size()
 
 
+def linear_macs_per_token(cfg: ModelConfig) -> int:
+    """Multiply-adds of one decoder layer's projections for one token."""
+    attention = cfg.hidden_size * (2 * cfg.q_size + 2 * cfg.kv_size)  # q, k, v, o
+    return attention + 3 * cfg.hidden_size * cfg.intermediate_size  # gate, up, down
+
+
+@contextlib.contextmanager
+def intra_op_threads(count: int) -> Iterator[None]:
+    """Run the body on at most `count` intra-op threads, then restore the thread's setting."""
+    current = torch.get_num_threads()
+    if count >= current:
+        yield
+        return
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(current)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -64,6 +97,9 @@ class ModelRunner:
         self.profiler: NoProfiler = NO_PROFILER  # the engine's, when it profiles
         self.block_size = block_size
         self.device = device
+        self._per_kv_head = cfg.num_heads // cfg.num_kv_heads  # G query heads per KV head
+        self._linear_macs = linear_macs_per_token(cfg)
+        self._attention_macs = 2 * cfg.q_size  # per (query, key) pair: q·k, then p·v
         # Per layer: K and V pools, [KVH, num_blocks, block_size, D]. KV heads outermost so a
         # gather of whole blocks is directly SDPA's [KVH, B, L, D] (see Attention._decode).
         shape = (cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
@@ -88,11 +124,17 @@ class ModelRunner:
         )
 
     def _decode_groups(
-        self, rows: list[int], lens: list[int], tables: list[Sequence[int]]
+        self,
+        num_queries: int,
+        rows: list[int],
+        lens: list[int],
+        tables: list[Sequence[int]],
     ) -> list[DecodeGroup]:
-        """Decode requests sorted by context length and cut into groups, each padded only to
-        its own longest context: with mixed lengths, one padded batch would gather and attend
-        over mostly padding."""
+        """Requests with `num_queries` tokens each (first flat row `rows[i]`, context length
+        `lens[i]` including those tokens), sorted by context length and cut into groups, each
+        padded only to its own longest context: with mixed lengths, one padded batch would
+        gather and attend over mostly padding."""
+        n, per_kv = num_queries, self._per_kv_head
         order = sorted(range(len(rows)), key=lens.__getitem__)
         groups = []
         for lo in range(0, len(order), _DECODE_GROUP_SIZE):
@@ -103,14 +145,21 @@ class ModelRunner:
             for i in members:  # padding blocks point at block 0; the mask hides them
                 blocks.extend(tables[i][:max_blocks])
                 blocks.extend([0] * (max_blocks - len(tables[i])))
+            # Keys each query row may see: query j of a request sees its context up to and
+            # including its own position. A lone query's limit broadcasts over its G heads;
+            # n > 1 queries ride with their G heads in one dimension, so each row needs its own.
+            heads = 1 if n == 1 else per_kv
+            limits = [lens[i] - n + 1 + j for i in members for j in range(n) for _ in range(heads)]
             context = torch.arange(max_blocks * self.block_size)  # [L]
-            group_lens = torch.tensor([lens[i] for i in members])
-            mask = (context[None, :] < group_lens[:, None]).view(1, len(members), 1, -1)
+            mask = context[None, :] < torch.tensor(limits)[:, None]  # [B * n * heads, L]
             groups.append(
                 DecodeGroup(
-                    rows=torch.tensor([rows[i] for i in members], device=self.device),
+                    rows=torch.tensor(
+                        [rows[i] + j for i in members for j in range(n)], device=self.device
+                    ),
                     blocks=torch.tensor(blocks, dtype=torch.int64, device=self.device),
-                    mask=mask.to(self.device),
+                    mask=mask.view(1, len(members), n * heads, -1).to(self.device),
+                    num_queries=n,
                 )
             )
         return groups
@@ -139,9 +188,11 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, step: StepInputs) -> torch.Tensor:
         """The model over prepared inputs: logits [S, V] (float32)."""
-        return self.model(
-            step.input_ids, step.cos, step.sin, step.batch, self.kv_caches, step.logits_rows
-        )
+        small = step.layer_macs < _PARALLEL_MIN_LAYER_MACS  # see _PARALLEL_MIN_LAYER_MACS
+        with intra_op_threads(1) if small else contextlib.nullcontext():
+            return self.model(
+                step.input_ids, step.cos, step.sin, step.batch, self.kv_caches, step.logits_rows
+            )
 
     @torch.inference_mode()
     def prepare(self, inputs: Sequence[ChunkInput]) -> StepInputs:
@@ -154,11 +205,11 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         prefills: list[PrefillSeq] = []
-        decode_rows: list[int] = []
-        decode_lens: list[int] = []
-        decode_tables: list[Sequence[int]] = []
+        # Short chunks by token count: first row, context length, block table of each.
+        short: dict[int, tuple[list[int], list[int], list[Sequence[int]]]] = {}
         logits_rows: list[int] = []
         prompt_rows: list[int] = []  # after all sampling rows, so theirs keep their places
+        attended = 0  # (query, key) pairs over all chunks (causal ones counted whole)
         row = 0
         for item in inputs:
             chunk = item.chunk
@@ -170,10 +221,12 @@ class ModelRunner:
             input_ids.extend(spec)
             positions.extend(range(start, start + n))
             slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, start + n))
-            if n == 1:
-                decode_rows.append(row)
-                decode_lens.append(start + 1)
-                decode_tables.append(blocks)
+            attended += n * (start + n)
+            if n <= _MAX_GROUPED_QUERIES:
+                rows, lens, tables = short.setdefault(n, ([], [], []))
+                rows.append(row)
+                lens.append(start + n)
+                tables.append(blocks)
             else:
                 gather = mask = None
                 if start > 0:  # attend to cached history: gather the whole context
@@ -189,7 +242,7 @@ class ModelRunner:
             prompt_rows.extend(range(first, first + item.prompt_rows))
             row += n
 
-        groups = self._decode_groups(decode_rows, decode_lens, decode_tables)
+        groups = [g for n, members in short.items() for g in self._decode_groups(n, *members)]
         pos_t = torch.tensor(positions, dtype=torch.int64, device=dev)
         batch = AttentionBatch(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
@@ -202,4 +255,5 @@ class ModelRunner:
             sin=self.sin[pos_t].unsqueeze(1),
             batch=batch,
             logits_rows=torch.tensor(logits_rows + prompt_rows, dtype=torch.int64, device=dev),
+            layer_macs=row * self._linear_macs + attended * self._attention_macs,
         )

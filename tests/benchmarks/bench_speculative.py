@@ -30,8 +30,9 @@ run: output
 tokens/s over the generation window (first submission to last finish, model load excluded),
 speed-up against no speculation, acceptance rate (accepted / proposed), and mean tokens
 emitted per verification (1 + accepted per request-step that verified proposals). The
-fastest of --repeat runs counts, so a burst of load elsewhere on the machine does not decide;
-one warm-up run goes first. Greedy ids are checked equal across the variants.
+fastest of --repeat runs counts, so a burst of load elsewhere on the machine does not decide
+(the repeats go round the variants in turn, so such a burst hits them alike); one warm-up run
+goes first. Greedy ids are checked equal across the variants.
 """
 
 from __future__ import annotations
@@ -132,9 +133,14 @@ def run_once(model: Path, batch: int, args: argparse.Namespace, speculative: dic
     }
 
 
-def best(model, batch, args, speculative):
-    runs = [run_once(model, batch, args, speculative) for _ in range(args.repeat)]
-    return max(runs, key=lambda r: r["tokens_per_s"])
+def best_of_each(model, batch, args, variants):
+    """The fastest of --repeat runs of every variant. Repeats go round the variants in turn, so
+    a burst of load elsewhere on the machine hits them alike, not all runs of one."""
+    runs: list[list[dict]] = [[] for _ in variants]
+    for _ in range(args.repeat):
+        for mine, (_, speculative) in zip(runs, variants, strict=True):
+            mine.append(run_once(model, batch, args, speculative))
+    return [max(mine, key=lambda r: r["tokens_per_s"]) for mine in runs]
 
 
 def main() -> None:
@@ -185,11 +191,9 @@ def main() -> None:
         f"{'batch':>5}  {'variant':<36} {'tok/s':>8} {'speed-up':>8} {'accept':>7} {'tok/verif':>9}"
     )
     for batch in [int(b) for b in args.batches.split(",")]:
-        base = None
-        for name, spec in variants:
-            r = best(model, batch, args, spec)
-            if base is None:
-                base = r
+        results = best_of_each(model, batch, args, variants)
+        base = results[0]
+        for (name, _), r in zip(variants, results, strict=True):
             assert r["ids"] == base["ids"], "speculation changed greedy output"
             acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.2f}"
             per = "-" if r["per_verification"] is None else f"{r['per_verification']:.2f}"
