@@ -61,12 +61,14 @@ def greedy_requests(prompts: Sequence[list[int]], seed: int = 1) -> list[Generat
     ]
 
 
-def hf_greedy(model_dir: Path, requests: Sequence[GenerationRequest]) -> list[list[int]]:
+def hf_greedy(
+    model_dir: Path, requests: Sequence[GenerationRequest], dtype: str = "float32"
+) -> list[list[int]]:
     """transformers `generate(do_sample=False)`, one prompt at a time, EOS ignored."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     model.generation_config.eos_token_id = None  # like ignore_eos: run to max_new_tokens
     outputs = []
     with torch.inference_mode():

@@ -19,6 +19,7 @@ import torch
 
 from engines.api import EngineError
 from engines.reference.config import ModelConfig
+from engines.reference.linear import pack_linears
 from engines.reference.model import CausalLM, fuse_projections
 
 
@@ -186,4 +187,5 @@ def load_model(
     _check_all_used(tensors, used, origin, cfg, model_dir)
     model = model.to(device).eval().requires_grad_(False)
     fuse_projections(model)
+    pack_linears(model)  # after fusing: the fused matmuls are the ones to reorder
     return model

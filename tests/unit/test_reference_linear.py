@@ -1,0 +1,52 @@
+"""oneDNN linears of the reference engine on CPU: same results as nn.Linear, swapped only where
+they apply."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from engines.reference.linear import OneDnnLinear, pack_linears
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize(
+    ("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"]
+)
+def test_matches_nn_linear(bias: bool, dtype: torch.dtype, tol: float) -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 80, bias=bias).to(dtype)
+    packed = OneDnnLinear(linear)
+    for shape in [(1, 96), (37, 96), (2, 5, 96)]:  # decode row, a step's rows, batched
+        x = torch.randn(shape).to(dtype)
+        with torch.inference_mode():
+            expected, got = linear(x), packed(x)
+        assert got.shape == expected.shape and got.dtype == dtype
+        torch.testing.assert_close(got.float(), expected.float(), rtol=tol, atol=tol)
+
+
+def test_non_contiguous_input() -> None:
+    linear = nn.Linear(64, 32)
+    x = torch.randn(64, 10).t()  # [10, 64], a transposed view
+    with torch.inference_mode():
+        torch.testing.assert_close(OneDnnLinear(linear)(x), linear(x), rtol=1e-5, atol=1e-5)
+
+
+class _Quantized(nn.Linear):
+    """A subclass with its own forward stands for a quantized replacement."""
+
+
+def test_pack_swaps_plain_linears_only() -> None:
+    model = nn.Sequential(
+        nn.Linear(8, 8), nn.ReLU(), _Quantized(8, 8), nn.Sequential(nn.Linear(8, 4))
+    )
+    assert pack_linears(model) == 2
+    assert type(model[0]) is OneDnnLinear and type(model[3][0]) is OneDnnLinear
+    assert type(model[2]) is _Quantized
+    assert pack_linears(model) == 0  # nothing left to swap
+
+
+def test_float16_stays_nn_linear() -> None:
+    model = nn.Sequential(nn.Linear(8, 8).half())
+    assert pack_linears(model) == 0 and type(model[0]) is nn.Linear
