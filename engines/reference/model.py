@@ -3,8 +3,10 @@
 Every step runs ONE batch of T tokens drawn from many requests (prefill chunks and decode
 tokens mixed): the linears see a [T, hidden] matrix, which is where batching pays. Attention
 is the only per-request part: decode tokens and other short chunks (a speculative
-verification's 1 + k tokens) are batched against their gathered KV context, prefill chunks go
-through scaled_dot_product_attention one request at a time.
+verification's 1 + k tokens) are attended all at once, on CPU by a kernel that reads the paged
+KV cache in place (engines.reference.paged_attention), elsewhere in groups against their
+gathered KV context; prefill chunks go through scaled_dot_product_attention one request at a
+time.
 
 Module and parameter names match the Hugging Face checkpoints exactly
 (`model.layers.{i}.self_attn.q_proj`, ...), so weights load by name and a quantized linear can
@@ -20,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engines.reference.config import ModelConfig
+from engines.reference.paged_attention import paged_attention
 
 FP8_E4M3_MAX = 448.0
 
@@ -50,12 +53,24 @@ class DecodeGroup:
 
 
 @dataclass
+class PagedRows:
+    """The step's short-chunk query rows for the CPU kernel that reads the paged cache in place
+    (engines.reference.paged_attention): one call per layer for all of them."""
+
+    rows: torch.Tensor  # [R] int64 rows of the flat batch
+    req: torch.Tensor  # [R] int32 each row's block table in `tables`
+    limit: torch.Tensor  # [R] int32 keys the row attends to: its own position + 1
+    tables: torch.Tensor  # [N, max_blocks] int32 block tables, padded with block 0
+
+
+@dataclass
 class AttentionBatch:
     """Where the step's tokens go in the KV cache and what each one attends to."""
 
     slot_mapping: torch.Tensor  # [T] int64 flat cache slot (block * block_size + offset)
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillSeq] = field(default_factory=list)
+    paged: PagedRows | None = None  # short chunks, when the kernel runs them (no groups then)
 
 
 class RMSNorm(nn.Module):
@@ -141,6 +156,11 @@ class Attention(nn.Module):
         v_flat.index_copy_(1, batch.slot_mapping, v.transpose(0, 1))
 
         out = torch.empty_like(q)  # [T, H, D]
+        if batch.paged is not None:
+            p = batch.paged
+            paged_attention(
+                out, q, k_cache, v_cache, p.rows, p.req, p.limit, p.tables, self.head_dim**-0.5
+            )
         for group in batch.decode_groups:
             out[group.rows] = self._decode(q, k_cache, v_cache, group)
         for seq in batch.prefills:

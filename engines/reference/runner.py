@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from engines.reference.config import ModelConfig, rope_inv_freq
-from engines.reference.model import AttentionBatch, CausalLM, DecodeGroup, PrefillSeq
+from engines.reference.model import AttentionBatch, CausalLM, DecodeGroup, PagedRows, PrefillSeq
+from engines.reference.paged_attention import use_kernel
 from engines.reference.profiling import NO_PROFILER, NoProfiler
 from engines.reference.scheduler import ScheduledChunk
 
@@ -100,6 +101,7 @@ class ModelRunner:
         self._per_kv_head = cfg.num_heads // cfg.num_kv_heads  # G query heads per KV head
         self._linear_macs = linear_macs_per_token(cfg)
         self._attention_macs = 2 * cfg.q_size  # per (query, key) pair: q·k, then p·v
+        self._paged_kernel = use_kernel(device)  # short chunks read the cache in place
         # Per layer: K and V pools, [KVH, num_blocks, block_size, D]. KV heads outermost so a
         # gather of whole blocks is directly SDPA's [KVH, B, L, D] (see Attention._decode).
         shape = (cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
@@ -163,6 +165,32 @@ class ModelRunner:
                 )
             )
         return groups
+
+    def _paged_rows(
+        self, short: dict[int, tuple[list[int], list[int], list[Sequence[int]]]]
+    ) -> PagedRows:
+        """Every short chunk's query rows for the kernel: query j of a chunk of n tokens whose
+        context (its own tokens included) is `length` long attends to keys up to its own
+        position, length - n + 1 + j of them."""
+        rows: list[int] = []
+        req: list[int] = []
+        limit: list[int] = []
+        tables: list[Sequence[int]] = []
+        for n, (firsts, lens, block_tables) in short.items():
+            for first, length, blocks in zip(firsts, lens, block_tables, strict=True):
+                for j in range(n):
+                    rows.append(first + j)
+                    req.append(len(tables))
+                    limit.append(length - n + 1 + j)
+                tables.append(blocks)
+        width = max(len(t) for t in tables)
+        padded = [[*t, *([0] * (width - len(t)))] for t in tables]
+        return PagedRows(
+            rows=torch.tensor(rows, dtype=torch.int64),
+            req=torch.tensor(req, dtype=torch.int32),
+            limit=torch.tensor(limit, dtype=torch.int32),
+            tables=torch.tensor(padded, dtype=torch.int32),
+        )
 
     @torch.inference_mode()
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
@@ -242,12 +270,17 @@ class ModelRunner:
             prompt_rows.extend(range(first, first + item.prompt_rows))
             row += n
 
-        groups = [g for n, members in short.items() for g in self._decode_groups(n, *members)]
+        if self._paged_kernel:
+            groups, paged = [], self._paged_rows(short) if short else None
+        else:
+            groups = [g for n, members in short.items() for g in self._decode_groups(n, *members)]
+            paged = None
         pos_t = torch.tensor(positions, dtype=torch.int64, device=dev)
         batch = AttentionBatch(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
             decode_groups=groups,
             prefills=prefills,
+            paged=paged,
         )
         return StepInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),

@@ -24,6 +24,12 @@ VARIANTS = {
         0.0,
     ),
     "staggered": ({"max_num_tokens": 32}, 0.002),
+    # Short chunks through the torch attention path (gathered decode groups, what CUDA runs)
+    # instead of the CPU paged kernel; chunked and preempting so every path is exercised.
+    "torch-attention": (
+        {"max_num_tokens": 16, "kv_cache_tokens": 112, "block_size": 8, "max_batch_size": 8},
+        0.0,
+    ),
 }
 
 _BASELINES: dict[tuple[str, bool], tuple[list, list[list[int]]]] = {}
@@ -39,9 +45,11 @@ def _baseline(arch: str, tied: bool):
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize(("arch", "tied"), MODELS, ids=[f"{a}-{t}" for a, t in MODELS])
-def test_greedy_ids_match_transformers(arch: str, tied: bool, variant: str) -> None:
+def test_greedy_ids_match_transformers(arch: str, tied: bool, variant: str, monkeypatch) -> None:
     requests, expected = _baseline(arch, tied)
     settings, stagger = VARIANTS[variant]
+    if variant == "torch-attention":
+        monkeypatch.setattr("engines.reference.runner.use_kernel", lambda device: False)
     engine = ReferenceEngine(str(tiny_model(arch, tied)), num_threads=1, **settings)
     try:
         results = run_all(engine, requests, stagger_s=stagger)

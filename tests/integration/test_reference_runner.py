@@ -1,6 +1,7 @@
 """ModelRunner's attention paths and thread choice: short chunks with history (a speculative
-verification's 1 + k tokens) attend in decode groups and must give the logits the per-request
-prefill path gives; small steps run on one thread and leave the thread count as it was."""
+verification's 1 + k tokens) attend through the CPU paged kernel or, as on CUDA, in decode
+groups, and both must give the logits the per-request prefill path gives; small steps run on
+one thread and leave the thread count as it was."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 
 import engines.reference.runner as runner_module
 from engines.reference.config import load_model_config
+from engines.reference.paged_attention import kernel_available
 from engines.reference.runner import ChunkInput, ModelRunner, intra_op_threads
 from engines.reference.scheduler import ScheduledChunk
 from engines.reference.weights import load_model
@@ -36,9 +38,13 @@ def _tables(lengths: list[int]) -> list[list[int]]:
     return tables
 
 
+@pytest.mark.parametrize("path", ["kernel", "groups"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_short_chunks_in_decode_groups_match_the_prefill_path(arch, monkeypatch) -> None:
+def test_short_chunks_match_the_prefill_path(arch, path, monkeypatch) -> None:
     runner = _runner(arch)
+    if path == "kernel" and not kernel_available():
+        pytest.skip("no C++ compiler for the paged kernel")
+    runner._paged_kernel = path == "kernel"
     gen = torch.Generator().manual_seed(0)
     # (history, chunk tokens, proposals): verification chunks of several sizes, a plain decode
     # token and a short chunk with no history, in one step.
@@ -59,9 +65,13 @@ def test_short_chunks_in_decode_groups_match_the_prefill_path(arch, monkeypatch)
         step.append(ChunkInput(ScheduledChunk(f"r{i}", h, n, True, n - k, spec), own, tables[i]))
 
     grouped = runner.execute(step)
-    assert len(runner.prepare(step).batch.prefills) == 0  # every chunk went through a group
+    batch = runner.prepare(step).batch
+    assert len(batch.prefills) == 0  # every chunk went through the kernel or a group
+    assert (batch.paged is not None) == (path == "kernel")
+    assert (len(batch.decode_groups) == 0) == (path == "kernel")
     monkeypatch.setattr(runner_module, "_MAX_GROUPED_QUERIES", 0)
-    assert len(runner.prepare(step).batch.decode_groups) == 0
+    batch = runner.prepare(step).batch
+    assert len(batch.decode_groups) == 0 and batch.paged is None
     per_request = runner.execute(step)
 
     assert grouped.shape == (sum(k + 1 for _, _, k in shapes), runner.model.config.vocab_size)
