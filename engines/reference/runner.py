@@ -156,15 +156,24 @@ class ModelRunner:
             mask = context[None, :] < torch.tensor(limits)[:, None]  # [B * n * heads, L]
             groups.append(
                 DecodeGroup(
-                    rows=torch.tensor(
-                        [rows[i] + j for i in members for j in range(n)], device=self.device
+                    rows=self._upload(
+                        torch.tensor([rows[i] + j for i in members for j in range(n)])
                     ),
-                    blocks=torch.tensor(blocks, dtype=torch.int64, device=self.device),
-                    mask=mask.view(1, len(members), n * heads, -1).to(self.device),
+                    blocks=self._upload(torch.tensor(blocks, dtype=torch.int64)),
+                    mask=self._upload(mask.view(1, len(members), n * heads, -1)),
                     num_queries=n,
                 )
             )
         return groups
+
+    def _upload(self, host: torch.Tensor) -> torch.Tensor:
+        """A step input built on the host, on the model's device. On CUDA it is staged in
+        pinned memory (torch's caching host allocator keeps those pages from step to step) and
+        copied asynchronously on the stream: a pageable copy would block the step thread on
+        every input of every step. On CPU it is the tensor itself."""
+        if self.device.type != "cuda":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
 
     def _paged_rows(
         self, short: dict[int, tuple[list[int], list[int], list[Sequence[int]]]]
@@ -226,7 +235,7 @@ class ModelRunner:
     def prepare(self, inputs: Sequence[ChunkInput]) -> StepInputs:
         """Flatten the scheduled chunks into model inputs (separate from `forward` so a
         profile tells host-side batch building from the model's own time)."""
-        dev, bs = self.device, self.block_size
+        bs = self.block_size
         # Plain Python lists, one torch.tensor each at the end: per-request tensor ops would
         # cost more than the bookkeeping itself at large batch sizes.
         input_ids: list[int] = []
@@ -260,9 +269,9 @@ class ModelRunner:
                 if start > 0:  # attend to cached history: gather the whole context
                     table = torch.tensor(blocks, dtype=torch.int64)
                     context = torch.arange(start + n)
-                    gather = self._slots(table, context).to(dev)
+                    gather = self._upload(self._slots(table, context))
                     queries = torch.arange(start, start + n)
-                    mask = (context[None, :] <= queries[:, None]).to(dev)  # [n, L]
+                    mask = self._upload(context[None, :] <= queries[:, None])  # [n, L]
                 prefills.append(PrefillSeq(row, n, start, gather, mask))
             # The last real token's row, then one per proposal: verification needs them all.
             logits_rows.extend(range(row + n - chunk.num_logits, row + n))
@@ -275,18 +284,18 @@ class ModelRunner:
         else:
             groups = [g for n, members in short.items() for g in self._decode_groups(n, *members)]
             paged = None
-        pos_t = torch.tensor(positions, dtype=torch.int64, device=dev)
+        pos_t = self._upload(torch.tensor(positions, dtype=torch.int64))
         batch = AttentionBatch(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            slot_mapping=self._upload(torch.tensor(slots, dtype=torch.int64)),
             decode_groups=groups,
             prefills=prefills,
             paged=paged,
         )
         return StepInputs(
-            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
+            input_ids=self._upload(torch.tensor(input_ids, dtype=torch.int64)),
             cos=self.cos[pos_t].unsqueeze(1),  # [T, 1, D]
             sin=self.sin[pos_t].unsqueeze(1),
             batch=batch,
-            logits_rows=torch.tensor(logits_rows + prompt_rows, dtype=torch.int64, device=dev),
+            logits_rows=self._upload(torch.tensor(logits_rows + prompt_rows, dtype=torch.int64)),
             layer_macs=row * self._linear_macs + attended * self._attention_macs,
         )
