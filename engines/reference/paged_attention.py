@@ -31,10 +31,14 @@ DISABLE_ENV = "TOKENMILL_PAGED_KERNEL"
 CACHE_ENV = "TOKENMILL_KERNEL_CACHE"
 # Reassociation lets the compiler vectorise the dot products and sums (fp32 results then
 # differ from a sequential sum in the last bits, as any blocked kernel does); no -ffast-math:
-# it would also assume no infinities.
+# it would also assume no infinities. -fopenmp: at::parallel_for is a header template whose
+# OpenMP pragma is dropped without it (the kernel then runs on one thread); the library it
+# links, libgomp.so.1, resolves to the copy torch has already loaded (same soname), so the
+# kernel shares torch's thread pool.
 _CFLAGS = [
     "-O3",
     "-march=native",
+    "-fopenmp",
     "-fno-math-errno",
     "-fassociative-math",
     "-fno-signed-zeros",
@@ -79,6 +83,7 @@ def kernel_available() -> bool:
             sources=[str(_SOURCE)],
             build_directory=str(build),
             extra_cflags=_CFLAGS,
+            extra_ldflags=["-fopenmp"],
             is_python_module=False,
             verbose=False,
         )
