@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engines.reference import cpu_kernels
 from engines.reference.config import ModelConfig
-from engines.reference.paged_attention import paged_attention
 
 FP8_E4M3_MAX = 448.0
 
@@ -80,6 +80,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if cpu_kernels.use_kernels(x.device):
+            return cpu_kernels.rms_norm(x, self.weight, self.eps)
         # Same order of operations as transformers (fp32 statistics) so greedy ids match.
         dtype = x.dtype
         x32 = x.float()
@@ -143,8 +145,11 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        if cpu_kernels.use_kernels(x.device):
+            q, k = cpu_kernels.rope(q, cos, sin), cpu_kernels.rope(k, cos, sin)
+        else:
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
         if self.k_scale is not None:
             k = fake_quant_fp8(k, self.k_scale)
         if self.v_scale is not None:
@@ -158,7 +163,7 @@ class Attention(nn.Module):
         out = torch.empty_like(q)  # [T, H, D]
         if batch.paged is not None:
             p = batch.paged
-            paged_attention(
+            cpu_kernels.paged_attention(
                 out, q, k_cache, v_cache, p.rows, p.req, p.limit, p.tables, self.head_dim**-0.5
             )
         for group in batch.decode_groups:
@@ -209,6 +214,8 @@ class MLP(nn.Module):
         self.gate_up_proj: nn.Module | None = None  # set by fuse_projections
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        if self.gate_up_proj is not None and cpu_kernels.use_kernels(x.device):
+            return self.down_proj(cpu_kernels.silu_mul(self.gate_up_proj(x)))
         if self.gate_up_proj is not None:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # 2 x [T, intermediate]
         else:
@@ -225,7 +232,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, batch, k_cache, v_cache) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, k_cache, v_cache)
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, batch, k_cache, v_cache)
+        if cpu_kernels.use_kernels(x.device):
+            norm = self.post_attention_layernorm
+            # x += attn in place (x is this step's own residual stream), fused with the norm.
+            return x + self.mlp(cpu_kernels.add_rms_norm(x, attn, norm.weight, norm.eps))
+        x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x))
 
 

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
+from engines.reference import cpu_kernels
 from engines.reference.config import ModelConfig, rope_inv_freq
 from engines.reference.model import AttentionBatch, CausalLM, DecodeGroup, PagedRows, PrefillSeq
-from engines.reference.paged_attention import use_kernel
 from engines.reference.profiling import NO_PROFILER, NoProfiler
 from engines.reference.scheduler import ScheduledChunk
 
@@ -101,7 +101,7 @@ class ModelRunner:
         self._per_kv_head = cfg.num_heads // cfg.num_kv_heads  # G query heads per KV head
         self._linear_macs = linear_macs_per_token(cfg)
         self._attention_macs = 2 * cfg.q_size  # per (query, key) pair: q·k, then p·v
-        self._paged_kernel = use_kernel(device)  # short chunks read the cache in place
+        self._paged_kernel = cpu_kernels.use_kernels(device)  # short chunks: cache in place
         # Per layer: K and V pools, [KVH, num_blocks, block_size, D]. KV heads outermost so a
         # gather of whole blocks is directly SDPA's [KVH, B, L, D] (see Attention._decode).
         shape = (cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)

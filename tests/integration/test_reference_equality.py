@@ -24,9 +24,9 @@ VARIANTS = {
         0.0,
     ),
     "staggered": ({"max_num_tokens": 32}, 0.002),
-    # Short chunks through the torch attention path (gathered decode groups, what CUDA runs)
-    # instead of the CPU paged kernel; chunked and preempting so every path is exercised.
-    "torch-attention": (
+    # Plain torch ops (gathered decode groups, unfused norms, RoPE and SiLU: what CUDA runs)
+    # instead of the CPU kernels; chunked and preempting so every path is exercised.
+    "torch-ops": (
         {"max_num_tokens": 16, "kv_cache_tokens": 112, "block_size": 8, "max_batch_size": 8},
         0.0,
     ),
@@ -48,8 +48,8 @@ def _baseline(arch: str, tied: bool):
 def test_greedy_ids_match_transformers(arch: str, tied: bool, variant: str, monkeypatch) -> None:
     requests, expected = _baseline(arch, tied)
     settings, stagger = VARIANTS[variant]
-    if variant == "torch-attention":
-        monkeypatch.setattr("engines.reference.runner.use_kernel", lambda device: False)
+    if variant == "torch-ops":
+        monkeypatch.setattr("engines.reference.cpu_kernels.use_kernels", lambda device: False)
     engine = ReferenceEngine(str(tiny_model(arch, tied)), num_threads=1, **settings)
     try:
         results = run_all(engine, requests, stagger_s=stagger)

@@ -10,7 +10,7 @@ import torch
 
 import engines.reference.runner as runner_module
 from engines.reference.config import load_model_config
-from engines.reference.paged_attention import kernel_available
+from engines.reference.cpu_kernels import kernels_available
 from engines.reference.runner import ChunkInput, ModelRunner, intra_op_threads
 from engines.reference.scheduler import ScheduledChunk
 from engines.reference.weights import load_model
@@ -42,7 +42,7 @@ def _tables(lengths: list[int]) -> list[list[int]]:
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_short_chunks_match_the_prefill_path(arch, path, monkeypatch) -> None:
     runner = _runner(arch)
-    if path == "kernel" and not kernel_available():
+    if path == "kernel" and not kernels_available():
         pytest.skip("no C++ compiler for the paged kernel")
     runner._paged_kernel = path == "kernel"
     gen = torch.Generator().manual_seed(0)

@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engines.reference.paged_attention import kernel_available, paged_attention
+from engines.reference.cpu_kernels import kernels_available, paged_attention
 
-pytestmark = pytest.mark.skipif(not kernel_available(), reason="no C++ compiler for the kernel")
+pytestmark = pytest.mark.skipif(not kernels_available(), reason="no C++ compiler for the kernel")
 
 
 def reference(q, k_cache, v_cache, rows, req, limit, tables, block_size):
@@ -95,3 +95,67 @@ def test_bad_indices_fail_with_a_message_not_a_crash() -> None:
         bad = torch.tensor([[1, 9]], dtype=torch.int32)
         ok = torch.tensor([5, 16], dtype=torch.int32)
         paged_attention(out, q, k_cache, v_cache, rows, req, ok, bad, scale=1.0)
+
+
+# --- fused element-wise ops against the torch ops they replace ---------------------------------
+
+
+def _torch_rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+DTYPES = [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)]
+
+
+@pytest.mark.parametrize(("dtype", "tol"), DTYPES, ids=["fp32", "bf16"])
+def test_rms_norm_and_add_rms_norm(dtype, tol) -> None:
+    from engines.reference.cpu_kernels import add_rms_norm, rms_norm
+
+    torch.manual_seed(0)
+    weight = torch.rand(96).to(dtype) + 0.5
+    for shape in [(1, 96), (70, 96), (5, 3, 96)]:  # one row, many rows (threads), q-norm shape
+        x = torch.randn(shape).to(dtype)
+        torch.testing.assert_close(
+            rms_norm(x, weight, 1e-6), _torch_rms(x, weight, 1e-6), rtol=tol, atol=tol
+        )
+    strided = torch.randn(7, 200).to(dtype)[:, 10:106]  # a slice of a wider row, like q of qkv
+    torch.testing.assert_close(
+        rms_norm(strided, weight, 1e-5), _torch_rms(strided, weight, 1e-5), rtol=tol, atol=tol
+    )
+    x, delta = torch.randn(40, 96).to(dtype), torch.randn(40, 96).to(dtype)
+    expected_sum = x + delta
+    normed = add_rms_norm(x, delta, weight, 1e-6)
+    assert torch.equal(x, expected_sum)  # the residual stream, updated in place
+    torch.testing.assert_close(normed, _torch_rms(expected_sum, weight, 1e-6), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize(("dtype", "tol"), DTYPES, ids=["fp32", "bf16"])
+def test_rope_on_a_slice_of_qkv(dtype, tol) -> None:
+    from engines.reference.cpu_kernels import rope
+
+    torch.manual_seed(1)
+    tokens, heads, dim = 37, 4, 32
+    qkv = torch.randn(tokens, heads * dim + 2 * 2 * dim).to(dtype)
+    q = qkv[:, : heads * dim].view(tokens, heads, dim)  # non-contiguous rows, as in the model
+    angles = torch.randn(tokens, 1, dim // 2)
+    cos = torch.cat([angles.cos()] * 2, -1).to(dtype)
+    sin = torch.cat([angles.sin()] * 2, -1).to(dtype)
+    half = dim // 2
+    rotated = torch.cat((-q[..., half:], q[..., :half]), dim=-1)
+    expected = q * cos + rotated * sin
+    got = rope(q, cos, sin)
+    assert got.is_contiguous() and got.shape == q.shape
+    torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize(("dtype", "tol"), DTYPES, ids=["fp32", "bf16"])
+def test_silu_mul(dtype, tol) -> None:
+    from engines.reference.cpu_kernels import silu_mul
+
+    torch.manual_seed(2)
+    gate_up = (torch.randn(50, 2 * 88) * 6).to(dtype)  # large |gate| too: exp's clamped range
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(
+        silu_mul(gate_up), torch.nn.functional.silu(gate) * up, rtol=tol, atol=tol
+    )

@@ -1,0 +1,150 @@
+"""The reference engine's CPU kernels (engines/reference/kernels/*.cpp), built on first use,
+and the switch back to plain torch ops.
+
+- paged_attention.cpp: short query chunks (decode tokens, verifications) attended over the
+  paged KV cache in place.
+- fused_ops.cpp: RMSNorm (with the residual add before it), rotary embedding and SiLU * up,
+  one pass each instead of 3-8 torch ops (each a pass over the activations and a dispatch).
+
+Why the attention kernel: the torch path gathers every decode request's KV blocks into a padded
+copy per layer before SDPA; for a step of 64 requests with ~330 tokens of context on the
+`small` model that is ~170 MB copied per step, more than the step's matmuls move. The kernel
+reads each K/V row where it lies. It is compiled once per machine with the compiler torch
+itself uses (about ten seconds) into ~/.cache/tokenmill/kernels/<key> (TOKENMILL_KERNEL_CACHE
+overrides), keyed by the source, the torch version and the CPU's instruction-set flags (it is
+built for the host CPU), and loaded from there afterwards in well under a second; torch
+serialises concurrent builds of one directory with a lock file. Where it cannot be built (no
+C++ compiler) the engine says so once in its log and keeps the torch ops;
+TOKENMILL_CPU_KERNELS=0 forces them. CUDA always uses the torch ops (the equality tests run
+those on CPU too).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCES = [
+    Path(__file__).parent / "kernels" / name for name in ("paged_attention.cpp", "fused_ops.cpp")
+]
+DISABLE_ENV = "TOKENMILL_CPU_KERNELS"
+CACHE_ENV = "TOKENMILL_KERNEL_CACHE"
+# Reassociation lets the compiler vectorise the dot products and sums (fp32 results then
+# differ from a sequential sum in the last bits, as any blocked kernel does); no -ffast-math:
+# it would also assume no infinities. -fopenmp: at::parallel_for is a header template whose
+# OpenMP pragma is dropped without it (the kernel then runs on one thread); the library it
+# links, libgomp.so.1, resolves to the copy torch has already loaded (same soname), so the
+# kernel shares torch's thread pool.
+_CFLAGS = [
+    "-O3",
+    "-march=native",
+    "-fopenmp",
+    "-fno-math-errno",
+    "-fassociative-math",
+    "-fno-signed-zeros",
+    "-fno-trapping-math",
+]
+# (row, KV head) pairs below which a call runs on the calling thread: waking the OpenMP
+# workers costs tens of microseconds, more than a few rows' attention.
+PARALLEL_GRAIN = 16
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build_dir() -> Path:
+    key = hashlib.sha256()
+    for part in [*(src.read_bytes() for src in _SOURCES), torch.__version__.encode()]:
+        key.update(part)
+    key.update(_cpu_flags().encode())
+    key.update(" ".join(_CFLAGS).encode())
+    base = os.environ.get(CACHE_ENV) or "~/.cache/tokenmill/kernels"
+    return Path(base).expanduser() / f"cpu-kernels-{key.hexdigest()[:16]}"
+
+
+@functools.cache
+def kernels_available() -> bool:
+    """Build (first time on this machine) and load the kernels; False where they cannot be."""
+    if os.environ.get(DISABLE_ENV) == "0":
+        return False
+    try:
+        from torch.utils.cpp_extension import load
+
+        build = _build_dir()
+        build.mkdir(parents=True, exist_ok=True)
+        load(
+            name="tokenmill_cpu_kernels",
+            sources=[str(src) for src in _SOURCES],
+            build_directory=str(build),
+            extra_cflags=_CFLAGS,
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+            verbose=False,
+        )
+    except Exception as exc:  # no compiler, a failed build: the torch path still works
+        logger.warning(
+            "CPU kernels unavailable (%s: %s); the reference engine uses plain torch ops",
+            type(exc).__name__,
+            str(exc).splitlines()[0] if str(exc) else "",
+        )
+        return False
+    return True
+
+
+def use_kernels(device: torch.device) -> bool:
+    """Whether tensors on `device` go through the kernels (looked up on this module at each
+    call, so a test can switch the torch ops on)."""
+    return device.type == "cpu" and kernels_available()
+
+
+def paged_attention(
+    out: torch.Tensor,  # [T, H, D], written at `rows`
+    q: torch.Tensor,  # [T, H, D]
+    k_cache: torch.Tensor,  # [KVH, num_blocks, block_size, D]
+    v_cache: torch.Tensor,
+    rows: torch.Tensor,  # [R] int64 query rows of the flat batch
+    req: torch.Tensor,  # [R] int32 each row's index into `tables`
+    limit: torch.Tensor,  # [R] int32 keys each row attends to (its position + 1)
+    tables: torch.Tensor,  # [N, max_blocks] int32 block tables of the step's short chunks
+    scale: float,
+) -> None:
+    torch.ops.tokenmill.paged_attention(
+        out, q, k_cache, v_cache, rows, req, limit, tables, scale, PARALLEL_GRAIN
+    )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim (fp32 statistics, transformers' rounding order)."""
+    return torch.ops.tokenmill.rms_norm(x, weight, eps)
+
+
+def add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """x += delta in place (the residual stream), then RMSNorm of the sum."""
+    return torch.ops.tokenmill.add_rms_norm(x, delta, weight, eps)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin as a new contiguous [T, H, D] tensor."""
+    return torch.ops.tokenmill.rope(x, cos, sin)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up for gate_up = [gate | up] ([T, 2I] -> [T, I])."""
+    return torch.ops.tokenmill.silu_mul(gate_up)
