@@ -3,9 +3,9 @@
 //
 // For every query row r (a token of the step's flat batch) and KV head h, the G query heads
 // sharing h are scored against keys 0 .. limit[r] - 1 of the row's request, key j living in
-// block table[req[r]][j / block_size] at offset j % block_size of the cache. Each K and V row
-// is loaded once per (r, h) and used by all G heads; scores and the softmax are kept in fp32.
-// Work is split over (row, KV head) pairs; a step with fewer pairs than `grain` runs on the
+// block table[req[r]][j / block_size] at offset j % block_size of the cache. Scores and the
+// softmax are kept in fp32; K and V rows are read where they lie (from memory for the first
+// head of a KV head, from the core's cache for the others). Work is split over (row, KV head) pairs; a step with fewer pairs than `grain` runs on the
 // calling thread (waking OpenMP workers costs more than a small step's work).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -45,7 +45,62 @@ inline float exp_nonpositive(float x) {
 template <typename T>
 inline float to_float(T x) { return static_cast<float>(x); }
 
-template <typename scalar_t>
+// One (query row, KV head): the G heads' scores over the row's keys, softmax, then the
+// weighted sum of V. D is a compile-time constant for the common head sizes, so a head's
+// query and its output accumulator stay in registers; heads are taken one at a time so they
+// do (the row's K and V, re-read per head, come from the core's L2).
+template <typename scalar_t, int D>
+inline void attend_row(
+    const scalar_t* __restrict q_row, const scalar_t* __restrict k_head,
+    const scalar_t* __restrict v_head, const int32_t* __restrict table, int64_t keys,
+    int64_t block_size, int64_t block_stride, int64_t group, int64_t dim, float scale,
+    float* __restrict scores, scalar_t* __restrict o_row) {
+  const int64_t d_len = D > 0 ? D : dim;
+  for (int64_t g = 0; g < group; ++g) {
+    float qg[D > 0 ? D : 1];
+    std::vector<float> q_dyn(D > 0 ? 0 : d_len);
+    float* qv = D > 0 ? qg : q_dyn.data();
+    for (int64_t d = 0; d < d_len; ++d) qv[d] = to_float(q_row[g * d_len + d]) * scale;
+    float* s = scores + g * keys;
+    for (int64_t j = 0; j < keys;) {  // block by block: no division per key
+      const int64_t off = j % block_size;
+      const int64_t n = std::min(block_size - off, keys - j);
+      const scalar_t* kb = k_head + table[j / block_size] * block_stride + off * d_len;
+      for (int64_t t = 0; t < n; ++t) {
+        const scalar_t* kr = kb + t * d_len;
+        float dot = 0.f;
+        for (int64_t d = 0; d < d_len; ++d) dot += qv[d] * to_float(kr[d]);
+        s[j + t] = dot;
+      }
+      j += n;
+    }
+    const float top = *std::max_element(s, s + keys);  // softmax, max-subtracted
+    float total = 0.f;
+    for (int64_t j = 0; j < keys; ++j) {
+      s[j] = exp_nonpositive(s[j] - top);
+      total += s[j];
+    }
+    const float inv = 1.f / total;
+    float acc[D > 0 ? D : 1];
+    std::vector<float> acc_dyn(D > 0 ? 0 : d_len);
+    float* av = D > 0 ? acc : acc_dyn.data();
+    for (int64_t d = 0; d < d_len; ++d) av[d] = 0.f;
+    for (int64_t j = 0; j < keys;) {
+      const int64_t off = j % block_size;
+      const int64_t n = std::min(block_size - off, keys - j);
+      const scalar_t* vb = v_head + table[j / block_size] * block_stride + off * d_len;
+      for (int64_t t = 0; t < n; ++t) {
+        const float p = s[j + t];
+        const scalar_t* vr = vb + t * d_len;
+        for (int64_t d = 0; d < d_len; ++d) av[d] += p * to_float(vr[d]);
+      }
+      j += n;
+    }
+    for (int64_t d = 0; d < d_len; ++d) o_row[g * d_len + d] = static_cast<scalar_t>(av[d] * inv);
+  }
+}
+
+template <typename scalar_t, int D>
 void attend(
     at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
     const at::Tensor& rows, const at::Tensor& req, const at::Tensor& limit,
@@ -72,49 +127,18 @@ void attend(
   const int64_t q_row_stride = q.stride(0);
 
   at::parallel_for(0, num_rows * kv_heads, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * dim), acc(group * dim), scores;
+    std::vector<float> scores;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t r = item / kv_heads;
       const int64_t h = item % kv_heads;
       const int64_t row = rows_p[r];
       const int64_t keys = limit_p[r];
-      const int32_t* table = table_p + static_cast<int64_t>(req_p[r]) * table_width;
-      const scalar_t* q_row = qp + row * q_row_stride + h * group * dim;
-      for (int64_t i = 0; i < group * dim; ++i) qf[i] = to_float(q_row[i]) * scale;
-      scores.assign(group * keys, 0.f);
-      for (int64_t j = 0; j < keys; ++j) {
-        const scalar_t* k_row =
-            kp + h * k_head_stride + table[j / block_size] * block_stride + (j % block_size) * dim;
-        for (int64_t g = 0; g < group; ++g) {
-          const float* qg = qf.data() + g * dim;
-          float dot = 0.f;
-          for (int64_t d = 0; d < dim; ++d) dot += qg[d] * to_float(k_row[d]);
-          scores[g * keys + j] = dot;
-        }
-      }
-      for (int64_t g = 0; g < group; ++g) {  // softmax per head, max-subtracted
-        float* s = scores.data() + g * keys;
-        const float top = *std::max_element(s, s + keys);
-        float total = 0.f;
-        for (int64_t j = 0; j < keys; ++j) {
-          s[j] = exp_nonpositive(s[j] - top);
-          total += s[j];
-        }
-        const float inv = 1.f / total;
-        for (int64_t j = 0; j < keys; ++j) s[j] *= inv;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t j = 0; j < keys; ++j) {
-        const scalar_t* v_row =
-            vp + h * k_head_stride + table[j / block_size] * block_stride + (j % block_size) * dim;
-        for (int64_t g = 0; g < group; ++g) {
-          const float p = scores[g * keys + j];
-          float* a = acc.data() + g * dim;
-          for (int64_t d = 0; d < dim; ++d) a[d] += p * to_float(v_row[d]);
-        }
-      }
-      scalar_t* o_row = op + row * q_row_stride + h * group * dim;
-      for (int64_t i = 0; i < group * dim; ++i) o_row[i] = static_cast<scalar_t>(acc[i]);
+      scores.resize(group * keys);
+      attend_row<scalar_t, D>(
+          qp + row * q_row_stride + h * group * dim, kp + h * k_head_stride,
+          vp + h * k_head_stride, table_p + static_cast<int64_t>(req_p[r]) * table_width, keys,
+          block_size, block_stride, group, dim, static_cast<float>(scale), scores.data(),
+          op + row * q_row_stride + h * group * dim);
     }
   });
 }
@@ -150,10 +174,20 @@ void paged_attention(
                     tables.max().item<int32_t>() < k_cache.size(1),
                 "paged_attention: a block id outside the cache");
   }
+  const int64_t dim = k_cache.size(3);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention",
                                   [&] {
-                                    attend<scalar_t>(out, q, k_cache, v_cache, rows, req, limit,
-                                                     tables, scale, grain);
+                                    // Head sizes of the common models get unrolled code.
+                                    if (dim == 64) {
+                                      attend<scalar_t, 64>(out, q, k_cache, v_cache, rows, req,
+                                                           limit, tables, scale, grain);
+                                    } else if (dim == 128) {
+                                      attend<scalar_t, 128>(out, q, k_cache, v_cache, rows, req,
+                                                            limit, tables, scale, grain);
+                                    } else {
+                                      attend<scalar_t, 0>(out, q, k_cache, v_cache, rows, req,
+                                                          limit, tables, scale, grain);
+                                    }
                                   });
 }
 
