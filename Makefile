@@ -15,6 +15,7 @@ $(BIN)/python:
 $(VENV)/.base: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e .
+	$(BIN)/python -m engines.reference.cpu_kernels  # build the CPU kernels once (~10 s)
 	touch $@
 
 $(VENV)/.dev: pyproject.toml $(VENV)/.base

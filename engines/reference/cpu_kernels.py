@@ -26,6 +26,8 @@ import hashlib
 import logging
 import os
 import platform
+import sys
+import time
 from pathlib import Path
 
 import torch
@@ -52,6 +54,9 @@ _CFLAGS = [
     "-fno-signed-zeros",
     "-fno-trapping-math",
 ]
+# A build takes about ten seconds. torch's build lock is a file that a process killed mid-build
+# leaves behind, and torch then waits on it forever; one older than this is removed.
+_STALE_LOCK_S = 300.0
 # (row, KV head) pairs below which a call runs on the calling thread: waking the OpenMP
 # workers costs tens of microseconds, more than a few rows' attention.
 PARALLEL_GRAIN = 16
@@ -87,6 +92,7 @@ def kernels_available() -> bool:
 
         build = _build_dir()
         build.mkdir(parents=True, exist_ok=True)
+        _remove_stale_lock(build / "lock")
         load(
             name="tokenmill_cpu_kernels",
             sources=[str(src) for src in _SOURCES],
@@ -104,6 +110,15 @@ def kernels_available() -> bool:
         )
         return False
     return True
+
+
+def _remove_stale_lock(lock: Path) -> None:
+    try:
+        if time.time() - lock.stat().st_mtime > _STALE_LOCK_S:
+            lock.unlink(missing_ok=True)
+            logger.warning("removed a stale CPU-kernel build lock %s", lock)
+    except FileNotFoundError:
+        pass
 
 
 def use_kernels(device: torch.device) -> bool:
@@ -148,3 +163,10 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SiLU(gate) * up for gate_up = [gate | up] ([T, 2I] -> [T, I])."""
     return torch.ops.tokenmill.silu_mul(gate_up)
+
+
+if __name__ == "__main__":  # `make setup`: build once, so no engine start has to
+    logging.basicConfig(level=logging.INFO)
+    ok = kernels_available()
+    print(f"CPU kernels {'built' if ok else 'unavailable (plain torch ops will be used)'}")
+    sys.exit(0)

@@ -159,3 +159,20 @@ def test_silu_mul(dtype, tol) -> None:
     torch.testing.assert_close(
         silu_mul(gate_up), torch.nn.functional.silu(gate) * up, rtol=tol, atol=tol
     )
+
+
+def test_a_build_lock_left_by_a_killed_build_is_removed_a_fresh_one_kept(tmp_path) -> None:
+    import os
+    import time
+
+    from engines.reference.cpu_kernels import _remove_stale_lock
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    _remove_stale_lock(lock)
+    assert lock.exists()  # another process may be building right now
+    old = time.time() - 3600
+    os.utime(lock, (old, old))
+    _remove_stale_lock(lock)
+    assert not lock.exists()
+    _remove_stale_lock(lock)  # nothing there: nothing to do
