@@ -72,6 +72,18 @@ SIZES: dict[str, TinyModelSize] = {
 }
 
 
+def shape_fields(shape: TinyModelSize) -> dict[str, int]:
+    """The transformers config fields a shape sets (vocab aside: the tokenizer decides it)."""
+    return dict(
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_hidden_layers,
+        num_attention_heads=shape.num_attention_heads,
+        num_key_value_heads=shape.num_key_value_heads,
+        max_position_embeddings=shape.max_position_embeddings,
+    )
+
+
 def train_tokenizer(vocab_size: int, seed: int = 0):
     """A byte-level BPE tokenizer (PreTrainedTokenizerFast) with chat template and specials."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -127,12 +139,7 @@ def make_tiny_model(
     vocab_size = max(shape.vocab_size, len(tokenizer))
     common = dict(
         vocab_size=vocab_size,
-        hidden_size=shape.hidden_size,
-        intermediate_size=shape.intermediate_size,
-        num_hidden_layers=shape.num_hidden_layers,
-        num_attention_heads=shape.num_attention_heads,
-        num_key_value_heads=shape.num_key_value_heads,
-        max_position_embeddings=shape.max_position_embeddings,
+        **shape_fields(shape),
         initializer_range=initializer_range,
         tie_word_embeddings=tie_word_embeddings,
         eos_token_id=tokenizer.eos_token_id,

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from engines.tiny import SIZES, SPECIAL_TOKENS, train_tokenizer
+from engines.tiny import SIZES, SPECIAL_TOKENS, shape_fields, train_tokenizer
 
 if TYPE_CHECKING:
     import torch
@@ -136,12 +136,7 @@ def build_model(config: CopyTraining, vocab_size: int, eos_id: int, pad_id: int)
     shape = SIZES[config.size]
     llama = transformers.LlamaConfig(
         vocab_size=vocab_size,
-        hidden_size=shape.hidden_size,
-        intermediate_size=shape.intermediate_size,
-        num_hidden_layers=shape.num_hidden_layers,
-        num_attention_heads=shape.num_attention_heads,
-        num_key_value_heads=shape.num_key_value_heads,
-        max_position_embeddings=shape.max_position_embeddings,
+        **shape_fields(shape),
         tie_word_embeddings=False,
         eos_token_id=eos_id,
         pad_token_id=pad_id,

@@ -37,6 +37,7 @@ logger = logging.getLogger(__name__)
 _SOURCES = [
     Path(__file__).parent / "kernels" / name for name in ("paged_attention.cpp", "fused_ops.cpp")
 ]
+_HEADERS = [Path(__file__).parent / "kernels" / "fast_exp.h"]  # part of the build's key
 DISABLE_ENV = "TOKENMILL_CPU_KERNELS"
 CACHE_ENV = "TOKENMILL_KERNEL_CACHE"
 # Reassociation lets the compiler vectorise the dot products and sums (fp32 results then
@@ -74,7 +75,7 @@ def _cpu_flags() -> str:
 
 def _build_dir() -> Path:
     key = hashlib.sha256()
-    for part in [*(src.read_bytes() for src in _SOURCES), torch.__version__.encode()]:
+    for part in [*(src.read_bytes() for src in _SOURCES + _HEADERS), torch.__version__.encode()]:
         key.update(part)
     key.update(_cpu_flags().encode())
     key.update(" ".join(_CFLAGS).encode())

@@ -31,25 +31,16 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from engines.tiny import TinyModelSize
 
-@dataclass(frozen=True)
-class Shape:
-    arch: str  # llama | qwen2
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    vocab_size: int
-
-
-# Public model shapes (their config.json values), random weights.
-SHAPES = {
-    "tiny": Shape("llama", 64, 176, 2, 4, 2, 1024),
-    "qwen2-0.5b": Shape("qwen2", 896, 4864, 24, 14, 2, 151936),
-    "llama-1b": Shape("llama", 2048, 8192, 16, 32, 8, 128256),
-    "qwen2-7b": Shape("qwen2", 3584, 18944, 28, 28, 4, 152064),
-    "llama-8b": Shape("llama", 4096, 14336, 32, 32, 8, 128256),
+# Public model shapes (their config.json values; context capped at 8192), random weights:
+# (arch, shape).
+SHAPES: dict[str, tuple[str, TinyModelSize]] = {
+    "tiny": ("llama", TinyModelSize(64, 176, 2, 4, 2, 1024, 8192)),
+    "qwen2-0.5b": ("qwen2", TinyModelSize(896, 4864, 24, 14, 2, 151936, 8192)),
+    "llama-1b": ("llama", TinyModelSize(2048, 8192, 16, 32, 8, 128256, 8192)),
+    "qwen2-7b": ("qwen2", TinyModelSize(3584, 18944, 28, 28, 4, 152064, 8192)),
+    "llama-8b": ("llama", TinyModelSize(4096, 14336, 32, 32, 8, 128256, 8192)),
 }
 
 
@@ -65,28 +56,25 @@ class Side:
         return self.useful_tokens / self.seconds
 
 
-def build_model(shape: Shape, out: Path, device: str, dtype: str, seed: int = 0) -> Path:
-    """A random model of `shape` saved as a checkpoint in `out` (weights in `dtype`)."""
+def build_model(
+    arch: str, shape: TinyModelSize, out: Path, device: str, dtype: str, seed: int = 0
+) -> Path:
+    """A random `arch` model of `shape` saved as a checkpoint in `out` (weights in `dtype`)."""
     import torch
     import transformers
 
-    from engines.tiny import train_tokenizer
+    from engines.tiny import shape_fields, train_tokenizer
 
     tokenizer = train_tokenizer(min(shape.vocab_size, 8192), seed)
     common = dict(
         vocab_size=max(shape.vocab_size, len(tokenizer)),
-        hidden_size=shape.hidden_size,
-        intermediate_size=shape.intermediate_size,
-        num_hidden_layers=shape.num_hidden_layers,
-        num_attention_heads=shape.num_attention_heads,
-        num_key_value_heads=shape.num_key_value_heads,
-        max_position_embeddings=8192,
+        **shape_fields(shape),
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=None,
         tie_word_embeddings=False,
     )
-    if shape.arch == "qwen2":
+    if arch == "qwen2":
         config = transformers.Qwen2Config(**common, rope_theta=1000000.0)
         model_cls = transformers.Qwen2ForCausalLM
     else:
@@ -256,12 +244,12 @@ def main(argv: list[str] | None = None) -> dict:
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run with --device cpu for a smoke run")
-    shape = SHAPES[args.shape]
-    report: dict = {"shape": args.shape, **asdict(shape), "dtype": args.dtype}
+    arch, shape = SHAPES[args.shape]
+    report: dict = {"shape": args.shape, "arch": arch, **asdict(shape), "dtype": args.dtype}
     if args.device.startswith("cuda"):
         report["gpu"] = torch.cuda.get_device_name()
     with tempfile.TemporaryDirectory(prefix="tokenmill-gpu-bench-") as tmp:
-        model = build_model(shape, Path(tmp) / args.shape, args.device, args.dtype, args.seed)
+        model = build_model(arch, shape, Path(tmp) / args.shape, args.device, args.dtype, args.seed)
         prompts, max_tokens = workload(
             args.num_requests, args.prompt_len, args.max_tokens, shape.vocab_size, args.seed
         )

@@ -9,6 +9,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "fast_exp.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -20,27 +22,6 @@ constexpr int64_t kRowGrain = 32;  // rows per thread chunk; fewer rows stay on 
 
 template <typename T>
 inline float f32(T x) { return static_cast<float>(x); }
-
-// e^x in plain arithmetic the compiler vectorises (see paged_attention.cpp): x clamped to
-// [-87, 88], 2^n from the exponent bits, 2^f from its degree-7 Taylor series.
-inline float exp_approx(float x) {
-  x = std::min(std::max(x, -87.f), 88.f);
-  const float t = x * 1.44269504088896341f;
-  const float n = std::nearbyint(t);
-  const float f = (t - n) * 0.693147180559945309f;
-  float p = 1.f / 5040.f;
-  p = p * f + 1.f / 720.f;
-  p = p * f + 1.f / 120.f;
-  p = p * f + 1.f / 24.f;
-  p = p * f + 1.f / 6.f;
-  p = p * f + 0.5f;
-  p = p * f + 1.f;
-  p = p * f + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
 
 template <typename scalar_t>
 void rms_rows(const scalar_t* x, const scalar_t* w, scalar_t* out, int64_t rows, int64_t n,
@@ -149,7 +130,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
         scalar_t* o = op + t * inter;
         for (int64_t i = 0; i < inter; ++i) {
           const float gi = f32(g[i]);
-          const scalar_t act = static_cast<scalar_t>(gi / (1.f + exp_approx(-gi)));
+          const scalar_t act = static_cast<scalar_t>(gi / (1.f + tokenmill::fast_exp(-gi)));
           o[i] = static_cast<scalar_t>(f32(act) * f32(u[i]));
         }
       }

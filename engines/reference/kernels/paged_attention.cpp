@@ -5,11 +5,14 @@
 // sharing h are scored against keys 0 .. limit[r] - 1 of the row's request, key j living in
 // block table[req[r]][j / block_size] at offset j % block_size of the cache. Scores and the
 // softmax are kept in fp32; K and V rows are read where they lie (from memory for the first
-// head of a KV head, from the core's cache for the others). Work is split over (row, KV head) pairs; a step with fewer pairs than `grain` runs on the
-// calling thread (waking OpenMP workers costs more than a small step's work).
+// head of a KV head, from the core's cache for the others). Work is split over (row, KV head)
+// pairs; a step with fewer pairs than `grain` runs on the calling thread (waking OpenMP
+// workers costs more than a small step's work).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+
+#include "fast_exp.h"
 
 #include <algorithm>
 #include <cmath>
@@ -18,29 +21,6 @@
 #include <vector>
 
 namespace {
-
-// e^x for the max-subtracted scores (x <= 0) in plain arithmetic the compiler vectorises:
-// std::exp is a scalar libm call per key and was most of the kernel's time. x = (n + f) / log2 e
-// with n an integer and |f| <= 1/2: 2^n from the exponent bits, 2^f from its Taylor series to
-// degree 7 (relative error below 1e-8, under fp32's rounding). Below -87 the result is 0.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.f);
-  const float t = x * 1.44269504088896341f;
-  const float n = std::nearbyint(t);
-  const float f = (t - n) * 0.693147180559945309f;  // 2^(t - n) = e^f
-  float p = 1.f / 5040.f;
-  p = p * f + 1.f / 720.f;
-  p = p * f + 1.f / 120.f;
-  p = p * f + 1.f / 24.f;
-  p = p * f + 1.f / 6.f;
-  p = p * f + 0.5f;
-  p = p * f + 1.f;
-  p = p * f + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
 
 template <typename T>
 inline float to_float(T x) { return static_cast<float>(x); }
@@ -77,7 +57,7 @@ inline void attend_row(
     const float top = *std::max_element(s, s + keys);  // softmax, max-subtracted
     float total = 0.f;
     for (int64_t j = 0; j < keys; ++j) {
-      s[j] = exp_nonpositive(s[j] - top);
+      s[j] = tokenmill::fast_exp(s[j] - top);
       total += s[j];
     }
     const float inv = 1.f / total;
