@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engines import testhooks
 from engines.api import (
     EngineDeadError,
     EngineError,
@@ -254,6 +255,7 @@ class ReferenceEngine:
         self._grammars_lock = threading.Lock()
         # Off: the no-op profiler, whose phase ranges cost nothing (engines/reference/profiling).
         self._profiler: NoProfiler = NO_PROFILER
+        self._test_step_delay_s = testhooks.step_delay_s()  # 0 outside tests
         if profile_dir is not None:
             try:
                 self._profiler = StepProfiler(profile_dir, profile_steps, self._torch_device)
@@ -467,6 +469,8 @@ class ReferenceEngine:
                 if self._live:
                     with self._profiler.step():
                         self._step()
+                    if self._test_step_delay_s:
+                        time.sleep(self._test_step_delay_s)
         except Exception as exc:  # the loop must never die silently: callers get the cause
             _log.exception("reference engine step loop crashed")
             self._die(f"step loop crashed: {type(exc).__name__}: {exc}")

@@ -15,6 +15,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from engines import testhooks
 from pipeline.batch.generate import EngineWorker
 from pipeline.batch.prompts import PROMPT_STAGE_CPUS, PromptWorker, prompt_pool_size
 from pipeline.batch.rows import GenerateConfig
@@ -113,6 +114,7 @@ def start_engines(spec: JobSpec, schema: pa.Schema, budget: Any, run_id: str) ->
     config = dataclasses.replace(
         GenerateConfig.from_spec(spec, schema), budget=budget, run_id=run_id
     )
+    hooks = testhooks.forwarded_env()  # empty outside tests
     actor = ray.remote(EngineWorker).options(
         num_cpus=res.cpus_per_actor,
         num_gpus=res.devices_per_actor or None,
@@ -121,6 +123,7 @@ def start_engines(spec: JobSpec, schema: pa.Schema, budget: Any, run_id: str) ->
         # so Ray must not retry the calls (that would run a shard twice).
         max_restarts=res.max_restarts,
         max_task_retries=0,
+        runtime_env={"env_vars": hooks} if hooks else None,
     )
     return Pool([actor.remote(config) for _ in range(res.peak_actors)])
 

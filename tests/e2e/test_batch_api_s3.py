@@ -45,6 +45,16 @@ def s3() -> Iterator[S3Server]:
         yield server
 
 
+@pytest.fixture(scope="module", autouse=True)
+def slow_engine() -> Iterator[None]:
+    # Autouse like s3, so the head starts with it: 100 ms after every engine step of the batch
+    # jobs, so the long batch cannot finish inside the window on any machine.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TOKENMILL_TEST_HOOKS", "1")
+        patch.setenv("TOKENMILL_TEST_STEP_DELAY_S", "0.1")
+        yield
+
+
 @pytest.fixture(scope="module")
 def bucket(s3: S3Server) -> str:
     return s3.make_bucket("batches")

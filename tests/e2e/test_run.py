@@ -32,6 +32,13 @@ def cli_env() -> dict[str, str]:
     return env
 
 
+def slow_engine_env(step_delay_s: float) -> dict[str, str]:
+    """cli_env() with the reference engine's test hook that sleeps after every step: a run a
+    test kills or stops midway then has a midway whatever the machine's speed."""
+    hooks = {"TOKENMILL_TEST_HOOKS": "1", "TOKENMILL_TEST_STEP_DELAY_S": str(step_delay_s)}
+    return {**cli_env(), **hooks}
+
+
 def tokenmill(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-c", "from pipeline.cli import app; app()", *args],
@@ -142,7 +149,7 @@ def test_driver_killed_mid_run_then_rerun_every_id_once(tmp_path: Path, model_di
     # Own session: SIGKILL to the group takes the driver and the local Ray it started.
     first = subprocess.Popen(
         [sys.executable, "-c", "from pipeline.cli import app; app()", "run", str(path)],
-        env=cli_env(),
+        env=slow_engine_env(0.05),  # 16 steps a row: parts land ~1 s apart, not all at once
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,

@@ -27,7 +27,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from tests.e2e.test_run import cli_env, kill_tree
+from tests.e2e.test_run import cli_env, kill_tree, slow_engine_env
 from tests.integration.s3_server import S3Server, running_s3_server
 
 pytestmark = pytest.mark.timeout(600)
@@ -81,11 +81,11 @@ def job(
     return path
 
 
-def start(path: Path, *args: str) -> subprocess.Popen[str]:
+def start(path: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "pipeline.cli", "run", str(path), *args],
         cwd=REPO,
-        env=cli_env(),
+        env=env or cli_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -212,7 +212,9 @@ def test_sigterm_writes_what_is_finished_and_the_rerun_does_the_rest(
         output={"rows_per_file": 1000, "flush_interval_s": 3},
         sampling={"max_tokens": 200},  # the shard takes much longer than the first 3 s
     )
-    run = start(path)
+    # 10 ms after every engine step: the 300 rows take minutes, not seconds, on any machine
+    # (the rerun runs at full speed).
+    run = start(path, env=slow_engine_env(0.01))
     wait_for(lambda: list(out.glob("part-*.parquet")), 240, "the first timed part")
     before = sum(pq.read_table(p).num_rows for p in out.glob("part-*.parquet"))
     run.send_signal(signal.SIGTERM)

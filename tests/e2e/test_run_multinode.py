@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from tests.e2e.test_run import cli_env
+from tests.e2e.test_run import slow_engine_env
 
 pytestmark = pytest.mark.timeout(600)
 REPO = Path(__file__).resolve().parents[2]
@@ -87,7 +87,9 @@ def test_a_worker_node_dies_mid_job_and_every_id_lands_once(
     }
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(job))
-    env = {**cli_env(), "RAY_ADDRESS": cluster.address}  # type: ignore[attr-defined]
+    # 5 ms after every engine step (passed on to the actors): the job runs for tens of seconds
+    # on any machine, so the node dies mid-job.
+    env = {**slow_engine_env(0.005), "RAY_ADDRESS": cluster.address}  # type: ignore[attr-defined]
     run = subprocess.Popen(
         [sys.executable, "-m", "pipeline.cli", "run", str(path)],
         cwd=REPO,

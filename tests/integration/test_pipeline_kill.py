@@ -45,8 +45,12 @@ def wait_for(predicate: Any, timeout_s: float, what: str) -> None:
 
 
 def test_killed_engine_actor_is_restarted_and_rows_land_once(
-    ray_local: Any, tiny_model_dir: Path, tmp_path: Path
+    ray_local: Any, tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # 50 ms after every engine step (the driver passes it on to its actors): rows take ~1 s,
+    # so the kill lands mid-run on any machine.
+    monkeypatch.setenv("TOKENMILL_TEST_HOOKS", "1")
+    monkeypatch.setenv("TOKENMILL_TEST_STEP_DELAY_S", "0.05")
     ids = [f"row-{i:03d}" for i in range(48)]
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps({"id": i, "p": f"Count the {i} rivers"}) + "\n" for i in ids))
