@@ -72,6 +72,17 @@ def start_batch_server(
     return start_server(path, env, [])
 
 
+@pytest.fixture(scope="module", autouse=True)
+def slow_engine() -> Iterator[None]:
+    # Autouse, so the head starts with it: 10 ms after every engine step of the batch jobs
+    # (the cancel tests' 700-1500 requests then take 5-11 s or more on any machine, so a cancel
+    # after the first part lands mid-run; the short batches barely notice).
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TOKENMILL_TEST_HOOKS", "1")
+        patch.setenv("TOKENMILL_TEST_STEP_DELAY_S", "0.01")
+        yield
+
+
 @pytest.fixture(scope="module")
 def server(
     ray_head: RayHead, serve_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
