@@ -28,3 +28,8 @@ def forwarded_env() -> dict[str, str]:
     if not enabled():
         return {}
     return {name: os.environ[name] for name in (HOOKS_ENV, STEP_DELAY_ENV) if name in os.environ}
+
+
+def step_delay_env(seconds: float) -> dict[str, str]:
+    """The variables that turn the hooks on with a step delay of `seconds` (for tests)."""
+    return {HOOKS_ENV: "1", STEP_DELAY_ENV: str(seconds)}

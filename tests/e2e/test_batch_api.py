@@ -8,6 +8,7 @@ Few tests, one server: each start (head, server, job) costs tens of seconds on t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import Iterator
@@ -19,6 +20,7 @@ import pytest
 import yaml
 from openai.types import Batch
 
+from engines import testhooks
 from pipeline.serve.batches import RESUME_KEY
 from tests.e2e import serve_fixtures
 from tests.e2e.serve_fixtures import API_KEY, OTHER_KEY, ServerProcess, serve_config, start_server
@@ -77,9 +79,17 @@ def slow_engine() -> Iterator[None]:
     # Autouse, so the head starts with it: 10 ms after every engine step of the batch jobs
     # (the cancel tests' 700-1500 requests then take 5-11 s or more on any machine, so a cancel
     # after the first part lands mid-run; the short batches barely notice).
+    with engine_step_delay(0.01):
+        yield
+
+
+@contextlib.contextmanager
+def engine_step_delay(seconds: float) -> Iterator[None]:
+    """The engine test hook's step delay in this process's environment (a Ray head started
+    inside inherits it, and so do its batch jobs and their engines)."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("TOKENMILL_TEST_HOOKS", "1")
-        patch.setenv("TOKENMILL_TEST_STEP_DELAY_S", "0.01")
+        for name, value in testhooks.step_delay_env(seconds).items():
+            patch.setenv(name, value)
         yield
 
 

@@ -20,6 +20,7 @@ from tests.e2e.test_batch_api import (
     TERMINAL,
     client_of,
     content_of,
+    engine_step_delay,
     request_line,
     start_batch_server,
     wait_for,
@@ -49,9 +50,7 @@ def s3() -> Iterator[S3Server]:
 def slow_engine() -> Iterator[None]:
     # Autouse like s3, so the head starts with it: 100 ms after every engine step of the batch
     # jobs, so the long batch cannot finish inside the window on any machine.
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("TOKENMILL_TEST_HOOKS", "1")
-        patch.setenv("TOKENMILL_TEST_STEP_DELAY_S", "0.1")
+    with engine_step_delay(0.1):
         yield
 
 

@@ -22,6 +22,8 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
+from engines import testhooks
+
 RAY_STARTED = "Started a local Ray instance"
 
 
@@ -35,8 +37,7 @@ def cli_env() -> dict[str, str]:
 def slow_engine_env(step_delay_s: float) -> dict[str, str]:
     """cli_env() with the reference engine's test hook that sleeps after every step: a run a
     test kills or stops midway then has a midway whatever the machine's speed."""
-    hooks = {"TOKENMILL_TEST_HOOKS": "1", "TOKENMILL_TEST_STEP_DELAY_S": str(step_delay_s)}
-    return {**cli_env(), **hooks}
+    return {**cli_env(), **testhooks.step_delay_env(step_delay_s)}
 
 
 def tokenmill(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:

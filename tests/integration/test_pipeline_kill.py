@@ -16,6 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from engines import testhooks
 from pipeline.batch.run import RunResult, run_job
 from pipeline.spec import parse_job_spec
 
@@ -49,8 +50,8 @@ def test_killed_engine_actor_is_restarted_and_rows_land_once(
 ) -> None:
     # 50 ms after every engine step (the driver passes it on to its actors): rows take ~1 s,
     # so the kill lands mid-run on any machine.
-    monkeypatch.setenv("TOKENMILL_TEST_HOOKS", "1")
-    monkeypatch.setenv("TOKENMILL_TEST_STEP_DELAY_S", "0.05")
+    for name, value in testhooks.step_delay_env(0.05).items():
+        monkeypatch.setenv(name, value)
     ids = [f"row-{i:03d}" for i in range(48)]
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps({"id": i, "p": f"Count the {i} rivers"}) + "\n" for i in ids))
