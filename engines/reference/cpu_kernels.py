@@ -1,15 +1,17 @@
 """The reference engine's CPU kernels (engines/reference/kernels/*.cpp), built on first use,
 and the switch back to plain torch ops.
 
-- paged_attention.cpp: short query chunks (decode tokens, verifications) attended over the
-  paged KV cache in place.
-- fused_ops.cpp: RMSNorm (with the residual add before it), rotary embedding and SiLU * up,
-  one pass each instead of 3-8 torch ops (each a pass over the activations and a dispatch).
+- paged_attention.cpp: every chunk of a step (decode tokens, verifications, prefill chunks)
+  attended over the paged KV cache in place, one call per layer.
+- fused_ops.cpp: RMSNorm (with the residual add before it), rotary embedding (with the K/V
+  cache write) and SiLU * up, one pass each instead of 3-8 torch ops (each a pass over the
+  activations and a dispatch).
 
 Why the attention kernel: the torch path gathers every decode request's KV blocks into a padded
 copy per layer before SDPA; for a step of 64 requests with ~330 tokens of context on the
 `small` model that is ~170 MB copied per step, more than the step's matmuls move. The kernel
-reads each K/V row where it lies. It is compiled once per machine with the compiler torch
+reads each K/V row where it lies, once for all query heads sharing it, and also beats SDPA on
+prefill chunks (see paged_attention.cpp). It is compiled once per machine with the compiler torch
 itself uses (about ten seconds) into ~/.cache/tokenmill/kernels/<key> (TOKENMILL_KERNEL_CACHE
 overrides), keyed by the source, the torch version and the CPU's instruction-set flags (it is
 built for the host CPU), and loaded from there afterwards in well under a second; torch
@@ -136,7 +138,7 @@ def paged_attention(
     rows: torch.Tensor,  # [R] int64 query rows of the flat batch
     req: torch.Tensor,  # [R] int32 each row's index into `tables`
     limit: torch.Tensor,  # [R] int32 keys each row attends to (its position + 1)
-    tables: torch.Tensor,  # [N, max_blocks] int32 block tables of the step's short chunks
+    tables: torch.Tensor,  # [N, max_blocks] int32 block tables of the step's chunks
     scale: float,
 ) -> None:
     torch.ops.tokenmill.paged_attention(
@@ -159,6 +161,19 @@ def add_rms_norm(
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x * cos + rotate_half(x) * sin as a new contiguous [T, H, D] tensor."""
     return torch.ops.tokenmill.rope(x, cos, sin)
+
+
+def rope_cache(
+    qkv: torch.Tensor,  # [T, (H + 2 * KVH) * D] the fused projection's output
+    cos: torch.Tensor,  # [T, 1, D]
+    sin: torch.Tensor,  # [T, 1, D]
+    k_cache: torch.Tensor,  # [KVH, num_blocks, block_size, D], written at `slots`
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,  # [T] int64 flat cache slot of each token
+    heads: int,
+) -> torch.Tensor:
+    """q with RoPE ([T, H, D]); K with RoPE and V go straight into their cache slots."""
+    return torch.ops.tokenmill.rope_cache(qkv, cos, sin, k_cache, v_cache, slots, heads)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -2,11 +2,12 @@
 
 Every step runs ONE batch of T tokens drawn from many requests (prefill chunks and decode
 tokens mixed): the linears see a [T, hidden] matrix, which is where batching pays. Attention
-is the only per-request part: decode tokens and other short chunks (a speculative
-verification's 1 + k tokens) are attended all at once, on CPU by a kernel that reads the paged
-KV cache in place (engines.reference.paged_attention), elsewhere in groups against their
-gathered KV context; prefill chunks go through scaled_dot_product_attention one request at a
-time.
+is the only per-request part. On CPU every chunk of the step is attended in one kernel call
+per layer that reads the paged KV cache in place (engines.reference.cpu_kernels), after one
+pass that applies RoPE and writes K/V into the cache. Elsewhere (CUDA, or the kernels off)
+decode tokens and other short chunks (a speculative verification's 1 + k tokens) are attended
+in groups against their gathered KV context, and prefill chunks go through
+scaled_dot_product_attention one request at a time.
 
 Module and parameter names match the Hugging Face checkpoints exactly
 (`model.layers.{i}.self_attn.q_proj`, ...), so weights load by name and a quantized linear can
@@ -23,6 +24,7 @@ from torch import nn
 
 from engines.reference import cpu_kernels
 from engines.reference.config import ModelConfig
+from engines.reference.linear import linear_add
 
 FP8_E4M3_MAX = 448.0
 
@@ -54,8 +56,8 @@ class DecodeGroup:
 
 @dataclass
 class PagedRows:
-    """The step's short-chunk query rows for the CPU kernel that reads the paged cache in place
-    (engines.reference.paged_attention): one call per layer for all of them."""
+    """The step's query rows for the CPU kernel that reads the paged cache in place
+    (engines.reference.cpu_kernels.paged_attention): one call per layer for all of them."""
 
     rows: torch.Tensor  # [R] int64 rows of the flat batch
     req: torch.Tensor  # [R] int32 each row's block table in `tables`
@@ -70,7 +72,7 @@ class AttentionBatch:
     slot_mapping: torch.Tensor  # [T] int64 flat cache slot (block * block_size + offset)
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillSeq] = field(default_factory=list)
-    paged: PagedRows | None = None  # short chunks, when the kernel runs them (no groups then)
+    paged: PagedRows | None = None  # every chunk, when the kernel runs them (nothing else then)
 
 
 class RMSNorm(nn.Module):
@@ -138,6 +140,8 @@ class Attention(nn.Module):
         v_cache: torch.Tensor,  # [KVH, num_blocks, block_size, D]
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
+        if batch.paged is not None and self._fused_inputs(x):
+            return self._forward_paged(x, cos, sin, batch, k_cache, v_cache)
         q, k, v = self._qkv(x)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
@@ -172,6 +176,31 @@ class Attention(nn.Module):
             rows = slice(seq.token_start, seq.token_start + seq.num_tokens)
             out[rows] = self._prefill(q[rows], k[rows], v[rows], k_flat, v_flat, seq)
         return self.o_proj(out.view(num_tokens, self.num_heads * self.head_dim))
+
+    def _fused_inputs(self, x: torch.Tensor) -> bool:
+        """Whether a step whose chunks all go to the paged kernel can also take the fused RoPE
+        and cache write: q/k/v fused, and none of the steps between the projection and the
+        cache that the fused kernel leaves out (Qwen3's q/k norms, FP8 K/V rounding)."""
+        return (
+            self.qkv_proj is not None
+            and self.q_norm is None
+            and self.k_scale is None
+            and self.v_scale is None
+            and cpu_kernels.use_kernels(x.device)
+        )
+
+    def _forward_paged(self, x, cos, sin, batch: AttentionBatch, k_cache, v_cache) -> torch.Tensor:
+        # RoPE and the cache write in one pass over the projection, then every chunk of the
+        # step attended in one kernel call reading the cache in place.
+        q = cpu_kernels.rope_cache(
+            self.qkv_proj(x), cos, sin, k_cache, v_cache, batch.slot_mapping, self.num_heads
+        )
+        out = torch.empty_like(q)  # [T, H, D]
+        p = batch.paged
+        cpu_kernels.paged_attention(
+            out, q, k_cache, v_cache, p.rows, p.req, p.limit, p.tables, self.head_dim**-0.5
+        )
+        return self.o_proj(out.view(x.shape[0], self.num_heads * self.head_dim))
 
     def _decode(self, q, k_cache, v_cache, group: DecodeGroup) -> torch.Tensor:
         # The n queries of a request times the G query heads sharing a KV head ride in SDPA's
@@ -222,6 +251,12 @@ class MLP(nn.Module):
             gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(F.silu(gate) * up)
 
+    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + MLP(x) on the CPU kernels' path (gate/up fused)."""
+        if self.gate_up_proj is None:
+            return residual + self(x)
+        return linear_add(self.down_proj, cpu_kernels.silu_mul(self.gate_up_proj(x)), residual)
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
@@ -235,8 +270,9 @@ class DecoderLayer(nn.Module):
         attn = self.self_attn(self.input_layernorm(x), cos, sin, batch, k_cache, v_cache)
         if cpu_kernels.use_kernels(x.device):
             norm = self.post_attention_layernorm
-            # x += attn in place (x is this step's own residual stream), fused with the norm.
-            return x + self.mlp(cpu_kernels.add_rms_norm(x, attn, norm.weight, norm.eps))
+            # x += attn in place (x is this step's own residual stream), fused with the norm;
+            # the MLP's residual add rides in the down projection's epilogue.
+            return self.mlp.forward_add(cpu_kernels.add_rms_norm(x, attn, norm.weight, norm.eps), x)
         x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x))
 

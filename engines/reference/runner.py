@@ -18,7 +18,8 @@ from engines.reference.model import AttentionBatch, CausalLM, DecodeGroup, Paged
 from engines.reference.profiling import NO_PROFILER, NoProfiler
 from engines.reference.scheduler import ScheduledChunk
 
-# Decode requests attended together; smaller groups pad less, larger ones call SDPA less.
+# Without the CPU kernel (CUDA, or the kernels off), which takes every chunk of a step:
+# decode requests attended together; smaller groups pad less, larger ones call SDPA less.
 _DECODE_GROUP_SIZE = 16
 # Chunks of up to this many tokens (a decode token, a verification chunk of 1 + k) attend in
 # decode groups; longer ones (prefill) one request at a time (see Attention._prefill).
@@ -101,7 +102,8 @@ class ModelRunner:
         self._per_kv_head = cfg.num_heads // cfg.num_kv_heads  # G query heads per KV head
         self._linear_macs = linear_macs_per_token(cfg)
         self._attention_macs = 2 * cfg.q_size  # per (query, key) pair: q·k, then p·v
-        self._paged_kernel = cpu_kernels.use_kernels(device)  # short chunks: cache in place
+        # Every chunk's attention through the CPU kernel, reading the cache in place.
+        self._paged_kernel = cpu_kernels.use_kernels(device)
         # Per layer: K and V pools, [KVH, num_blocks, block_size, D]. KV heads outermost so a
         # gather of whole blocks is directly SDPA's [KVH, B, L, D] (see Attention._decode).
         shape = (cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
@@ -175,23 +177,19 @@ class ModelRunner:
             return host
         return host.pin_memory().to(self.device, non_blocking=True)
 
-    def _paged_rows(
-        self, short: dict[int, tuple[list[int], list[int], list[Sequence[int]]]]
-    ) -> PagedRows:
-        """Every short chunk's query rows for the kernel: query j of a chunk of n tokens whose
-        context (its own tokens included) is `length` long attends to keys up to its own
+    def _paged_rows(self, chunks: list[tuple[int, int, int, Sequence[int]]]) -> PagedRows:
+        """Every chunk's query rows for the kernel. A chunk (first flat row, n tokens, context
+        length including them, block table): its query j attends to keys up to its own
         position, length - n + 1 + j of them."""
         rows: list[int] = []
         req: list[int] = []
         limit: list[int] = []
         tables: list[Sequence[int]] = []
-        for n, (firsts, lens, block_tables) in short.items():
-            for first, length, blocks in zip(firsts, lens, block_tables, strict=True):
-                for j in range(n):
-                    rows.append(first + j)
-                    req.append(len(tables))
-                    limit.append(length - n + 1 + j)
-                tables.append(blocks)
+        for first, n, length, blocks in chunks:
+            rows.extend(range(first, first + n))
+            req.extend([len(tables)] * n)
+            limit.extend(range(length - n + 1, length + 1))
+            tables.append(blocks)
         width = max(len(t) for t in tables)
         padded = [[*t, *([0] * (width - len(t)))] for t in tables]
         return PagedRows(
@@ -244,6 +242,8 @@ class ModelRunner:
         prefills: list[PrefillSeq] = []
         # Short chunks by token count: first row, context length, block table of each.
         short: dict[int, tuple[list[int], list[int], list[Sequence[int]]]] = {}
+        # With the CPU kernel, every chunk instead: first row, n, context length, block table.
+        paged: list[tuple[int, int, int, Sequence[int]]] = []
         logits_rows: list[int] = []
         prompt_rows: list[int] = []  # after all sampling rows, so theirs keep their places
         attended = 0  # (query, key) pairs over all chunks (causal ones counted whole)
@@ -259,7 +259,9 @@ class ModelRunner:
             positions.extend(range(start, start + n))
             slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, start + n))
             attended += n * (start + n)
-            if n <= _MAX_GROUPED_QUERIES:
+            if self._paged_kernel:  # every chunk, short or long: the kernel reads the cache
+                paged.append((row, n, start + n, blocks))
+            elif n <= _MAX_GROUPED_QUERIES:
                 rows, lens, tables = short.setdefault(n, ([], [], []))
                 rows.append(row)
                 lens.append(start + n)
@@ -279,17 +281,13 @@ class ModelRunner:
             prompt_rows.extend(range(first, first + item.prompt_rows))
             row += n
 
-        if self._paged_kernel:
-            groups, paged = [], self._paged_rows(short) if short else None
-        else:
-            groups = [g for n, members in short.items() for g in self._decode_groups(n, *members)]
-            paged = None
+        groups = [g for n, members in short.items() for g in self._decode_groups(n, *members)]
         pos_t = self._upload(torch.tensor(positions, dtype=torch.int64))
         batch = AttentionBatch(
             slot_mapping=self._upload(torch.tensor(slots, dtype=torch.int64)),
             decode_groups=groups,
             prefills=prefills,
-            paged=paged,
+            paged=self._paged_rows(paged) if paged else None,
         )
         return StepInputs(
             input_ids=self._upload(torch.tensor(input_ids, dtype=torch.int64)),

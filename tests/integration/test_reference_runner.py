@@ -1,7 +1,8 @@
-"""ModelRunner's attention paths and thread choice: short chunks with history (a speculative
-verification's 1 + k tokens) attend through the CPU paged kernel or, as on CUDA, in decode
-groups, and both must give the logits the per-request prefill path gives; small steps run on
-one thread and leave the thread count as it was."""
+"""ModelRunner's attention paths and thread choice: chunks with history (a speculative
+verification's 1 + k tokens, a decode token, a short prefill) attend through the CPU paged
+kernel (which takes every chunk of a step) or, as on CUDA, in decode groups, and both must give
+the logits the per-request prefill path gives; small steps run on one thread and leave the
+thread count as it was."""
 
 from __future__ import annotations
 
@@ -69,14 +70,52 @@ def test_short_chunks_match_the_prefill_path(arch, path, monkeypatch) -> None:
     assert len(batch.prefills) == 0  # every chunk went through the kernel or a group
     assert (batch.paged is not None) == (path == "kernel")
     assert (len(batch.decode_groups) == 0) == (path == "kernel")
+    if path == "kernel":  # the kernel takes every chunk: its rows are all of the step's
+        assert batch.paged.rows.tolist() == list(range(sum(n for _, n, _ in shapes)))
+    runner._paged_kernel = False
     monkeypatch.setattr(runner_module, "_MAX_GROUPED_QUERIES", 0)
     batch = runner.prepare(step).batch
     assert len(batch.decode_groups) == 0 and batch.paged is None
+    assert len(batch.prefills) == len(shapes)
     per_request = runner.execute(step)
 
     assert grouped.shape == (sum(k + 1 for _, _, k in shapes), runner.model.config.vocab_size)
     torch.testing.assert_close(grouped, per_request, rtol=1e-5, atol=1e-5)
     assert grouped.argmax(-1).tolist() == per_request.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])  # fused RoPE + cache write; q/k norms
+def test_prefill_chunks_through_the_kernel_match_the_prefill_path(arch) -> None:
+    runner = _runner(arch)
+    if not kernels_available():
+        pytest.skip("no C++ compiler for the paged kernel")
+    gen = torch.Generator().manual_seed(1)
+    # (history, chunk tokens): a fresh prompt, a chunk continuing a cached prompt, a decode.
+    shapes = [(0, 40), (30, 24), (50, 1)]
+    lengths = [history + n for history, n in shapes]
+    tables = _tables(lengths)
+    tokens = [torch.randint(3, 1000, (length,), generator=gen).tolist() for length in lengths]
+
+    def run(paged: bool) -> torch.Tensor:
+        runner._paged_kernel = paged
+        history = [
+            ChunkInput(ScheduledChunk(f"r{i}", 0, h, True, h), tokens[i], tables[i])
+            for i, (h, _) in enumerate(shapes)
+            if h > 0
+        ]
+        runner.execute(history)
+        step = [
+            ChunkInput(ScheduledChunk(f"r{i}", h, n, True, n), tokens[i], tables[i])
+            for i, (h, n) in enumerate(shapes)
+        ]
+        batch = runner.prepare(step).batch
+        expected = (True, 0) if paged else (False, 2)  # the two long chunks, one at a time
+        assert (batch.paged is not None, len(batch.prefills)) == expected
+        return runner.execute(step)
+
+    kernel, per_request = run(True), run(False)
+    torch.testing.assert_close(kernel, per_request, rtol=1e-5, atol=1e-5)
+    assert kernel.argmax(-1).tolist() == per_request.argmax(-1).tolist()
 
 
 def test_intra_op_threads_lowers_then_restores() -> None:

@@ -1,4 +1,5 @@
-"""The CPU paged-attention kernel against plain attention over each row's gathered context."""
+"""The CPU kernels against the torch ops they replace: paged attention against plain attention
+over each row's gathered context, the fused element-wise ops against their torch spelling."""
 
 from __future__ import annotations
 
@@ -67,6 +68,38 @@ def test_matches_gathered_attention(dtype, tol, heads: int, kv_heads: int) -> No
     assert torch.all(out[row:] == 7.0)  # untouched
 
 
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 5, 7, 8])
+def test_every_group_size_with_prefill_chunks_and_decode_rows(group: int, dim: int) -> None:
+    # One call as a step makes it: a prefill chunk continuing a cached prompt (limits 31..100),
+    # a fresh prompt's chunk, and decode rows, split over the threads by their key counts.
+    rng = random.Random(group * dim)
+    torch.manual_seed(group)
+    kvh, bs, num_blocks = 2, 16, 96
+    k_cache = torch.randn(kvh, num_blocks, bs, dim)
+    v_cache = torch.randn(kvh, num_blocks, bs, dim)
+    free = rng.sample(range(num_blocks), num_blocks)
+    tables, rows, req, limit = [], [], [], []
+    for i, (context, n) in enumerate([(100, 70), (20, 20), (57, 1), (1, 1), (33, 1)]):
+        blocks = [free.pop() for _ in range(-(-context // bs))]
+        tables.append(blocks + [0] * (7 - len(blocks)))
+        for j in range(n):
+            rows.append(len(rows))
+            req.append(i)
+            limit.append(context - n + 1 + j)
+    q = torch.randn(len(rows), kvh * group, dim)
+    args = (
+        torch.tensor(rows, dtype=torch.int64),
+        torch.tensor(req, dtype=torch.int32),
+        torch.tensor(limit, dtype=torch.int32),
+        torch.tensor(tables, dtype=torch.int32),
+    )
+    out = torch.empty_like(q)
+    paged_attention(out, q, k_cache, v_cache, *args, scale=dim**-0.5)
+    expected = reference(q, k_cache, v_cache, *args, bs)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_many_rows_run_in_parallel_and_agree() -> None:
     torch.manual_seed(1)
     kvh, heads, dim, bs = 2, 8, 64, 16
@@ -123,11 +156,13 @@ def test_rms_norm_and_add_rms_norm(dtype, tol) -> None:
     torch.testing.assert_close(
         rms_norm(strided, weight, 1e-5), _torch_rms(strided, weight, 1e-5), rtol=tol, atol=tol
     )
-    x, delta = torch.randn(40, 96).to(dtype), torch.randn(40, 96).to(dtype)
-    expected_sum = x + delta
-    normed = add_rms_norm(x, delta, weight, 1e-6)
-    assert torch.equal(x, expected_sum)  # the residual stream, updated in place
-    torch.testing.assert_close(normed, _torch_rms(expected_sum, weight, 1e-6), rtol=tol, atol=tol)
+    for rows in (40, 2000):  # one thread, then enough rows for several
+        x, delta = torch.randn(rows, 96).to(dtype), torch.randn(rows, 96).to(dtype)
+        expected_sum = x + delta
+        normed = add_rms_norm(x, delta, weight, 1e-6)
+        assert torch.equal(x, expected_sum)  # the residual stream, updated in place
+        expected = _torch_rms(expected_sum, weight, 1e-6)
+        torch.testing.assert_close(normed, expected, rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize(("dtype", "tol"), DTYPES, ids=["fp32", "bf16"])
@@ -147,6 +182,35 @@ def test_rope_on_a_slice_of_qkv(dtype, tol) -> None:
     got = rope(q, cos, sin)
     assert got.is_contiguous() and got.shape == q.shape
     torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize(("dtype", "tol"), DTYPES, ids=["fp32", "bf16"])
+def test_rope_cache_writes_k_and_v_into_their_slots(dtype, tol) -> None:
+    from engines.reference.cpu_kernels import rope, rope_cache
+
+    torch.manual_seed(4)
+    tokens, heads, kvh, dim, blocks, bs = 300, 4, 2, 32, 40, 8  # enough rows for the threads
+    qkv = torch.randn(tokens, (heads + 2 * kvh) * dim).to(dtype)
+    angles = torch.randn(tokens, 1, dim // 2)
+    cos = torch.cat([angles.cos()] * 2, -1).to(dtype)
+    sin = torch.cat([angles.sin()] * 2, -1).to(dtype)
+    k_cache = torch.full((kvh, blocks, bs, dim), 5.0).to(dtype)
+    v_cache = torch.full((kvh, blocks, bs, dim), 5.0).to(dtype)
+    slots = torch.randperm(blocks * bs)[:tokens]
+    q, k, v = qkv.split([heads * dim, kvh * dim, kvh * dim], dim=-1)
+    got = rope_cache(qkv, cos, sin, k_cache, v_cache, slots, heads)
+    torch.testing.assert_close(got, rope(q.view(tokens, heads, dim), cos, sin), rtol=0, atol=0)
+    k_roped = rope(k.view(tokens, kvh, dim), cos, sin)
+    k_flat, v_flat = k_cache.view(kvh, -1, dim), v_cache.view(kvh, -1, dim)
+    assert torch.equal(k_flat[:, slots], k_roped.transpose(0, 1))
+    assert torch.equal(v_flat[:, slots], v.view(tokens, kvh, dim).transpose(0, 1))
+    untouched = torch.ones(blocks * bs, dtype=torch.bool)
+    untouched[slots] = False
+    assert torch.all(k_flat[:, untouched] == 5.0) and torch.all(v_flat[:, untouched] == 5.0)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        bad = slots.clone()
+        bad[7] = blocks * bs
+        rope_cache(qkv, cos, sin, k_cache, v_cache, bad, heads)
 
 
 @pytest.mark.parametrize(("dtype", "tol"), DTYPES, ids=["fp32", "bf16"])

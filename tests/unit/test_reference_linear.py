@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from engines.reference.linear import OneDnnLinear, pack_linears
+from engines.reference.linear import OneDnnLinear, linear_add, pack_linears
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -24,6 +24,21 @@ def test_matches_nn_linear(bias: bool, dtype: torch.dtype, tol: float) -> None:
             expected, got = linear(x), packed(x)
         assert got.shape == expected.shape and got.dtype == dtype
         torch.testing.assert_close(got.float(), expected.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_linear_add_is_the_residual_plus_the_linear(bias: bool, dtype: torch.dtype) -> None:
+    torch.manual_seed(3)
+    linear = nn.Linear(96, 80, bias=bias).to(dtype)
+    x, residual = torch.randn(37, 96).to(dtype), torch.randn(37, 80).to(dtype)
+    with torch.inference_mode():
+        expected = residual + linear(x)
+        fused = linear_add(OneDnnLinear(linear), x, residual)
+        plain = linear_add(linear, x, residual)
+    torch.testing.assert_close(plain, expected, rtol=0, atol=0)  # not packed: the same two ops
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(fused.float(), expected.float(), rtol=tol, atol=tol)
 
 
 def test_non_contiguous_input() -> None:
