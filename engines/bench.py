@@ -108,6 +108,10 @@ class BenchReport:
     threads: int
     matmul_params: int  # parameters in the linears (the LM head included), per token
     matmul_flops_per_s: float  # large fp32 matmul on this machine, same thread count
+    # The same through oneDNN with a pre-packed weight, as the engine's linears run (on AMD
+    # CPUs about twice torch.matmul, whose MKL sgemm takes its AVX2 code there): the ceiling
+    # the decode steps' FLOP/s are also reported against. None where oneDNN is unavailable.
+    onednn_flops_per_s: float | None = None
     results: list[ModeResult] = field(default_factory=list)
 
     def result(self, mode: str) -> ModeResult | None:
@@ -131,12 +135,20 @@ class BenchReport:
             return None
         return ref.decode_flops_per_s / self.matmul_flops_per_s
 
+    @property
+    def decode_onednn_fraction(self) -> float | None:
+        ref = self.result("reference")
+        if ref is None or not ref.decode_flops_per_s or not self.onednn_flops_per_s:
+            return None
+        return ref.decode_flops_per_s / self.onednn_flops_per_s
+
     def to_json(self) -> dict:
         return {
             **asdict(self),
             "speedup_vs_best_hf": self.speedup_vs_best_hf,
             "speedup_vs_vllm": self.speedup_vs_vllm,
             "decode_flops_fraction": self.decode_flops_fraction,
+            "decode_onednn_fraction": self.decode_onednn_fraction,
         }
 
 
@@ -186,6 +198,26 @@ def measure_matmul_flops(threads: int, size: int = 2048, repeats: int = 5) -> fl
     for _ in range(repeats):  # best of several: the least disturbed by other load
         start = time.perf_counter()
         a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best
+
+
+def measure_onednn_flops(threads: int, size: int = 2048, repeats: int = 5) -> float | None:
+    """FLOP/s of a size x size fp32 linear through oneDNN with its weight packed once (see
+    engines.reference.linear); None without oneDNN."""
+    import torch
+
+    if not torch.backends.mkldnn.is_available():
+        return None
+    torch.set_num_threads(threads)
+    x = torch.randn(size, size)
+    packed = torch.ops.mkldnn._reorder_linear_weight(torch.randn(size, size), None)
+    for _ in range(2):
+        torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
         best = min(best, time.perf_counter() - start)
     return 2 * size**3 / best
 
@@ -477,11 +509,14 @@ def run_bench(config: BenchConfig, log=print) -> BenchReport:
         threads=threads,
         matmul_params=matmul_params(model_dir),
         matmul_flops_per_s=measure_matmul_flops(threads),
+        onednn_flops_per_s=measure_onednn_flops(threads),
     )
+    onednn = report.onednn_flops_per_s
     log(
         f"model {model_dir} ({report.matmul_params / 1e6:.1f}M matmul params), "
         f"{len(prompts)} prompts, {sum(max_tokens)} useful tokens, {threads} threads, "
         f"matmul {report.matmul_flops_per_s / 1e9:.1f} GFLOP/s"
+        + (f" (oneDNN {onednn / 1e9:.1f})" if onednn else "")
     )
     with tempfile.TemporaryDirectory(prefix="tokenmill-bench-") as tmp:
         spec_path = Path(tmp) / "spec.json"
@@ -565,7 +600,14 @@ def format_summary(report: BenchReport) -> str:
             f"decode steps with batch >= {_DECODE_BATCH_FOR_FLOPS}: "
             f"{ref.decode_flops_per_s / 1e9:.1f} GFLOP/s = "
             f"{100 * (report.decode_flops_fraction or 0):.0f}% of matmul "
-            f"{report.matmul_flops_per_s / 1e9:.1f} GFLOP/s ({ref.decode_steps_counted} steps)"
+            f"{report.matmul_flops_per_s / 1e9:.1f} GFLOP/s"
+            + (
+                f", {100 * report.decode_onednn_fraction:.0f}% of oneDNN's "
+                f"{(report.onednn_flops_per_s or 0) / 1e9:.1f}"
+                if report.decode_onednn_fraction
+                else ""
+            )
+            + f" ({ref.decode_steps_counted} steps)"
         )
     return "\n".join(lines)
 

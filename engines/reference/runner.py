@@ -191,12 +191,16 @@ class ModelRunner:
             limit.extend(range(length - n + 1, length + 1))
             tables.append(blocks)
         width = max(len(t) for t in tables)
-        padded = [[*t, *([0] * (width - len(t)))] for t in tables]
+        padding = [0] * width
+        flat: list[int] = []  # one flat list: torch.tensor of nested lists is several x slower
+        for t in tables:
+            flat.extend(t)
+            flat.extend(padding[: width - len(t)])
         return PagedRows(
             rows=torch.tensor(rows, dtype=torch.int64),
             req=torch.tensor(req, dtype=torch.int32),
             limit=torch.tensor(limit, dtype=torch.int32),
-            tables=torch.tensor(padded, dtype=torch.int32),
+            tables=torch.tensor(flat, dtype=torch.int32).view(len(tables), width),
         )
 
     @torch.inference_mode()

@@ -64,6 +64,7 @@ def test_bench_command_runs_modes_and_writes_json(tmp_path, modes) -> None:
         assert r["tokens_per_s"] > 0 and r["peak_rss_mb"] > 0
         assert 0 <= r["ttft_p50_s"] <= r["ttft_p95_s"] <= r["seconds"]
     assert data["matmul_flops_per_s"] > 1e8
+    assert data["onednn_flops_per_s"] is None or data["onednn_flops_per_s"] > 1e8
     assert "tok/s" in result.output
     if len(modes) > 1:
         assert data["speedup_vs_best_hf"] > 0

@@ -59,7 +59,12 @@ def test_percentile_and_summary_ratios() -> None:
     assert _percentile([3.0, 1.0, 2.0], 0.5) == 2.0
     assert _percentile(list(range(101)), 0.95) == 95
     report = BenchReport(
-        config=BenchConfig(), model="m", threads=2, matmul_params=10, matmul_flops_per_s=100e9
+        config=BenchConfig(),
+        model="m",
+        threads=2,
+        matmul_params=10,
+        matmul_flops_per_s=100e9,
+        onednn_flops_per_s=180e9,
     )
     report.results = [
         ModeResult(
@@ -71,8 +76,9 @@ def test_percentile_and_summary_ratios() -> None:
     ]
     assert report.speedup_vs_best_hf == pytest.approx(3.0)
     assert report.decode_flops_fraction == pytest.approx(0.45)
+    assert report.decode_onednn_fraction == pytest.approx(0.25)
     text = format_summary(report)
-    assert "3.00x" in text and "45%" in text
+    assert "3.00x" in text and "45% of matmul" in text and "25% of oneDNN's 180.0" in text
     data = report.to_json()
     assert data["speedup_vs_best_hf"] == pytest.approx(3.0)
     assert data["results"][0]["mode"] == "reference"
