@@ -126,6 +126,26 @@ inline vf16 hsum4(vf16 a, vf16 b, vf16 c, vf16 d) {
   return u;
 }
 
+// Calls visit(row, j) for keys j = 0 .. keys - 1 of one KV head's paged context (`head` points
+// at the head's pool, row at key j's D values), block by block: no division per key. Blocks lie
+// anywhere in the pool, so the next block is prefetched while this one is visited (one line
+// per 16 floats; it doubled decode's speed, where every block comes from memory).
+template <int D, typename Visit>
+inline void for_each_key(const float* __restrict head, const int32_t* __restrict table,
+                         int64_t keys, int64_t block_size, int64_t block_stride, Visit&& visit) {
+  for (int64_t j = 0; j < keys;) {
+    const int64_t off = j % block_size;
+    const int64_t n = std::min(block_size - off, keys - j);
+    const float* block = head + table[j / block_size] * block_stride + off * D;
+    const float* next = j + n < keys ? head + table[(j + n) / block_size] * block_stride : block;
+    for (int64_t t = 0; t < n; ++t) {
+      for (int v = 0; v < D / 16; ++v) __builtin_prefetch(next + t * D + v * 16, 0, 3);
+      visit(block + t * D, j + t);
+    }
+    j += n;
+  }
+}
+
 // Softmax of each of G heads' scores (head g's at scores + g * stride, `keys` of them) in place,
 // max-subtracted; inv[g] gets 1 / the head's sum.
 template <int G>
@@ -154,23 +174,14 @@ inline void weighted_values(const float* __restrict scores, int64_t stride,
   vf16 acc[G][V];
   for (int g = 0; g < G; ++g)
     for (int v = 0; v < V; ++v) acc[g][v] = vf16{};
-  for (int64_t j = 0; j < keys;) {
-    const int64_t off = j % block_size;
-    const int64_t n = std::min(block_size - off, keys - j);
-    const float* vb = v_head + table[j / block_size] * block_stride + off * D;
-    const float* next = j + n < keys ? v_head + table[(j + n) / block_size] * block_stride : vb;
-    for (int64_t t = 0; t < n; ++t) {
-      const float* vr = vb + t * D;
-      for (int v = 0; v < V; ++v) __builtin_prefetch(next + t * D + v * 16, 0, 3);
-      vf16 val[V];
-      for (int v = 0; v < V; ++v) val[v] = load16(vr + v * 16);
-      for (int g = 0; g < G; ++g) {
-        const float p = scores[g * stride + j + t];
-        for (int v = 0; v < V; ++v) acc[g][v] += p * val[v];
-      }
+  for_each_key<D>(v_head, table, keys, block_size, block_stride, [&](const float* vr, int64_t j) {
+    vf16 val[V];
+    for (int v = 0; v < V; ++v) val[v] = load16(vr + v * 16);
+    for (int g = 0; g < G; ++g) {
+      const float p = scores[g * stride + j];
+      for (int v = 0; v < V; ++v) acc[g][v] += p * val[v];
     }
-    j += n;
-  }
+  });
   for (int g = 0; g < G; ++g)
     for (int v = 0; v < V; ++v) store16(o_row + g * D + v * 16, acc[g][v] * inv[g]);
 }
@@ -188,35 +199,25 @@ void attend_row_vec(const float* __restrict q_row, const float* __restrict k_hea
   for (int g = 0; g < G; ++g)
     for (int v = 0; v < V; ++v) q[g][v] = load16(q_row + g * D + v * 16) * scale;
 
-  for (int64_t j = 0; j < keys;) {  // block by block: no division per key
-    const int64_t off = j % block_size;
-    const int64_t n = std::min(block_size - off, keys - j);
-    const float* kb = k_head + table[j / block_size] * block_stride + off * D;
-    // The next block lies elsewhere in the pool: ask for it while this one is scored.
-    const float* next = j + n < keys ? k_head + table[(j + n) / block_size] * block_stride : kb;
-    for (int64_t t = 0; t < n; ++t) {
-      const float* kr = kb + t * D;
-      for (int v = 0; v < V; ++v) __builtin_prefetch(next + t * D + v * 16, 0, 3);
-      vf16 k[V];
-      for (int v = 0; v < V; ++v) k[v] = load16(kr + v * 16);
-      int g = 0;
-      for (; g + 4 <= G; g += 4) {
-        vf16 acc[4];
-        for (int i = 0; i < 4; ++i) {
-          acc[i] = q[g + i][0] * k[0];
-          for (int v = 1; v < V; ++v) acc[i] += q[g + i][v] * k[v];
-        }
-        const vf16 s = hsum4(acc[0], acc[1], acc[2], acc[3]);
-        for (int i = 0; i < 4; ++i) scores[(g + i) * keys + j + t] = s[4 * i];
+  for_each_key<D>(k_head, table, keys, block_size, block_stride, [&](const float* kr, int64_t j) {
+    vf16 k[V];
+    for (int v = 0; v < V; ++v) k[v] = load16(kr + v * 16);
+    int g = 0;
+    for (; g + 4 <= G; g += 4) {
+      vf16 acc[4];
+      for (int i = 0; i < 4; ++i) {
+        acc[i] = q[g + i][0] * k[0];
+        for (int v = 1; v < V; ++v) acc[i] += q[g + i][v] * k[v];
       }
-      for (; g < G; ++g) {
-        vf16 acc = q[g][0] * k[0];
-        for (int v = 1; v < V; ++v) acc += q[g][v] * k[v];
-        scores[g * keys + j + t] = hsum16(acc);
-      }
+      const vf16 s = hsum4(acc[0], acc[1], acc[2], acc[3]);
+      for (int i = 0; i < 4; ++i) scores[(g + i) * keys + j] = s[4 * i];
     }
-    j += n;
-  }
+    for (; g < G; ++g) {
+      vf16 acc = q[g][0] * k[0];
+      for (int v = 1; v < V; ++v) acc += q[g][v] * k[v];
+      scores[g * keys + j] = hsum16(acc);
+    }
+  });
   float inv[G];
   softmax_heads<G>(scores, keys, keys, inv);
   weighted_values<D, G>(scores, keys, v_head, table, keys, block_size, block_stride, inv, o_row);
