@@ -1,5 +1,6 @@
 // Element-wise steps of the decoder fused into one pass each over a step's rows (CPU): RMSNorm
-// (optionally with the residual add before it), rotary embedding, and SiLU(gate) * up.
+// (optionally with the residual add before it), rotary embedding (alone, or with the K/V cache
+// write), and SiLU(gate) * up.
 //
 // In torch each of these is 3-8 separate ops, each a pass over the [T, hidden] activations and
 // a dispatch on the step thread; at the engine's sizes those passes cost about as much as the
@@ -29,12 +30,18 @@ inline int64_t row_grain(int64_t row_elements) {
 template <typename T>
 inline float f32(T x) { return static_cast<float>(x); }
 
+// RMSNorm of each row of x into out; with `delta`, x += delta first (in place, the sum rounded
+// to the model dtype before the norm reads it, as x + delta, then the norm, does).
 template <typename scalar_t>
-void rms_rows(const scalar_t* x, const scalar_t* w, scalar_t* out, int64_t rows, int64_t n,
-              int64_t x_stride, float eps) {
+void rms_rows(scalar_t* x, const scalar_t* delta, const scalar_t* w, scalar_t* out, int64_t rows,
+              int64_t n, int64_t x_stride, float eps) {
   at::parallel_for(0, rows, row_grain(n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const scalar_t* xr = x + r * x_stride;
+      scalar_t* xr = x + r * x_stride;
+      if (delta != nullptr) {
+        const scalar_t* dr = delta + r * n;
+        for (int64_t i = 0; i < n; ++i) xr[i] = static_cast<scalar_t>(f32(xr[i]) + f32(dr[i]));
+      }
       scalar_t* o = out + r * n;
       float sq = 0.f;
       for (int64_t i = 0; i < n; ++i) sq += f32(xr[i]) * f32(xr[i]);
@@ -55,15 +62,14 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   at::Tensor rows = x.dim() == 2 ? x : x.reshape({-1, n});
   auto out = at::empty({rows.size(0), n}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
-    rms_rows<scalar_t>(rows.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(),
+    rms_rows<scalar_t>(rows.data_ptr<scalar_t>(), nullptr, weight.data_ptr<scalar_t>(),
                        out.data_ptr<scalar_t>(), rows.size(0), n, rows.stride(0),
                        static_cast<float>(eps));
   });
   return out.view(x.sizes());
 }
 
-// x += delta (the residual stream, in place), then RMSNorm of the sum: one pass per row, the
-// sum rounded to the model dtype before the norm reads it (as x + delta, then the norm, does).
+// x += delta (the residual stream, in place), then RMSNorm of the sum, one pass per row.
 at::Tensor add_rms_norm(at::Tensor x, const at::Tensor& delta, const at::Tensor& weight,
                         double eps) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && delta.is_contiguous(),
@@ -76,26 +82,9 @@ at::Tensor add_rms_norm(at::Tensor x, const at::Tensor& delta, const at::Tensor&
   const int64_t rows = x.size(0), n = x.size(1);
   auto out = at::empty({rows, n}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms", [&] {
-    scalar_t* xp = x.data_ptr<scalar_t>();
-    const scalar_t* dp = delta.data_ptr<scalar_t>();
-    const scalar_t* w = weight.data_ptr<scalar_t>();
-    scalar_t* op = out.data_ptr<scalar_t>();
-    const float feps = static_cast<float>(eps);
-    at::parallel_for(0, rows, row_grain(n), [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-        scalar_t* xr = xp + r * n;
-        const scalar_t* dr = dp + r * n;
-        float sq = 0.f;
-        for (int64_t i = 0; i < n; ++i) {
-          xr[i] = static_cast<scalar_t>(f32(xr[i]) + f32(dr[i]));
-          sq += f32(xr[i]) * f32(xr[i]);
-        }
-        const float inv = 1.f / std::sqrt(sq / static_cast<float>(n) + feps);
-        scalar_t* o = op + r * n;
-        for (int64_t i = 0; i < n; ++i)
-          o[i] = static_cast<scalar_t>(f32(w[i]) * f32(static_cast<scalar_t>(f32(xr[i]) * inv)));
-      }
-    });
+    rms_rows<scalar_t>(x.data_ptr<scalar_t>(), delta.data_ptr<scalar_t>(),
+                       weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), rows, n, n,
+                       static_cast<float>(eps));
   });
   return out;
 }

@@ -285,7 +285,7 @@ void attend(
       const int64_t q_off = row * q_row_stride + h * group * dim;
       scores.resize(group * keys);
 #ifdef TOKENMILL_VECTOR_ATTENTION
-      if constexpr (G > 0 && std::is_same_v<scalar_t, float>) {
+      if constexpr (G > 0) {  // fp32 only (attend_group)
         attend_row_vec<D, G>(qp + q_off, kp + h * k_head_stride, vp + h * k_head_stride, table,
                              keys, block_size, block_stride, static_cast<float>(scale),
                              scores.data(), op + q_off);
@@ -312,11 +312,14 @@ void attend_group(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
                   const at::Tensor& v_cache, const at::Tensor& rows, const at::Tensor& req,
                   const at::Tensor& limit, const at::Tensor& tables, double scale,
                   int64_t grain) {
-  const int64_t group = q.size(1) / k_cache.size(0);
-#define TOKENMILL_GROUP_CASE(n)                                                              \
-  case n:                                                                                    \
-    return attend<scalar_t, D, (D % 16 == 0 && D > 0) ? n : 0>(out, q, k_cache, v_cache, rows, \
-                                                                req, limit, tables, scale, grain);
+  // Only fp32 with a head size of 64 or 128 has a vector path per group size; every other
+  // combination is one instance of the plain loop (fewer instances: a shorter first build).
+  constexpr bool vector = std::is_same_v<scalar_t, float> && D > 0;
+  const int64_t group = vector ? q.size(1) / k_cache.size(0) : 0;
+#define TOKENMILL_GROUP_CASE(n)                                                                \
+  case n:                                                                                      \
+    return attend<scalar_t, D, vector ? n : 0>(out, q, k_cache, v_cache, rows, req, limit,     \
+                                               tables, scale, grain);
   switch (group) {
     TOKENMILL_GROUP_CASE(1)
     TOKENMILL_GROUP_CASE(2)
@@ -365,20 +368,17 @@ void paged_attention(
                 "paged_attention: a block id outside the cache");
   }
   const int64_t dim = k_cache.size(3);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention",
-                                  [&] {
-                                    // Head sizes of the common models get unrolled code.
-                                    if (dim == 64) {
-                                      attend_group<scalar_t, 64>(out, q, k_cache, v_cache, rows, req,
-                                                           limit, tables, scale, grain);
-                                    } else if (dim == 128) {
-                                      attend_group<scalar_t, 128>(out, q, k_cache, v_cache, rows, req,
-                                                            limit, tables, scale, grain);
-                                    } else {
-                                      attend_group<scalar_t, 0>(out, q, k_cache, v_cache, rows, req,
-                                                          limit, tables, scale, grain);
-                                    }
-                                  });
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged", [&] {
+    // Head sizes of the common models get unrolled code.
+    if (dim == 64) {
+      attend_group<scalar_t, 64>(out, q, k_cache, v_cache, rows, req, limit, tables, scale, grain);
+    } else if (dim == 128) {
+      attend_group<scalar_t, 128>(out, q, k_cache, v_cache, rows, req, limit, tables, scale,
+                                  grain);
+    } else {
+      attend_group<scalar_t, 0>(out, q, k_cache, v_cache, rows, req, limit, tables, scale, grain);
+    }
+  });
 }
 
 }  // namespace
