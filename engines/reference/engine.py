@@ -1,7 +1,8 @@
 """ReferenceEngine: the `engines.api.Engine` contract over the reference PyTorch model.
 
-Threads: callers live on an asyncio loop; the step loop runs on its own thread and owns every
-piece of mutable engine state (scheduler, block manager, runner). The two sides meet in an
+Threads: callers live on an asyncio loop; the step loop runs on its own thread, which also
+loads the model (one OpenMP pool per process: see _engine_thread), and owns every piece of
+mutable engine state (scheduler, block manager, runner). The two sides meet in an
 inbox (new requests and aborts, under a condition variable) and in per-request sinks that the
 step loop resolves with `loop.call_soon_threadsafe`.
 
@@ -22,12 +23,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -190,20 +193,6 @@ class ReferenceEngine:
                 f"accepted: {', '.join(SETTINGS)}"
             )
         started = time.monotonic()
-        import torch
-
-        from engines.reference.kv_cache import BlockManager
-        from engines.reference.resources import (
-            load_tokenizer,
-            pool_blocks,
-            resolve_device,
-            resolve_dtype,
-            resolve_max_model_len,
-        )
-        from engines.reference.runner import ModelRunner, kv_bytes_per_token
-        from engines.reference.scheduler import Scheduler, SchedulerConfig
-        from engines.reference.weights import load_model
-
         for name, value in (
             ("max_num_tokens", max_num_tokens),
             ("max_batch_size", max_batch_size),
@@ -218,10 +207,98 @@ class ReferenceEngine:
         if self._speculative is not None and self._speculative.disable_above_batch_size is not None:
             self._spec_limit = self._speculative.disable_above_batch_size
         self._num_threads = num_threads or os.cpu_count() or 1
-        torch.set_num_threads(self._num_threads)
+        self._profiler: NoProfiler = NO_PROFILER  # replaced by _load when profiling
+        self.drafter: Any = None  # method draft: set by _load
+        self._grammars: Any = None  # engines.reference.grammar.Grammars, on first use
+        self._grammars_lock = threading.Lock()
+        self._test_step_delay_s = testhooks.step_delay_s()  # 0 outside tests
+        self._cv = threading.Condition()
+        self._inbox: deque[_Live] = deque()
+        self._aborts: deque[str] = deque()
+        self._live: dict[str, _Live] = {}  # step-loop owned
+        self._in_flight: set[str] = set()  # ids submitted and not yet finished (under _cv)
+        self._records: list[StepRecord] = []
+        self._records_lock = threading.Lock()
+        self._stopping = False
+        self._dead: str | None = None  # why the engine stopped
+        self._num_finished = 0
+        self._num_steps = 0
+        self._spec_proposed = 0  # speculative tokens verified since load
+        self._spec_accepted = 0
+        # n > 1: which sample of a group computes the prompt, which wait to fork it.
+        self._groups = SampleGroups()
+
+        # The model is loaded on the engine thread, which then runs the step loop: see
+        # _engine_thread. A load error is raised here, in the caller's thread.
+        loaded: Future[None] = Future()
+        load = functools.partial(
+            self._load,
+            Path(model),
+            max_num_tokens=max_num_tokens,
+            max_batch_size=max_batch_size,
+            kv_cache_tokens=kv_cache_tokens,
+            kv_cache_memory_gb=kv_cache_memory_gb,
+            block_size=block_size,
+            enable_prefix_caching=enable_prefix_caching,
+            enable_chunked_prefill=enable_chunked_prefill,
+            dtype=dtype,
+            device=device,
+            max_model_len=max_model_len,
+            profile_dir=profile_dir,
+            profile_steps=profile_steps,
+        )
+        self._thread = threading.Thread(
+            target=self._engine_thread, args=(load, loaded), name="reference-engine", daemon=True
+        )
+        self._thread.start()
+        loaded.result()
+        self.info = EngineInfo(
+            kind="reference",
+            model=str(model),
+            max_model_len=self.max_model_len,
+            device=str(self._torch_device),
+            num_devices=1,
+            dtype=str(self._torch_dtype).removeprefix("torch."),
+            has_step_records=True,
+            eos_token_ids=self.config.eos_token_ids,
+            load_seconds=time.monotonic() - started,
+        )
+
+    def _load(
+        self,
+        model_dir: Path,
+        *,
+        max_num_tokens: int,
+        max_batch_size: int,
+        kv_cache_tokens: int | None,
+        kv_cache_memory_gb: float | None,
+        block_size: int,
+        enable_prefix_caching: bool,
+        enable_chunked_prefill: bool,
+        dtype: str,
+        device: str,
+        max_model_len: int | None,
+        profile_dir: str | None,
+        profile_steps: int,
+    ) -> None:
+        """Model, tokenizer, KV pool, scheduler, runner, profiler and drafter (on the engine
+        thread)."""
+        import torch
+
+        from engines.reference.kv_cache import BlockManager
+        from engines.reference.resources import (
+            load_tokenizer,
+            pool_blocks,
+            resolve_device,
+            resolve_dtype,
+            resolve_max_model_len,
+        )
+        from engines.reference.runner import ModelRunner, kv_bytes_per_token
+        from engines.reference.scheduler import Scheduler, SchedulerConfig
+        from engines.reference.weights import load_model
+
         self._torch_device = resolve_device(device)
         self._torch_dtype = getattr(torch, resolve_dtype(dtype, self._torch_device))
-        model_dir = Path(model)
         self.config: ModelConfig = load_model_config(model_dir)
         self.max_model_len = resolve_max_model_len(self.config, max_model_len)
         self.model = load_model(model_dir, self.config, self._torch_dtype, self._torch_device)
@@ -251,11 +328,6 @@ class ReferenceEngine:
             self._torch_dtype,
             self._torch_device,
         )
-        self._grammars: Any = None  # engines.reference.grammar.Grammars, on first use
-        self._grammars_lock = threading.Lock()
-        # Off: the no-op profiler, whose phase ranges cost nothing (engines/reference/profiling).
-        self._profiler: NoProfiler = NO_PROFILER
-        self._test_step_delay_s = testhooks.step_delay_s()  # 0 outside tests
         if profile_dir is not None:
             try:
                 self._profiler = StepProfiler(profile_dir, profile_steps, self._torch_device)
@@ -263,14 +335,13 @@ class ReferenceEngine:
                 raise EngineError(f"profile_dir={profile_dir!r}: {exc}") from exc
         self.runner.profiler = self._profiler
         # Method draft: the draft model with its own KV pool (engines/reference/draft.py).
-        self.drafter: Any = None
         if self._speculative is not None and self._speculative.method == "draft":
             from engines.reference.draft import Drafter, draft_pool_blocks
 
             k = self._speculative.num_tokens
             self.drafter = Drafter(
                 self._speculative.model,
-                str(model),
+                str(model_dir),
                 self.config,
                 self.tokenizer,
                 num_blocks=draft_pool_blocks(
@@ -284,36 +355,6 @@ class ReferenceEngine:
             )
         self._default_generator = torch.Generator(device=self._torch_device)
         self._default_generator.manual_seed(int.from_bytes(os.urandom(4), "little"))
-
-        self._cv = threading.Condition()
-        self._inbox: deque[_Live] = deque()
-        self._aborts: deque[str] = deque()
-        self._live: dict[str, _Live] = {}  # step-loop owned
-        self._in_flight: set[str] = set()  # ids submitted and not yet finished (under _cv)
-        self._records: list[StepRecord] = []
-        self._records_lock = threading.Lock()
-        self._stopping = False
-        self._dead: str | None = None  # why the engine stopped
-        self._num_finished = 0
-        self._num_steps = 0
-        self._spec_proposed = 0  # speculative tokens verified since load
-        self._spec_accepted = 0
-        # n > 1: which sample of a group computes the prompt, which wait to fork it.
-        self._groups = SampleGroups()
-
-        self.info = EngineInfo(
-            kind="reference",
-            model=str(model),
-            max_model_len=self.max_model_len,
-            device=str(self._torch_device),
-            num_devices=1,
-            dtype=str(self._torch_dtype).removeprefix("torch."),
-            has_step_records=True,
-            eos_token_ids=self.config.eos_token_ids,
-            load_seconds=time.monotonic() - started,
-        )
-        self._thread = threading.Thread(target=self._run, name="reference-engine", daemon=True)
-        self._thread.start()
 
     # ---- caller side (asyncio) ---------------------------------------------------------
     async def generate(self, request: GenerationRequest) -> GenerationResult:
@@ -449,10 +490,28 @@ class ReferenceEngine:
             return None, str(exc)
 
     # ---- step loop (engine thread) -------------------------------------------------------
-    def _run(self) -> None:
+    def _engine_thread(self, load: Callable[[], None], loaded: Future[None]) -> None:
+        """Load, then run the step loop, on this one thread.
+
+        Why one thread for both: every thread that runs an OpenMP parallel region keeps a pool
+        of OpenMP threads, and once a process's pools hold more threads than it has cores,
+        libgomp stops spinning at its barriers and sleeps on a futex at each one. The step loop
+        would then pay a sleep and a wake-up at every GEMM and kernel, 40+ times a step: its
+        decode linears ran 20-40% slower on a loop thread when the model had been loaded on
+        another. Loaded here, the process has one pool. (A caller thread that runs parallel
+        torch ops of its own brings the slowdown back; nothing here can prevent that.)"""
         import torch
 
         torch.set_num_threads(self._num_threads)
+        try:
+            load()
+        except BaseException as exc:  # the constructor raises it
+            loaded.set_exception(exc)
+            return
+        loaded.set_result(None)
+        self._run()
+
+    def _run(self) -> None:
         try:
             while True:
                 with self._cv:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -281,5 +282,26 @@ def test_a_crashing_step_loop_fails_requests_with_engine_dead_error() -> None:
             run_all(eng, [_req(PROMPT, max_tokens=3)])
         with pytest.raises(EngineDeadError):
             run_all(eng, [_req(PROMPT, max_tokens=3)])
+    finally:
+        eng.shutdown()
+
+
+def test_the_model_loads_on_the_thread_that_runs_the_steps(monkeypatch) -> None:
+    # One thread for both keeps one OpenMP pool in the process; with two, libgomp sleeps at
+    # every barrier of a step (ReferenceEngine._engine_thread says why that is slow).
+    import engines.reference.weights as weights
+
+    loaded_on = []
+    real = weights.load_model
+
+    def spy(*args, **kwargs):
+        loaded_on.append(threading.current_thread())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(weights, "load_model", spy)
+    eng = ReferenceEngine(str(tiny_model("llama")), num_threads=1)
+    try:
+        assert loaded_on == [eng._thread] and eng._thread is not threading.current_thread()
+        assert run_all(eng, [_req(PROMPT, max_tokens=3, ignore_eos=True)])[0].ok
     finally:
         eng.shutdown()

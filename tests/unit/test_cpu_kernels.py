@@ -121,13 +121,18 @@ def test_bad_indices_fail_with_a_message_not_a_crash() -> None:
     out = torch.empty_like(q)
     rows, req = torch.tensor([0, 1]), torch.tensor([0, 0], dtype=torch.int32)
     tables = torch.tensor([[1, 2]], dtype=torch.int32)
-    with pytest.raises(RuntimeError, match="more keys than its table"):
+    ok = torch.tensor([5, 16], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="row 1 attends to 17 keys, more keys than its table"):
         too_long = torch.tensor([5, 17], dtype=torch.int32)
         paged_attention(out, q, k_cache, v_cache, rows, req, too_long, tables, scale=1.0)
-    with pytest.raises(RuntimeError, match="block id outside"):
+    with pytest.raises(RuntimeError, match=r"block id 9 outside the cache \(4 blocks\)"):
         bad = torch.tensor([[1, 9]], dtype=torch.int32)
-        ok = torch.tensor([5, 16], dtype=torch.int32)
         paged_attention(out, q, k_cache, v_cache, rows, req, ok, bad, scale=1.0)
+    with pytest.raises(RuntimeError, match=r"row 2 outside q \(2 rows\)"):
+        paged_attention(out, q, k_cache, v_cache, torch.tensor([0, 2]), req, ok, tables, scale=1.0)
+    with pytest.raises(RuntimeError, match="table index 1 of row 0 outside tables"):
+        one = torch.tensor([1, 0], dtype=torch.int32)
+        paged_attention(out, q, k_cache, v_cache, rows, one, ok, tables, scale=1.0)
 
 
 # --- fused element-wise ops against the torch ops they replace ---------------------------------
