@@ -60,8 +60,8 @@ _CFLAGS = [
 # A build takes about ten seconds. torch's build lock is a file that a process killed mid-build
 # leaves behind, and torch then waits on it forever; one older than this is removed.
 _STALE_LOCK_S = 300.0
-# (row, KV head) pairs below which a call runs on the calling thread: waking the OpenMP
-# workers costs tens of microseconds, more than a few rows' attention.
+# (row, KV head) pairs below which a call runs on the calling thread: handing work to the
+# OpenMP workers costs more than a few rows' attention.
 PARALLEL_GRAIN = 16
 
 
