@@ -28,6 +28,7 @@ import json
 import os
 import random
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -60,6 +61,10 @@ class BenchConfig:
     vllm_eager: bool = False  # vllm mode: skip graph compilation (fast start, slower steps)
     profile_dir: str | None = None  # reference mode: write a step trace here (profiling.py)
     profile_steps: int = 50  # reference mode with profile_dir: engine steps the trace records
+    # Passes over `modes`, in turn (reference, vllm, reference, vllm, ...). Ratios are taken
+    # between the modes of one pass and their median is the headline: on a shared machine one
+    # run moves by ~5%, and both engines see the same moment's machine within a pass.
+    rounds: int = 1
 
 
 @dataclass
@@ -76,6 +81,7 @@ class ModeResult:
     decode_steps_counted: int = 0
     profile: dict | None = None  # reference with profile_dir: profiling.PhaseTable as a dict
     error: str | None = None
+    round: int = 0  # the pass over the modes it ran in (BenchConfig.rounds), from 0
 
     @classmethod
     def measured(
@@ -115,38 +121,78 @@ class BenchReport:
     results: list[ModeResult] = field(default_factory=list)
 
     def result(self, mode: str) -> ModeResult | None:
+        """The mode's first successful result (its first round's, normally)."""
         return next((r for r in self.results if r.mode == mode and r.error is None), None)
+
+    def _rounds(self) -> list[list[ModeResult]]:
+        """The successful results of each round, rounds in order."""
+        count = max((r.round for r in self.results), default=-1) + 1
+        return [[r for r in self.results if r.round == i and r.error is None] for i in range(count)]
+
+    @property
+    def ratios_vs_vllm(self) -> list[float]:
+        """reference / vllm tokens/s of each round where both ran."""
+        ratios = []
+        for found in self._rounds():
+            ref = next((r for r in found if r.mode == "reference"), None)
+            vllm = next((r for r in found if r.mode == "vllm"), None)
+            if ref and vllm and vllm.tokens_per_s:
+                ratios.append(ref.tokens_per_s / vllm.tokens_per_s)
+        return ratios
+
+    @property
+    def ratios_vs_best_hf(self) -> list[float]:
+        """reference / the faster transformers mode, tokens/s, of each round where both ran."""
+        ratios = []
+        for found in self._rounds():
+            ref = next((r for r in found if r.mode == "reference"), None)
+            hf = [r.tokens_per_s for r in found if r.mode.startswith("hf-")]
+            if ref and hf and max(hf) > 0:
+                ratios.append(ref.tokens_per_s / max(hf))
+        return ratios
 
     @property
     def speedup_vs_best_hf(self) -> float | None:
-        ref = self.result("reference")
-        hf = [r.tokens_per_s for r in self.results if r.mode.startswith("hf-") and not r.error]
-        return ref.tokens_per_s / max(hf) if ref and hf and max(hf) > 0 else None
+        ratios = self.ratios_vs_best_hf
+        return statistics.median(ratios) if ratios else None
 
     @property
     def speedup_vs_vllm(self) -> float | None:
-        ref, vllm = self.result("reference"), self.result("vllm")
-        return ref.tokens_per_s / vllm.tokens_per_s if ref and vllm and vllm.tokens_per_s else None
+        ratios = self.ratios_vs_vllm
+        return statistics.median(ratios) if ratios else None
+
+    @property
+    def decode_flops_per_s(self) -> float | None:
+        """The reference engine's wide-decode FLOP/s, the median over its rounds."""
+        found = [
+            r.decode_flops_per_s
+            for r in self.results
+            if r.mode == "reference" and r.error is None and r.decode_flops_per_s
+        ]
+        return statistics.median(found) if found else None
 
     @property
     def decode_flops_fraction(self) -> float | None:
-        ref = self.result("reference")
-        if ref is None or not ref.decode_flops_per_s or not self.matmul_flops_per_s:
+        flops = self.decode_flops_per_s
+        if flops is None or not self.matmul_flops_per_s:
             return None
-        return ref.decode_flops_per_s / self.matmul_flops_per_s
+        return flops / self.matmul_flops_per_s
 
     @property
     def decode_onednn_fraction(self) -> float | None:
-        ref = self.result("reference")
-        if ref is None or not ref.decode_flops_per_s or not self.onednn_flops_per_s:
+        flops = self.decode_flops_per_s
+        if flops is None or not self.onednn_flops_per_s:
             return None
-        return ref.decode_flops_per_s / self.onednn_flops_per_s
+        return flops / self.onednn_flops_per_s
 
     def to_json(self) -> dict:
         return {
             **asdict(self),
             "speedup_vs_best_hf": self.speedup_vs_best_hf,
             "speedup_vs_vllm": self.speedup_vs_vllm,
+            "ratios_vs_best_hf": self.ratios_vs_best_hf,
+            "ratios_vs_vllm": self.ratios_vs_vllm,
+            "decode_flops_per_s": self.decode_flops_per_s,
             "decode_flops_fraction": self.decode_flops_fraction,
             "decode_onednn_fraction": self.decode_onednn_fraction,
         }
@@ -537,7 +583,7 @@ def run_bench(config: BenchConfig, log=print) -> BenchReport:
             ),
         }
         spec_path.write_text(json.dumps(spec))
-        for mode in config.modes:
+        for round_, mode in ((i, m) for i in range(config.rounds) for m in config.modes):
             out_path = Path(tmp) / f"{mode}.json"
             python, extra_env = _mode_command(mode, config, threads)
             env = {
@@ -562,8 +608,10 @@ def run_bench(config: BenchConfig, log=print) -> BenchReport:
                     result = ModeResult(**json.loads(out_path.read_text()))
             except subprocess.TimeoutExpired:
                 result = ModeResult(mode=mode, error=f"timed out after {config.mode_timeout_s}s")
+            result.round = round_
             report.results.append(result)
-            log(format_result(result))
+            prefix = f"round {round_ + 1}/{config.rounds}  " if config.rounds > 1 else ""
+            log(prefix + format_result(result))
             if result.profile is not None:
                 from engines.reference.profiling import PhaseTable, format_phase_table
 
@@ -583,22 +631,32 @@ def format_result(r: ModeResult) -> str:
     )
 
 
+def _per_round(ratios: list[float]) -> str:
+    if len(ratios) < 2:
+        return ""
+    return f", median of {len(ratios)} rounds: " + ", ".join(f"{r:.2f}x" for r in ratios)
+
+
 def format_summary(report: BenchReport) -> str:
     lines = []
     if report.speedup_vs_best_hf is not None:
-        lines.append(f"reference vs best transformers mode: {report.speedup_vs_best_hf:.2f}x")
+        lines.append(
+            f"reference vs best transformers mode: {report.speedup_vs_best_hf:.2f}x"
+            + _per_round(report.ratios_vs_best_hf)
+        )
     if report.speedup_vs_vllm is not None:
         vllm = report.result("vllm")
         ref = report.result("reference")
         lines.append(
             f"reference vs vllm: {report.speedup_vs_vllm:.2f}x "
             f"(start-up {ref.load_s:.1f}s vs {vllm.load_s:.1f}s)"
+            + _per_round(report.ratios_vs_vllm)
         )
     ref = report.result("reference")
-    if ref and ref.decode_flops_per_s:
+    if ref and report.decode_flops_per_s:
         lines.append(
             f"decode steps with batch >= {_DECODE_BATCH_FOR_FLOPS}: "
-            f"{ref.decode_flops_per_s / 1e9:.1f} GFLOP/s = "
+            f"{report.decode_flops_per_s / 1e9:.1f} GFLOP/s = "
             f"{100 * (report.decode_flops_fraction or 0):.0f}% of matmul "
             f"{report.matmul_flops_per_s / 1e9:.1f} GFLOP/s"
             + (

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engines.reference import cpu_kernels
+from engines.reference import cpu_kernels, hugepages
 from engines.reference.config import ModelConfig, rope_inv_freq
 from engines.reference.model import AttentionBatch, CausalLM, DecodeGroup, PagedRows, PrefillSeq
 from engines.reference.profiling import NO_PROFILER, NoProfiler
@@ -106,12 +106,10 @@ class ModelRunner:
         self._paged_kernel = cpu_kernels.use_kernels(device)
         # Per layer: K and V pools, [KVH, num_blocks, block_size, D]. KV heads outermost so a
         # gather of whole blocks is directly SDPA's [KVH, B, L, D] (see Attention._decode).
+        # On huge pages where the OS allows: decode walks blocks scattered over the pool.
         shape = (cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
         self.kv_caches = [
-            (
-                torch.zeros(shape, dtype=dtype, device=device),
-                torch.zeros(shape, dtype=dtype, device=device),
-            )
+            (hugepages.zeros(shape, dtype, device), hugepages.zeros(shape, dtype, device))
             for _ in range(cfg.num_layers)
         ]
         # RoPE tables for every position, computed as transformers does (fp32, then cast).

@@ -64,6 +64,12 @@ def bench(
     profile_steps: int = typer.Option(
         50, min=1, help="With --profile: engine steps to record (from the first)."
     ),
+    rounds: int = typer.Option(
+        1,
+        min=1,
+        help="Run the modes this many times, in turn; ratios are taken within each round and "
+        "their median is reported (one run on a shared machine moves by ~5%).",
+    ),
 ) -> None:
     """Compare the reference engine with transformers (static and continuous batching) and,
     with mode vllm, with vLLM (its CPU build, in .venv-vllm: `make setup-vllm`).
@@ -98,6 +104,7 @@ def bench(
         vllm_eager=vllm_eager,
         profile_dir=str(profile.resolve()) if profile else None,
         profile_steps=profile_steps,
+        rounds=rounds,
     )
     report = run_bench(config, log=typer.echo)
     summary = format_summary(report)

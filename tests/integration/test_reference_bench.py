@@ -18,14 +18,15 @@ ALL_MODES = ("reference", "hf-static", "hf-continuous")
 
 
 @pytest.mark.parametrize(
-    "modes",
+    ("modes", "rounds"),
     [
-        # Default suite: one subprocess keeps it quick; the slow run covers every mode.
-        pytest.param(("reference",), id="reference"),
-        pytest.param(ALL_MODES, id="all-modes", marks=pytest.mark.slow),
+        # Default suite: the reference mode alone keeps it quick (two rounds: two
+        # subprocesses); the slow run covers every mode.
+        pytest.param(("reference",), 2, id="reference"),
+        pytest.param(ALL_MODES, 1, id="all-modes", marks=pytest.mark.slow),
     ],
 )
-def test_bench_command_runs_modes_and_writes_json(tmp_path, modes) -> None:
+def test_bench_command_runs_modes_and_writes_json(tmp_path, modes, rounds) -> None:
     out = tmp_path / "bench.json"
     result = CliRunner().invoke(
         app,
@@ -49,14 +50,18 @@ def test_bench_command_runs_modes_and_writes_json(tmp_path, modes) -> None:
             "4",
             "--modes",
             ",".join(modes),
+            "--rounds",
+            str(rounds),
             "--json",
             str(out),
         ],
     )
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
+    assert [(r["round"], r["mode"]) for r in data["results"]] == [
+        (i, mode) for i in range(rounds) for mode in modes
+    ]
     by_mode = {r["mode"]: r for r in data["results"]}
-    assert tuple(by_mode) == modes
     useful = {r["useful_tokens"] for r in by_mode.values()}
     assert len(useful) == 1 and useful.pop() > 0  # every mode produced exactly max_tokens
     for r in by_mode.values():

@@ -82,3 +82,26 @@ def test_percentile_and_summary_ratios() -> None:
     data = report.to_json()
     assert data["speedup_vs_best_hf"] == pytest.approx(3.0)
     assert data["results"][0]["mode"] == "reference"
+
+
+def test_ratios_are_taken_per_round_and_the_median_reported() -> None:
+    report = BenchReport(
+        config=BenchConfig(rounds=3),
+        model="m",
+        threads=2,
+        matmul_params=10,
+        matmul_flops_per_s=100e9,
+    )
+    speeds = [(240.0, 200.0, 40e9), (210.0, 200.0, 50e9), (300.0, 200.0, 60e9)]
+    for i, (ref, vllm, flops) in enumerate(speeds):
+        report.results += [
+            ModeResult("reference", tokens_per_s=ref, decode_flops_per_s=flops, round=i),
+            ModeResult("vllm", tokens_per_s=vllm, round=i),
+        ]
+    report.results.append(ModeResult("vllm", error="crashed", round=3))  # a round without a pair
+    assert report.ratios_vs_vllm == pytest.approx([1.2, 1.05, 1.5])
+    assert report.speedup_vs_vllm == pytest.approx(1.2)  # the median, not the mean (1.25)
+    assert report.decode_flops_fraction == pytest.approx(0.5)
+    text = format_summary(report)
+    assert "reference vs vllm: 1.20x" in text and "median of 3 rounds: 1.20x, 1.05x, 1.50x" in text
+    assert report.to_json()["ratios_vs_vllm"] == pytest.approx([1.2, 1.05, 1.5])
