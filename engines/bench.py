@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -129,27 +130,23 @@ class BenchReport:
         count = max((r.round for r in self.results), default=-1) + 1
         return [[r for r in self.results if r.round == i and r.error is None] for i in range(count)]
 
-    @property
-    def ratios_vs_vllm(self) -> list[float]:
-        """reference / vllm tokens/s of each round where both ran."""
+    def _ratios(self, is_peer: Callable[[str], bool]) -> list[float]:
+        """reference tokens/s over the fastest peer mode's, per round where both ran."""
         ratios = []
         for found in self._rounds():
             ref = next((r for r in found if r.mode == "reference"), None)
-            vllm = next((r for r in found if r.mode == "vllm"), None)
-            if ref and vllm and vllm.tokens_per_s:
-                ratios.append(ref.tokens_per_s / vllm.tokens_per_s)
+            peers = [r.tokens_per_s for r in found if is_peer(r.mode)]
+            if ref and peers and max(peers) > 0:
+                ratios.append(ref.tokens_per_s / max(peers))
         return ratios
 
     @property
+    def ratios_vs_vllm(self) -> list[float]:
+        return self._ratios(lambda mode: mode == "vllm")
+
+    @property
     def ratios_vs_best_hf(self) -> list[float]:
-        """reference / the faster transformers mode, tokens/s, of each round where both ran."""
-        ratios = []
-        for found in self._rounds():
-            ref = next((r for r in found if r.mode == "reference"), None)
-            hf = [r.tokens_per_s for r in found if r.mode.startswith("hf-")]
-            if ref and hf and max(hf) > 0:
-                ratios.append(ref.tokens_per_s / max(hf))
-        return ratios
+        return self._ratios(lambda mode: mode.startswith("hf-"))
 
     @property
     def speedup_vs_best_hf(self) -> float | None:
