@@ -168,19 +168,17 @@ class BenchReport:
         ]
         return statistics.median(found) if found else None
 
+    def _decode_fraction(self, peak: float | None) -> float | None:
+        flops = self.decode_flops_per_s
+        return flops / peak if flops is not None and peak else None
+
     @property
     def decode_flops_fraction(self) -> float | None:
-        flops = self.decode_flops_per_s
-        if flops is None or not self.matmul_flops_per_s:
-            return None
-        return flops / self.matmul_flops_per_s
+        return self._decode_fraction(self.matmul_flops_per_s)
 
     @property
     def decode_onednn_fraction(self) -> float | None:
-        flops = self.decode_flops_per_s
-        if flops is None or not self.onednn_flops_per_s:
-            return None
-        return flops / self.onednn_flops_per_s
+        return self._decode_fraction(self.onednn_flops_per_s)
 
     def to_json(self) -> dict:
         return {
@@ -230,19 +228,25 @@ def matmul_params(model_dir: Path) -> int:
     return cfg["num_hidden_layers"] * (attn + mlp) + hidden * cfg["vocab_size"]
 
 
+def _best_seconds(run: Callable[[], object], repeats: int) -> float:
+    """The fastest of `repeats` timed calls after two warm-ups: the least disturbed by other
+    load."""
+    for _ in range(2):
+        run()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
 def measure_matmul_flops(threads: int, size: int = 2048, repeats: int = 5) -> float:
     import torch
 
     torch.set_num_threads(threads)
     a, b = torch.randn(size, size), torch.randn(size, size)
-    for _ in range(2):
-        a @ b
-    best = float("inf")
-    for _ in range(repeats):  # best of several: the least disturbed by other load
-        start = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - start)
-    return 2 * size**3 / best
+    return 2 * size**3 / _best_seconds(lambda: a @ b, repeats)
 
 
 def measure_onednn_flops(threads: int, size: int = 2048, repeats: int = 5) -> float | None:
@@ -255,14 +259,10 @@ def measure_onednn_flops(threads: int, size: int = 2048, repeats: int = 5) -> fl
     torch.set_num_threads(threads)
     x = torch.randn(size, size)
     packed = torch.ops.mkldnn._reorder_linear_weight(torch.randn(size, size), None)
-    for _ in range(2):
-        torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-        best = min(best, time.perf_counter() - start)
-    return 2 * size**3 / best
+    seconds = _best_seconds(
+        lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), repeats
+    )
+    return 2 * size**3 / seconds
 
 
 def _percentile(values: list[float], q: float) -> float | None:
@@ -581,7 +581,7 @@ def run_bench(config: BenchConfig, log=print) -> BenchReport:
         }
         spec_path.write_text(json.dumps(spec))
         for round_, mode in ((i, m) for i in range(config.rounds) for m in config.modes):
-            out_path = Path(tmp) / f"{mode}.json"
+            out_path = Path(tmp) / f"{mode}-{round_}.json"  # a failed round reads no earlier file
             python, extra_env = _mode_command(mode, config, threads)
             env = {
                 **os.environ,
