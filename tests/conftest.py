@@ -28,13 +28,13 @@ def _has_vllm() -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if any("vllm" in item.keywords for item in items) and not _has_vllm():
+    # By marker, not keyword: a test id that merely names vLLM (a parameter) is not one.
+    marked = {name: [i for i in items if i.get_closest_marker(name)] for name in ("vllm", "gpu")}
+    if marked["vllm"] and not _has_vllm():
         skip = pytest.mark.skip(reason="needs vLLM: run `make test-vllm` (its own environment)")
-        for item in items:
-            if "vllm" in item.keywords:
-                item.add_marker(skip)
-    if any("gpu" in item.keywords for item in items) and not _has_cuda():
+        for item in marked["vllm"]:
+            item.add_marker(skip)
+    if marked["gpu"] and not _has_cuda():
         skip = pytest.mark.skip(reason="needs a CUDA device")
-        for item in items:
-            if "gpu" in item.keywords:
-                item.add_marker(skip)
+        for item in marked["gpu"]:
+            item.add_marker(skip)

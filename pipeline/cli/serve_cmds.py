@@ -38,6 +38,20 @@ def serve_cmd(
     ),
 ) -> None:
     """Serve the models in CONFIG over OpenAI's HTTP API until Ctrl-C or SIGTERM."""
+    from pipeline.doctor.packages import extra_problems
+
+    problems = extra_problems("serve")
+    if problems:
+        # Ray Serve's own requirements (fastapi, starlette) are not part of the base install,
+        # and an environment such as TensorRT-LLM's container pins older ones.
+        typer.echo(
+            "error: tokenmill serve needs the serve extra, which this environment lacks: "
+            + "; ".join(problems)
+            + ". Install it with pip install 'tokenmill[serve]', or serve from an image that "
+            "has it (docs/deploy.md).",
+            err=True,
+        )
+        raise typer.Exit(2)
     from pipeline.serve.auth import AuthConfigError, load_key_digests
     from pipeline.serve.keys import KeyFileError, load_key_file
     from pipeline.serve.run import ServerOptions, run_server

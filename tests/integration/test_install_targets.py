@@ -125,15 +125,7 @@ def pip_says(proc: subprocess.CompletedProcess) -> str:
     return explanation + "\n".join(errors)
 
 
-OLD_METADATA = pytest.mark.xfail(
-    strict=True, reason="the package pins torch==2.13.0 and xgrammar>=0.2.8: no TensorRT-LLM 1.2"
-)
-
-
-@pytest.mark.parametrize(
-    "name",
-    [pytest.param(n, marks=OLD_METADATA) if n == "trtllm-1.2" else n for n in sorted(TARGETS)],
-)
+@pytest.mark.parametrize("name", sorted(TARGETS))
 def test_the_package_resolves_beside_the_targets_pins(name: str, tmp_path: Path) -> None:
     proc, report, pins = resolve(TARGETS[name], tmp_path)
     assert proc.returncode == 0, (

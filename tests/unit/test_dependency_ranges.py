@@ -23,10 +23,6 @@ def requirements(extras: str) -> list[Requirement]:
     return [Requirement(line) for line in lines]
 
 
-OLD_METADATA = pytest.mark.xfail(strict=True, reason="torch pinned; no serve extra")
-
-
-@OLD_METADATA
 def test_no_exact_pin_but_ray() -> None:
     # Ray must equal its cluster's version; everything else is a range that several images
     # can satisfy. Exact versions of one machine belong in images/pins/cpu.txt.
@@ -38,7 +34,6 @@ def test_no_exact_pin_but_ray() -> None:
     assert pinned == []
 
 
-@OLD_METADATA
 @pytest.mark.parametrize("name", sorted(TARGETS))
 def test_requirements_admit_the_images_versions(name: str) -> None:
     target = TARGETS[name]
@@ -53,7 +48,6 @@ def test_requirements_admit_the_images_versions(name: str) -> None:
     assert refused == [], f"{name} (images/pins/{target.pins})"
 
 
-@OLD_METADATA
 def test_nvidias_torch_build_is_admitted() -> None:
     torch = next(r for r in requirements("") if r.name == "torch")
     assert torch.specifier.contains("2.9.0a0+145a3a7bda.nv25.10", prereleases=True)
