@@ -2,6 +2,7 @@
 heavy imports (torch, ray, transformers) happen inside the commands, so `--help` is instant."""
 
 from pipeline.cli import (  # noqa: F401  (imported for their command registrations)
+    doctor_cmds,
     engine_cmds,
     job_cmds,
     plan_cmds,
