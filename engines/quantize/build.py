@@ -114,6 +114,39 @@ def register_cpu_nvfp4_backend() -> None:
         register_quant_backend(CPU_NVFP4_BACKEND, lambda x, q: nvfp4_qdq(x, q.amax))
 
 
+def require_modelopt() -> None:
+    """QuantizeError unless the installed ModelOpt is the one the quantize extra names.
+
+    The build uses ModelOpt 0.47's list-form quant configs and its pluggable quantizer backend
+    (NVFP4 calibration on CPUs); TensorRT-LLM 1.2's container carries 0.37, where a build
+    would fail deep inside ModelOpt. The range is read from tokenmill's installed metadata
+    (pyproject's quantize extra), so it is stated once."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+
+    try:
+        wanted = next(
+            req
+            for line in metadata.requires("tokenmill") or []
+            if (req := Requirement(line)).name == "nvidia-modelopt"
+        )
+    except (metadata.PackageNotFoundError, StopIteration):
+        return  # not installed as a package (a source tree): nothing to compare against
+    try:
+        found = metadata.version("nvidia-modelopt")
+    except metadata.PackageNotFoundError:
+        found = None
+    if found is not None and wanted.specifier.contains(found, prereleases=True):
+        return
+    raise QuantizeError(
+        f"building a quantized checkpoint needs nvidia-modelopt{wanted.specifier} (tokenmill's "
+        f"quantize extra); this environment has {found or 'none'} (TensorRT-LLM 1.2's container "
+        "carries 0.37). Build it with `tokenmill quantize` where `pip install "
+        "'tokenmill[quantize]'` works, then point model.path at the artifact (docs/deploy.md)"
+    )
+
+
 def quantize_checkpoint(
     model_dir: str | Path,
     export_dir: str | Path,
@@ -122,6 +155,7 @@ def quantize_checkpoint(
 ) -> BuildOutcome:
     """Quantize `model_dir` to `export_dir` (created; must be empty) and score it."""
     read_architecture(model_dir)
+    require_modelopt()
     import modelopt.torch.quantization as mtq
     import torch
     import transformers

@@ -51,6 +51,7 @@ from engines.api import (
 )
 from engines.reference.config import ModelConfig, load_model_config
 from engines.reference.detokenize import final_text
+from engines.reference.grammar import limitations as grammar_limitations
 from engines.reference.groups import SampleGroups
 from engines.reference.logprobs import prompt_rows, record_logprobs, record_prompt_logprobs
 from engines.reference.profiling import NO_PROFILER, NoProfiler, StepProfiler
@@ -262,6 +263,7 @@ class ReferenceEngine:
             has_step_records=True,
             eos_token_ids=self.config.eos_token_ids,
             load_seconds=time.monotonic() - started,
+            limitations=grammar_limitations(),
         )
 
     def _load(

@@ -46,7 +46,7 @@ def _import_xgrammar() -> Any:
     except ImportError as exc:
         raise EngineError(
             f"structured output (response_format) needs xgrammar, which is not installed "
-            f"({exc}); pip install 'xgrammar>=0.2.8,<0.3'"
+            f"({exc}); pip install 'xgrammar>=0.1.25,<0.3'"
         ) from exc
     return xgrammar
 
@@ -64,12 +64,39 @@ def choice_grammar(choices: Sequence[str]) -> str:
 # maxLength as well). Both rules get the class JSON allows.
 _STRING_CHAR_RULES = (r"[^\"\\\r\n]", r"[^\0-\x1f\"\\\r\n]")
 _JSON_STRING_CHAR = r"[^\0-\x1f\"\\\r\n\uD800-\uDFFF]"
+# xgrammar 0.1.x (TensorRT-LLM 1.2's pin) clamps a negated class's code points above 127, so
+# the surrogate range there would refuse every non-ASCII character: it gets the control
+# characters out only, and a surrogate stays possible (rare; it decodes to U+FFFD).
+_JSON_STRING_CHAR_0_1 = r"[^\0-\x1f\"\\\r\n]"
 
 
-def json_strings_without_controls(ebnf: str) -> str:
-    """`ebnf` (a JSON schema's grammar) with only characters JSON text allows in strings."""
+XGRAMMAR_0_1_LIMITATION = (
+    "structured output on xgrammar 0.1.x: a JSON string can hold a surrogate code point, "
+    "which decodes to U+FFFD and breaks maxLength; such a row fails its schema check "
+    "(parsed: false). xgrammar >= 0.2 keeps them out."
+)
+
+
+def limitations() -> tuple[str, ...]:
+    """What the installed xgrammar cannot guarantee (EngineInfo.limitations), read from its
+    metadata so that an engine without structured output never imports it."""
+    from importlib import metadata
+
+    from packaging.version import Version
+
+    try:
+        version = Version(metadata.version("xgrammar"))
+    except metadata.PackageNotFoundError:
+        return ()
+    return (XGRAMMAR_0_1_LIMITATION,) if version < Version("0.2") else ()
+
+
+def json_strings_without_controls(ebnf: str, surrogates_excludable: bool = True) -> str:
+    """`ebnf` (a JSON schema's grammar) with only characters JSON text allows in strings
+    (`surrogates_excludable`: False for xgrammar 0.1.x, see _JSON_STRING_CHAR_0_1)."""
+    char = _JSON_STRING_CHAR if surrogates_excludable else _JSON_STRING_CHAR_0_1
     for rule in _STRING_CHAR_RULES:
-        ebnf = ebnf.replace(rule, _JSON_STRING_CHAR)
+        ebnf = ebnf.replace(rule, char)
     return ebnf
 
 
@@ -92,7 +119,11 @@ class Grammars:
             tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids)
         )
         self._compiler = xgr.GrammarCompiler(info, max_threads=threads, cache_enabled=False)
-        self._batch = xgr.BatchGrammarMatcher(max_threads=threads)
+        # xgrammar 0.2 fills all rows' masks in one call spread over its threads; 0.1.x
+        # (TensorRT-LLM 1.2's pin) fills one matcher at a time.
+        batch = getattr(xgr, "BatchGrammarMatcher", None)
+        self._batch = batch(max_threads=threads) if batch is not None else None
+        self._modern = batch is not None  # 0.2 or later: see _JSON_STRING_CHAR_0_1
         self._cache: OrderedDict[ResponseFormat, Any] = OrderedDict()
         self._lock = threading.Lock()  # compile runs on callers' threads, the cache is shared
 
@@ -123,7 +154,8 @@ class Grammars:
             # OpenAI's structured outputs give; a random or weak model would otherwise spend
             # its budget on whitespace.
             grammar = self._xgr.Grammar.from_json_schema(schema, any_whitespace=False)
-            return self._compiler.compile_grammar(json_strings_without_controls(str(grammar)))
+            ebnf = json_strings_without_controls(str(grammar), self._modern)
+            return self._compiler.compile_grammar(ebnf)
         if fmt.kind == "regex":
             return self._compiler.compile_regex(fmt.regex)
         return self._compiler.compile_grammar(choice_grammar(fmt.choices))
@@ -136,12 +168,16 @@ class Grammars:
         """Set the logits of tokens each matcher forbids to -inf, in place.
 
         `logits` is [S, V] (any device); `rows[i]` is the row `matchers[i]` constrains.
-        One fill for all rows (xgrammar spreads it over its threads), one apply."""
+        One fill for all rows (xgrammar 0.2 spreads it over its threads), one apply."""
         if not rows:
             return
         xgr = self._xgr
         bitmask = xgr.allocate_token_bitmask(logits.shape[0], self.vocab_size)
-        self._batch.batch_fill_next_token_bitmask(list(matchers), bitmask, list(rows))
+        if self._batch is not None:
+            self._batch.batch_fill_next_token_bitmask(list(matchers), bitmask, list(rows))
+        else:
+            for matcher, row in zip(matchers, rows, strict=True):
+                matcher.fill_next_token_bitmask(bitmask, row)
         if logits.device.type != "cpu":
             bitmask = bitmask.to(logits.device, non_blocking=True)
         xgr.apply_token_bitmask_inplace(

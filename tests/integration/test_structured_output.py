@@ -6,9 +6,11 @@ these tests fail the moment masking is skipped for any row or any step."""
 from __future__ import annotations
 
 import json
+from importlib import metadata
 
 import jsonschema
 import pytest
+from packaging.version import Version
 
 from engines.api import GenerationRequest, ResponseFormat, SamplingParams
 from engines.reference.engine import ReferenceEngine
@@ -16,6 +18,9 @@ from pipeline.formats import conforms
 from tests.engine_fixtures import run_all, tiny_model, varied_prompts
 
 pytestmark = pytest.mark.timeout(300)
+
+# TensorRT-LLM 1.2's pin; the compatibility run (make test-trtllm-pins) runs these tests on it.
+XGRAMMAR_0_1 = Version(metadata.version("xgrammar")) < Version("0.2")
 
 SCHEMA = {
     "type": "object",
@@ -55,12 +60,22 @@ def _requests(fmt: ResponseFormat, n: int, **sampling) -> list[GenerationRequest
 def test_json_schema_rows_parse_and_validate(engine, temperature) -> None:
     fmt = ResponseFormat.json(SCHEMA)
     results = run_all(engine, _requests(fmt, 24, temperature=temperature, seed=7))
+    surrogates = 0
     for r in results:
         assert r.finish_reason == "stop", (r.finish_reason, r.error, r.text)
-        jsonschema.validate(json.loads(r.text), SCHEMA)
+        value = json.loads(r.text)
+        if XGRAMMAR_0_1 and "\ufffd" in r.text:
+            # xgrammar 0.1.x cannot keep surrogates out of strings (its limitation, named in
+            # the engine's info): the row must then be flagged, never passed off as valid.
+            surrogates += 1
+            assert conforms(fmt, r.text) == jsonschema.Draft202012Validator(SCHEMA).is_valid(value)
+            continue
+        jsonschema.validate(value, SCHEMA)
         assert conforms(fmt, r.text)
         # The EOS that closed the grammar is counted but not part of the text.
         assert r.output_token_ids[-1] in engine.config.eos_token_ids
+    assert surrogates <= len(results) // 2, "most rows are plain text on any xgrammar"
+    assert bool(engine.info.limitations) == XGRAMMAR_0_1
 
 
 def test_choice_regex_and_json_object(engine) -> None:
