@@ -18,7 +18,7 @@ import hcl2
 import pytest
 import yaml
 
-from pipeline.serve.spec import ServeSpec, load_serve_spec
+from pipeline.serve.spec import load_serve_spec
 from pipeline.spec import load_job_spec
 from pipeline.submit import NIGHTLY_DATE_EXPR, nightly_submit_argv, nightly_submit_shell
 
@@ -295,7 +295,7 @@ def test_ray_service_serves_the_serve_yaml(workloads: dict[str, Any]) -> None:
     ), rendered
     assert workloads["locals"]["serve_config_text"] == "${file(local.serve_config_file)}"
     source = Path(resolve(workloads, workloads["locals"]["serve_config_file"], module_dir))
-    assert source.resolve() == REPO / "jobs" / "serve.yaml"
+    assert source.resolve() == REPO / "jobs" / "serve-gpu.yaml"
     assert load_serve_spec(source, env={}).models
     # The import path names a builder that exists (checked without importing Ray Serve).
     module_name, func = import_path.split(":")
@@ -308,7 +308,7 @@ def test_ray_service_serves_the_serve_yaml(workloads: dict[str, Any]) -> None:
 
 
 def test_serve_pods_mount_the_keys_file_secret_where_the_serve_yaml_points(
-    workloads: dict[str, Any],
+    workloads: dict[str, Any], tmp_path: Path
 ) -> None:
     module_dir = TF_ROOT / "workloads"
     variable = workloads["variable"]["serve_keys_file_secret"]
@@ -342,7 +342,9 @@ def test_serve_pods_mount_the_keys_file_secret_where_the_serve_yaml_points(
     source = Path(resolve(workloads, workloads["locals"]["serve_config_file"], module_dir))
     data = yaml.safe_load(source.read_text())
     data["auth"] = {**(data.get("auth") or {}), "keys_file": path}
-    spec = ServeSpec.model_validate(data)
+    rendered = tmp_path / "serve.yaml"  # as the replicas load it: ${VAR} defaults applied
+    rendered.write_text(yaml.safe_dump(data))
+    spec = load_serve_spec(rendered, env={})
     assert spec.auth.keys_file == "/etc/tokenmill/serve-keys/keys.yaml"
     assert spec.auth.api_keys_env == load_serve_spec(source, env={}).auth.api_keys_env
 
@@ -355,9 +357,21 @@ def test_every_container_image_is_a_variable(workloads: dict[str, Any]) -> None:
         if trail.endswith(".image")
     ]
     assert len(images) >= 4  # Ray head, GPU worker, autoscaler, nightly submitter
-    allowed = {"${var.image}", "${local.submitter_image}"}
-    assert {value for _, value in images} <= allowed, images
-    assert workloads["locals"]["submitter_image"].count("var.image") == 1
+    by_role = {
+        "${var.batch_head_image}",
+        "${var.batch_gpu_image}",
+        "${var.serve_head_image}",
+        "${var.serve_gpu_image}",
+        "${local.submitter_image}",
+    }
+    assert {value for _, value in images} <= by_role, images
+    assert workloads["locals"]["submitter_image"].count("var.batch_head_image") == 1
+    # The Serve cluster's head, workers and autoscaler get the Serve images, not batch's.
+    serve = workloads["resource"][("kubernetes_manifest", "serve")]["manifest"]["spec"]
+    assert "image = var.serve_head_image" in serve["rayClusterConfig"]["autoscalerOptions"]
+    assert "image = var.serve_head_image" in workloads["locals"]["serve_head_group"]
+    worker = workloads["locals"]["serve_worker_template"]["spec"]
+    assert "image = var.serve_gpu_image" in worker
 
 
 # --- secrets ---------------------------------------------------------------------------------

@@ -1,8 +1,8 @@
 locals {
   repo_root         = "${path.module}/../../.."
   nightly_job_file  = var.nightly_job_file != "" ? var.nightly_job_file : "${local.repo_root}/jobs/nightly.yaml"
-  serve_config_file = var.serve_config_file != "" ? var.serve_config_file : "${local.repo_root}/jobs/serve.yaml"
-  submitter_image   = var.submitter_image != "" ? var.submitter_image : var.image
+  serve_config_file = var.serve_config_file != "" ? var.serve_config_file : "${local.repo_root}/jobs/serve-gpu.yaml"
+  submitter_image   = var.submitter_image != "" ? var.submitter_image : var.batch_head_image
 
   # Where the ConfigMap with the job and serve files is mounted in every pod.
   config_dir        = "/etc/tokenmill/jobs"
@@ -62,7 +62,7 @@ locals {
         nodeSelector = { "tokenmill.io/pool" = "cpu" }
         containers = [{
           name            = "ray-head"
-          image           = var.image
+          image           = var.batch_head_image
           imagePullPolicy = "IfNotPresent"
           env             = local.s3_env
           ports = [
@@ -89,7 +89,7 @@ locals {
       tolerations  = [{ key = "nvidia.com/gpu", operator = "Exists", effect = "NoSchedule" }]
       containers = [{
         name            = "ray-worker"
-        image           = var.image
+        image           = var.batch_gpu_image
         imagePullPolicy = "IfNotPresent"
         env             = local.s3_env
         resources = {
@@ -106,7 +106,7 @@ locals {
   autoscaler_options = {
     idleTimeoutSeconds = var.autoscaler_idle_timeout_seconds
     upscalingMode      = "Default"
-    image              = var.image
+    image              = var.batch_head_image
     imagePullPolicy    = "IfNotPresent"
     securityContext    = local.container_security_context
     resources = {

@@ -36,6 +36,7 @@ locals {
   serve_head_group = merge(local.head_group, {
     template = { spec = merge(local.head_group.template.spec, {
       containers = [for c in local.head_group.template.spec.containers : merge(c, {
+        image        = var.serve_head_image
         env          = concat(c.env, [local.serve_keys_env])
         volumeMounts = concat(c.volumeMounts, local.serve_keys_file_mounts)
       })]
@@ -44,6 +45,7 @@ locals {
   })
   serve_worker_template = { spec = merge(local.gpu_worker_template.spec, {
     containers = [for c in local.gpu_worker_template.spec.containers : merge(c, {
+      image        = var.serve_gpu_image
       env          = concat(c.env, [local.serve_keys_env])
       volumeMounts = concat(c.volumeMounts, local.serve_keys_file_mounts)
     })]
@@ -67,7 +69,7 @@ resource "kubernetes_manifest" "serve" {
         rayVersion              = var.ray_version
         authOptions             = local.auth_options
         enableInTreeAutoscaling = true
-        autoscalerOptions       = local.autoscaler_options
+        autoscalerOptions       = merge(local.autoscaler_options, { image = var.serve_head_image })
         headGroupSpec           = local.serve_head_group
         workerGroupSpecs = [{
           groupName      = "gpu"

@@ -26,13 +26,28 @@ variable "kuberay_namespace" {
 
 # --- images ----------------------------------------------------------------------------------
 
-variable "image" {
-  description = "Container image of every Ray pod: Ray 2.60 with tokenmill installed (and TensorRT-LLM for engine.kind trtllm). Pin a tag or digest."
+variable "batch_head_image" {
+  description = "Image of the batch cluster's head and autoscaler (the job drivers run here): images/cpu.Dockerfile built beside the GPU image (default PINS=trtllm-1.2). Same Python and Ray as batch_gpu_image. Pin a tag or digest."
+  type        = string
+}
+
+variable "batch_gpu_image" {
+  description = "Image of the batch cluster's GPU workers (engine and prompt actors): images/trtllm.Dockerfile for engine.kind trtllm (jobs/nightly.yaml), images/vllm.Dockerfile for vllm. Pin a tag or digest."
+  type        = string
+}
+
+variable "serve_head_image" {
+  description = "Image of the Serve cluster's head and autoscaler (Serve controller, HTTP ingress): images/cpu.Dockerfile with PINS=vllm-0.32-cuda, TORCH=2.13.0, EXTRAS=serve. Pin a tag or digest."
+  type        = string
+}
+
+variable "serve_gpu_image" {
+  description = "Image of the Serve cluster's GPU workers (engine replicas): images/vllm.Dockerfile (jobs/serve-gpu.yaml). Pin a tag or digest."
   type        = string
 }
 
 variable "submitter_image" {
-  description = "Image of the nightly CronJob pod (needs only tokenmill and ray's job client). Empty: var.image."
+  description = "Image of the nightly CronJob pod (needs only tokenmill and Ray's job client). Empty: batch_head_image."
   type        = string
   default     = ""
 }
@@ -134,7 +149,7 @@ variable "serve_enabled" {
 }
 
 variable "serve_config_file" {
-  description = "Serve YAML turned into the RayService's config. Empty: jobs/serve.yaml of this repository."
+  description = "Serve YAML turned into the RayService's config. Empty: jobs/serve-gpu.yaml of this repository (vLLM on the GPU workers)."
   type        = string
   default     = ""
 }
