@@ -53,7 +53,7 @@ def sample_text(num_sentences: int = 2000, seed: int = 0) -> list[str]:
 @dataclass(frozen=True)
 class TinyModelSize:
     """Shape of a generated model. `tiny` is for unit tests, `tiny-hd32` for tests that run
-    vLLM too, `small` (~35M) for benchmarks."""
+    vLLM too, `small` (~35M) for benchmarks, `1b` for GPU checks."""
 
     hidden_size: int
     intermediate_size: int
@@ -69,6 +69,9 @@ SIZES: dict[str, TinyModelSize] = {
     # tiny with head_dim 32: vLLM's CPU attention kernels take head sizes from 32 up.
     "tiny-hd32": TinyModelSize(128, 352, 2, 4, 2, 1024, 2048),
     "small": TinyModelSize(512, 1408, 8, 8, 2, 8192, 4096),
+    # ~1.1B parameters (Llama-3.2-1B's width), for the GPU device check: big enough that the
+    # engines, not Python, bound a step.
+    "1b": TinyModelSize(2048, 5632, 22, 32, 4, 32000, 4096),
 }
 
 
