@@ -183,6 +183,48 @@ def test_reserved_columns_cover_every_stage_column() -> None:
     assert set(CORE_COLUMNS) | set(STAGE_COLUMNS) <= RESERVED_COLUMNS
 
 
+def _every_output_column() -> list[str]:
+    """Every column an output part can have, whatever the job asks for (no passthrough)."""
+    from pipeline.batch.schema import output_schema
+
+    schema = output_schema(
+        include_token_ids=True,
+        structured=True,
+        logprobs=True,
+        speculative=True,
+        samples=True,
+        prompt_logprobs=True,
+    )
+    return schema.names
+
+
+_UNRESERVED = pytest.mark.xfail(
+    strict=True, reason="RESERVED_COLUMNS lacks actor_id, finished_at, spec_verifications, _row"
+)
+
+
+@pytest.mark.parametrize(
+    "column",
+    [
+        pytest.param(c, marks=_UNRESERVED)
+        if c in ("actor_id", "finished_at", "spec_verifications")
+        else c
+        for c in _every_output_column()
+    ]
+    + [pytest.param("_row", marks=_UNRESERVED)],  # the read stage's row index
+)
+def test_an_output_column_cannot_be_passed_through(column: str) -> None:
+    message = spec_error(with_changes(input={"passthrough_columns": ["user", column]}))
+    assert f"input.passthrough_columns: [{column!r}] are written by the pipeline" in message
+
+
+@_UNRESERVED
+@pytest.mark.parametrize("column", ["actor_id", "finished_at", "spec_verifications"])
+def test_an_output_column_is_no_template_variable(column: str) -> None:
+    message = spec_error(with_changes(prompt={"template": f"{{{{ {column} }}}}"}))
+    assert f"prompt.template uses [{column!r}]" in message
+
+
 def test_non_mapping_document_is_rejected() -> None:
     assert "expected a mapping at the top level, got list" in spec_error([1, 2])
 
