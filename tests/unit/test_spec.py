@@ -244,6 +244,137 @@ def test_unset_env_var_is_an_error_naming_it() -> None:
         render_text("a: ${NOPE}", date="2026-01-02", env={}, source="job.yaml")
 
 
+# `${VAR}` goes into one value of the parsed file, never into its text: whatever the variable
+# holds, the file keeps its shape and the field gets exactly that text.
+_JOB_WITH_SYSTEM_PROMPT = """\
+name: job-1
+input: {uri: s3://bucket/in/*.jsonl, format: jsonl, prompt_column: text}
+model: {path: /models/tiny}
+prompt:
+  system_prompt: ${SYSTEM}
+output: {uri: s3://bucket/out/}
+"""
+_TRICKY_VALUES = {
+    "colon-space": "Answer: yes or no",
+    "leading-quote": '"Hello" is how you greet',
+    "newline-adds-a-key": "Be brief.\nengine:\n  kind: vllm",
+    "hash": "Use C# # and nothing else",
+    "flow-mapping": "{be: brief}",
+    "flow-sequence": "[1, 2]",
+    "dash": "- one item",
+}
+_TEXT_SUBSTITUTION = pytest.mark.xfail(
+    strict=True, reason="${VAR} is substituted into the YAML text before parsing"
+)
+
+
+@_TEXT_SUBSTITUTION
+@pytest.mark.parametrize("value", _TRICKY_VALUES.values(), ids=_TRICKY_VALUES.keys())
+def test_a_variable_is_one_value_whatever_it_holds(tmp_path: Path, value: str) -> None:
+    path = write_job(tmp_path, _JOB_WITH_SYSTEM_PROMPT)
+    spec = load_job_spec(path, env={"SYSTEM": value})
+    assert spec.prompt.system_prompt == value
+    assert spec.engine.kind == "reference"  # no key came in with the value
+
+
+def _serve_file(tmp_path: Path) -> Path:
+    path = tmp_path / "serve.yaml"
+    path.write_text(
+        "models:\n"
+        "  - name: m\n"
+        "    model: {path: /models/tiny}\n"
+        "    prompt: {system_prompt: ${SYSTEM}}\n"
+    )
+    return path
+
+
+def _quantize_file(tmp_path: Path) -> Path:
+    path = tmp_path / "quantize.yaml"
+    path.write_text(
+        "name: q\n"
+        "model: ${SYSTEM}\n"
+        "quantization: {format: fp8, calibration: {source: /data/cal.parquet}}\n"
+        "output: /out\n"
+    )
+    return path
+
+
+def _load_serve(path: Path, env: dict[str, str]) -> str | None:
+    from pipeline.serve.spec import load_serve_spec
+
+    return load_serve_spec(path, env=env).models[0].prompt.system_prompt
+
+
+def _load_quantize(path: Path, env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> str:
+    from pipeline.cli.quantize_cmds import load_quantize_spec
+
+    for name, value in env.items():  # this loader reads os.environ
+        monkeypatch.setenv(name, value)
+    return load_quantize_spec(path, []).model
+
+
+@_TEXT_SUBSTITUTION
+@pytest.mark.parametrize("loader", ["serve", "quantize"])
+def test_every_loader_substitutes_into_values(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, loader: str
+) -> None:
+    value = _TRICKY_VALUES["newline-adds-a-key"] + ': "x"'
+    if loader == "serve":
+        assert _load_serve(_serve_file(tmp_path), {"SYSTEM": value}) == value
+    else:
+        assert _load_quantize(_quantize_file(tmp_path), {"SYSTEM": value}, monkeypatch) == value
+
+
+@_TEXT_SUBSTITUTION
+def test_an_unset_variable_names_the_field(tmp_path: Path) -> None:
+    path = write_job(tmp_path, _JOB_WITH_SYSTEM_PROMPT)
+    with pytest.raises(SpecError) as info:
+        load_job_spec(path, env={})
+    assert str(info.value) == (
+        f"{path}: prompt.system_prompt: environment variable ${{SYSTEM}} is not set "
+        "(export it, or write ${SYSTEM:-default})"
+    )
+
+
+@_TEXT_SUBSTITUTION
+def test_a_variable_in_a_comment_is_not_substituted(tmp_path: Path) -> None:
+    text = _JOB_WITH_SYSTEM_PROMPT.replace("${SYSTEM}", "Be brief.  # was ${OLD_SYSTEM}")
+    spec = load_job_spec(write_job(tmp_path, text), env={})
+    assert spec.prompt.system_prompt == "Be brief."
+
+
+def test_a_variable_is_typed_as_yaml_types_the_value_where_it_stands(tmp_path: Path) -> None:
+    """Unquoted: YAML's own types for a plain value (number, true/false, null), as if the value
+    were written there. Quoted: text, which the schema converts for a number field."""
+    text = """\
+name: job-1
+input: {uri: s3://bucket/in/*.jsonl, format: jsonl, prompt_column: text}
+model: {path: /models/tiny}
+output: {uri: "s3://${BUCKET}/out/", include_token_ids: ${FLAG}}
+resources: {num_actors: ${ACTORS}}
+sampling: {temperature: ${TEMPERATURE}, max_tokens: "${MAX_TOKENS}", seed: ${SEED:-}}
+engine:
+  max_model_len: ${UNSET_LEN:-}
+  extra: {max_num_seqs: ${ACTORS}, label: "${ACTORS}"}
+"""
+    env = {
+        "BUCKET": "nightly",
+        "FLAG": "true",
+        "ACTORS": "3",
+        "TEMPERATURE": "0.5",
+        "MAX_TOKENS": "64",
+        "SEED": "",  # set but empty: the value is empty (null), as in the shell
+    }
+    spec = load_job_spec(write_job(tmp_path, text), env=env)
+    assert spec.output.uri == "s3://nightly/out/"
+    assert spec.output.include_token_ids is True
+    assert spec.resources.num_actors == 3
+    assert spec.sampling.temperature == 0.5 and spec.sampling.max_tokens == 64
+    assert spec.sampling.seed is None and spec.engine.max_model_len is None
+    # extra goes to the engine as it is: the types YAML gave the values are the ones it gets.
+    assert spec.engine.extra == {"max_num_seqs": 3, "label": "3"}
+
+
 def test_bad_date_is_an_error() -> None:
     with pytest.raises(SpecError, match="date '2026-13-01' is not YYYY-MM-DD"):
         render_text("a: 1", date="2026-13-01", env={})
