@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from engines.reference.linear import OneDnnLinear, linear_add, pack_linears
+from tests.engine_fixtures import cpu_without_onednn_bf16
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -65,3 +66,24 @@ def test_pack_swaps_plain_linears_only() -> None:
 def test_float16_stays_nn_linear() -> None:
     model = nn.Sequential(nn.Linear(8, 8).half())
     assert pack_linears(model) == 0 and type(model[0]) is nn.Linear
+
+
+@pytest.mark.xfail(strict=True, reason="oneDNN's bf16 reorder is called on any CPU")
+def test_a_dtype_onednn_refuses_keeps_nn_linear(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu_without_onednn_bf16(monkeypatch)
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Linear(96, 80), nn.ReLU(), nn.Linear(80, 64)).to(torch.bfloat16)
+    x = torch.randn(37, 96).to(torch.bfloat16)
+    with torch.inference_mode():
+        expected = model(x)
+    assert pack_linears(model) == 0
+    assert type(model[0]) is nn.Linear and type(model[2]) is nn.Linear
+    with torch.inference_mode():
+        torch.testing.assert_close(model(x), expected, rtol=0, atol=0)
+        residual = torch.randn(37, 80).to(torch.bfloat16)
+        torch.testing.assert_close(
+            linear_add(model[0], x, residual), residual + model[0](x), rtol=0, atol=0
+        )
+    # fp32 still goes to oneDNN on the same CPU.
+    fp32 = nn.Sequential(nn.Linear(8, 8))
+    assert pack_linears(fp32) == 1 and type(fp32[0]) is OneDnnLinear
