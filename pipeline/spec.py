@@ -634,49 +634,14 @@ class CostSpec(_Strict):
 
 # --- the job ---------------------------------------------------------------------------------
 
-# Columns the pipeline itself writes (read → prompts → generate → cost → write). Input columns
-# with these names cannot be passed through or used as template variables: they would be
-# overwritten or would shadow the row's own value.
-RESERVED_COLUMNS: frozenset[str] = frozenset(
-    {
-        # read
-        "id",
-        "prompt",
-        "messages",
-        "error",
-        # prompts
-        "prompt_token_ids",
-        "prompt_tokens",
-        "max_tokens",
-        "temperature",
-        "top_p",
-        "top_k",
-        "seed",
-        "response_format",
-        "logprobs",
-        "num_samples",
-        # generate, cost, write
-        "text",
-        "finish_reason",
-        "cached_prompt_tokens",
-        "completion_tokens",
-        "completion_token_ids",
-        "parsed",
-        "spec_proposed_tokens",
-        "spec_accepted_tokens",
-        "samples",
-        "prompt_logprobs",
-        "queue_s",
-        "ttft_s",
-        "decode_s",
-        "latency_s",
-        "gpu_seconds",
-        "cost_usd",
-        "list_price_usd",
-        "model",
-        "engine",
-    }
-)
+
+def reserved_columns() -> frozenset[str]:
+    """Column names the pipeline writes itself (pipeline.batch.schema.RESERVED_COLUMNS)."""
+    # The list is the output schema's; that module imports this one, so it is imported here,
+    # when a spec is validated, not when this module loads.
+    from pipeline.batch.schema import RESERVED_COLUMNS
+
+    return RESERVED_COLUMNS
 
 
 class JobSpec(_Strict):
@@ -710,7 +675,7 @@ class JobSpec(_Strict):
     @model_validator(mode="after")
     def _prompt_source(self) -> JobSpec:
         inp, prompt = self.input, self.prompt
-        clashes = sorted(set(inp.passthrough_columns) & RESERVED_COLUMNS)
+        clashes = sorted(set(inp.passthrough_columns) & reserved_columns())
         if clashes:
             raise ValueError(
                 f"input.passthrough_columns: {clashes} are written by the pipeline itself; "
@@ -763,7 +728,7 @@ class JobSpec(_Strict):
                 "prompt.template (built from row columns)"
             )
         variables = prompt.template_variables()
-        bad = sorted(set(variables) & RESERVED_COLUMNS - {"prompt"})
+        bad = sorted(set(variables) & reserved_columns() - {"prompt"})
         if bad:
             raise ValueError(
                 f"prompt.template uses {bad}, which are pipeline column names; only input "

@@ -11,7 +11,6 @@ import yaml
 
 from pipeline import docgen
 from pipeline.spec import (
-    RESERVED_COLUMNS,
     JobSpec,
     SpecError,
     apply_overrides,
@@ -176,13 +175,6 @@ def test_template_columns_are_the_template_variables() -> None:
     assert parse_job_spec(no_prompt_column).template_columns() == ["body"]
 
 
-def test_reserved_columns_cover_every_stage_column() -> None:
-    from pipeline.batch.prompts import STAGE_COLUMNS
-    from pipeline.batch.read import CORE_COLUMNS
-
-    assert set(CORE_COLUMNS) | set(STAGE_COLUMNS) <= RESERVED_COLUMNS
-
-
 def _every_output_column() -> list[str]:
     """Every column an output part can have, whatever the job asks for (no passthrough)."""
     from pipeline.batch.schema import output_schema
@@ -198,27 +190,20 @@ def _every_output_column() -> list[str]:
     return schema.names
 
 
-_UNRESERVED = pytest.mark.xfail(
-    strict=True, reason="RESERVED_COLUMNS lacks actor_id, finished_at, spec_verifications, _row"
-)
+def _every_stage_column() -> list[str]:
+    """The columns the read and prompt stages add to a row besides the input's."""
+    from pipeline.batch.prompts import STAGE_COLUMNS
+    from pipeline.batch.read import CORE_COLUMNS, ROW
+
+    return [ROW, *CORE_COLUMNS, *STAGE_COLUMNS]
 
 
-@pytest.mark.parametrize(
-    "column",
-    [
-        pytest.param(c, marks=_UNRESERVED)
-        if c in ("actor_id", "finished_at", "spec_verifications")
-        else c
-        for c in _every_output_column()
-    ]
-    + [pytest.param("_row", marks=_UNRESERVED)],  # the read stage's row index
-)
-def test_an_output_column_cannot_be_passed_through(column: str) -> None:
+@pytest.mark.parametrize("column", sorted({*_every_output_column(), *_every_stage_column()}))
+def test_a_pipeline_column_cannot_be_passed_through(column: str) -> None:
     message = spec_error(with_changes(input={"passthrough_columns": ["user", column]}))
     assert f"input.passthrough_columns: [{column!r}] are written by the pipeline" in message
 
 
-@_UNRESERVED
 @pytest.mark.parametrize("column", ["actor_id", "finished_at", "spec_verifications"])
 def test_an_output_column_is_no_template_variable(column: str) -> None:
     message = spec_error(with_changes(prompt={"template": f"{{{{ {column} }}}}"}))

@@ -64,7 +64,6 @@ def test_validate_reports_field_and_allowed_values(tmp_path: Path, model_dir: Pa
     assert expected in result.output
 
 
-@pytest.mark.xfail(strict=True, reason="RESERVED_COLUMNS lacks actor_id and finished_at")
 @pytest.mark.parametrize("column", ["actor_id", "finished_at"])
 def test_validate_refuses_an_output_column_as_passthrough(
     tmp_path: Path, model_dir: Path, column: str
