@@ -245,7 +245,6 @@ def test_materialize_model_downloads_once(
         materialize_model(f"s3://{bucket}/models/nothing", str(cache), storage)
 
 
-@pytest.mark.xfail(strict=True, reason="key names are joined to the cache dir unchecked")
 @pytest.mark.parametrize(
     "name",
     [
