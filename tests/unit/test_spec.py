@@ -14,9 +14,10 @@ from pipeline.spec import (
     JobSpec,
     SpecError,
     apply_overrides,
+    env_references,
     load_job_spec,
+    load_yaml,
     parse_job_spec,
-    render_text,
 )
 
 MINIMAL: dict[str, Any] = {
@@ -218,15 +219,53 @@ def test_non_mapping_document_is_rejected() -> None:
 
 
 def test_env_substitution_and_defaults() -> None:
-    text = "a: ${BUCKET}\nb: ${MISSING:-fallback}\nc: ${EMPTY:-x}\n# ${NOT_SET_IN_COMMENT}\n"
-    out = render_text(text, date="2026-01-02", env={"BUCKET": "nightly", "EMPTY": ""})
+    text = "a: ${BUCKET}\nb: ${MISSING:-fallback}\nc: x${EMPTY:-y}z\n# ${NOT_SET_IN_COMMENT}\n"
+    data = load_yaml(text, source="job.yaml", env={"BUCKET": "nightly", "EMPTY": ""})
     # Set-but-empty wins over the default, as in the shell.
-    assert out == "a: nightly\nb: fallback\nc: \n# ${NOT_SET_IN_COMMENT}\n"
+    assert data == {"a": "nightly", "b": "fallback", "c": "xz"}
 
 
 def test_unset_env_var_is_an_error_naming_it() -> None:
-    with pytest.raises(SpecError, match=r"environment variable \$\{NOPE\} is not set"):
-        render_text("a: ${NOPE}", date="2026-01-02", env={}, source="job.yaml")
+    with pytest.raises(SpecError, match=r"job.yaml: a: environment variable \$\{NOPE\} is not set"):
+        load_yaml("a: ${NOPE}", source="job.yaml", env={})
+    with pytest.raises(SpecError, match=r"job.yaml: a.b\[1\]: environment variable \$\{NOPE\}"):
+        load_yaml("a: {b: [x, '${NOPE}']}", source="job.yaml", env={})
+
+
+def test_a_variable_in_an_alias_is_substituted_once() -> None:
+    # The value of X holds a reference of its own: it stays as it is, where the anchor stands
+    # and where the alias repeats it.
+    data = load_yaml("a: &v ${X}\nb: *v\n", source="job.yaml", env={"X": "${X}!"})
+    assert data == {"a": "${X}!", "b": "${X}!"}
+
+
+def test_a_reference_works_wherever_a_value_can_stand() -> None:
+    # Flow collections (whose braces and commas a bare `${...}` would break), keys, block
+    # scalars, several references in one value.
+    text = "a: {b: ${X}, c: [${X}, x${Y}y]}\n${K}: 1\nd: |\n  ${X} and ${Y}\n"
+    data = load_yaml(text, source="job.yaml", env={"X": "1", "Y": "}, z: {", "K": "gpu"})
+    assert data == {"a": {"b": 1, "c": [1, "x}, z: {y"]}, "gpu": 1, "d": "1 and }, z: {\n"}
+
+
+def test_a_yaml_error_shows_the_references_as_written() -> None:
+    with pytest.raises(SpecError) as info:
+        load_yaml("a: [${X}, ${Y:-y}\nb: 1\n", source="job.yaml", env={})
+    assert str(info.value) == (
+        "job.yaml: not valid YAML at line 2, column 2: while parsing a flow sequence: expected "
+        "',' or ']', but got ':'\n  b: 1\n   ^"
+    )
+    with pytest.raises(SpecError) as info:
+        load_yaml("a: ${X}: ${Y}\n", source="job.yaml", env={})
+    assert str(info.value) == (
+        "job.yaml: not valid YAML at line 1, column 8: mapping values are not allowed here\n"
+        "  a: ${X}: ${Y}\n         ^"
+    )
+
+
+def test_env_references_are_the_names_values_use() -> None:
+    text = "a: ${ONE}\nb: [x, '${TWO:-2}-${ONE}']\n# ${IN_COMMENT}\nc: 1  # ${TRAILING}\n"
+    assert env_references(text) == ["ONE", "TWO"]
+    assert env_references("a: [unclosed") == []
 
 
 # `${VAR}` goes into one value of the parsed file, never into its text: whatever the variable
@@ -248,12 +287,8 @@ _TRICKY_VALUES = {
     "flow-sequence": "[1, 2]",
     "dash": "- one item",
 }
-_TEXT_SUBSTITUTION = pytest.mark.xfail(
-    strict=True, reason="${VAR} is substituted into the YAML text before parsing"
-)
 
 
-@_TEXT_SUBSTITUTION
 @pytest.mark.parametrize("value", _TRICKY_VALUES.values(), ids=_TRICKY_VALUES.keys())
 def test_a_variable_is_one_value_whatever_it_holds(tmp_path: Path, value: str) -> None:
     path = write_job(tmp_path, _JOB_WITH_SYSTEM_PROMPT)
@@ -298,7 +333,6 @@ def _load_quantize(path: Path, env: dict[str, str], monkeypatch: pytest.MonkeyPa
     return load_quantize_spec(path, []).model
 
 
-@_TEXT_SUBSTITUTION
 @pytest.mark.parametrize("loader", ["serve", "quantize"])
 def test_every_loader_substitutes_into_values(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, loader: str
@@ -310,7 +344,6 @@ def test_every_loader_substitutes_into_values(
         assert _load_quantize(_quantize_file(tmp_path), {"SYSTEM": value}, monkeypatch) == value
 
 
-@_TEXT_SUBSTITUTION
 def test_an_unset_variable_names_the_field(tmp_path: Path) -> None:
     path = write_job(tmp_path, _JOB_WITH_SYSTEM_PROMPT)
     with pytest.raises(SpecError) as info:
@@ -321,7 +354,6 @@ def test_an_unset_variable_names_the_field(tmp_path: Path) -> None:
     )
 
 
-@_TEXT_SUBSTITUTION
 def test_a_variable_in_a_comment_is_not_substituted(tmp_path: Path) -> None:
     text = _JOB_WITH_SYSTEM_PROMPT.replace("${SYSTEM}", "Be brief.  # was ${OLD_SYSTEM}")
     spec = load_job_spec(write_job(tmp_path, text), env={})
@@ -362,7 +394,7 @@ engine:
 
 def test_bad_date_is_an_error() -> None:
     with pytest.raises(SpecError, match="date '2026-13-01' is not YYYY-MM-DD"):
-        render_text("a: 1", date="2026-13-01", env={})
+        load_yaml("a: 1", source="job.yaml", date="2026-13-01", env={})
 
 
 def test_date_templating_precedence(tmp_path: Path) -> None:
