@@ -46,8 +46,13 @@ ONEDNN_BF16_REFUSAL = (
 
 def cpu_without_onednn_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
     """Make this process's oneDNN refuse bf16 weights as it does on such a CPU (the same op, the
-    same error), whatever CPU the test runs on."""
+    same error), whatever CPU the test runs on; the engine's once-per-process trial of what
+    the CPU takes starts afresh for the test (and its old answer comes back after)."""
+    import functools
+
     import torch
+
+    from engines.reference import linear
 
     real = torch.ops.mkldnn._reorder_linear_weight
 
@@ -57,6 +62,10 @@ def cpu_without_onednn_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
         return real(weight, *args, **kwargs)
 
     monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", reorder)
+    monkeypatch.setattr(
+        linear, "_trial_refusal", functools.cache(linear._trial_refusal.__wrapped__)
+    )
+    monkeypatch.setattr(linear, "_log_fallback", functools.cache(linear._log_fallback.__wrapped__))
 
 
 def varied_prompts(

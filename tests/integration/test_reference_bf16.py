@@ -74,7 +74,6 @@ def test_bf16_greedy_is_as_close_to_fp32_as_transformers_bf16(arch: str) -> None
     assert agreement(ours, theirs)[0] >= 0.6, agreement(ours, theirs)
 
 
-@pytest.mark.xfail(strict=True, reason="oneDNN's bf16 reorder is called on any CPU")
 def test_bf16_where_onednn_cannot_take_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
     """On a CPU whose oneDNN refuses bf16 (simulated: the op raises as it does there), the
     engine loads with torch's own linears, says so, and keeps the bf16 parity bar."""
@@ -102,7 +101,6 @@ def test_bf16_where_onednn_cannot_take_bf16(monkeypatch: pytest.MonkeyPatch) -> 
     assert our_share >= their_share - BF16_SHARE_TOLERANCE, (our_share, their_share)
 
 
-@pytest.mark.xfail(strict=True, reason="oneDNN's bf16 reorder is called on any CPU")
 def test_a_bf16_job_completes_where_onednn_cannot_take_bf16(
     ray_local: Any,
     tiny_model_dir: Path,
@@ -121,7 +119,7 @@ def test_a_bf16_job_completes_where_onednn_cannot_take_bf16(
 
     monkeypatch.setenv("TOKENMILL_TEST_HOOKS", "1")
     monkeypatch.setenv("TOKENMILL_TEST_ONEDNN_REFUSES", "bfloat16")
-    ids = [f"row-{i:02d}" for i in range(12)]
+    ids = [f"row-{i:02d}" for i in range(8)]
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps({"id": i, "p": f"Name the {i} rivers"}) + "\n" for i in ids))
     out = tmp_path / "out"
@@ -131,7 +129,7 @@ def test_a_bf16_job_completes_where_onednn_cannot_take_bf16(
             "input": {"uri": str(src), "format": "jsonl", "id_column": "id", "prompt_column": "p"},
             "model": {"path": str(tiny_model_dir)},
             "engine": {"kind": "reference", "device": "cpu", "dtype": "bfloat16"},
-            "sampling": {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True},
+            "sampling": {"max_tokens": 6, "temperature": 0.0, "ignore_eos": True},
             "resources": {"num_actors": 1, "cpus_per_actor": 0.25, "batch_size": 4},
             "output": {"uri": str(out), "rows_per_file": 4, "report": False},
         }
@@ -141,7 +139,7 @@ def test_a_bf16_job_completes_where_onednn_cannot_take_bf16(
     assert result.status == "complete" and result.exit_code == 0, result
     table = pa.concat_tables(pq.read_table(p) for p in sorted(out.glob("part-*.parquet")))
     assert sorted(table.column("id").to_pylist()) == ids
-    assert set(table.column("completion_tokens").to_pylist()) == {8}
+    assert set(table.column("completion_tokens").to_pylist()) == {6}
     assert table.column("error").null_count == len(ids)
     notes = [
         r.getMessage()
