@@ -328,8 +328,9 @@ class EngineInfo:
     has_step_records: bool  # True: step-based cost split; False: interval-based
     eos_token_ids: tuple[int, ...] = ()
     load_seconds: float = 0.0  # time spent loading weights and warming up
-    # Known ways this engine departs from the request contract (e.g. seeds not honoured), one
-    # sentence each; surfaced in the run's manifest and logs so a user learns them up front.
+    # Known ways this engine departs from the request contract (e.g. seeds not honoured) or
+    # from its usual path on this machine (e.g. a slower fallback the CPU forces), one sentence
+    # each; surfaced in the run's manifest and logs so a user learns them up front.
     limitations: tuple[str, ...] = ()
 
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol, TextIO
 
-from pipeline.spec import JobSpec, load_job_spec
+from pipeline.spec import JobSpec, env_references, load_job_spec
 
 # --- exit codes ------------------------------------------------------------------------------
 
@@ -177,13 +177,6 @@ def exit_code_for(status: str, driver_exit_code: int | None) -> int:
 
 # --- environment, auth, runtime env ----------------------------------------------------------
 
-_ENV_REFERENCE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-[^}]*)?\}")
-
-
-def referenced_env_names(job_text: str) -> list[str]:
-    """`${VAR}` names a job file uses: the job renders them again inside the cluster."""
-    return sorted(set(_ENV_REFERENCE.findall(job_text)))
-
 
 def forwarded_env(
     environ: Mapping[str, str],
@@ -207,7 +200,8 @@ def forwarded_env(
                 EXIT_INVALID,
             )
         names = list(env_from)
-    names += [name for name in referenced_env_names(job_text) if name in environ]
+    # The job renders its `${VAR}`s again inside the cluster.
+    names += [name for name in env_references(job_text) if name in environ]
     return {name: environ[name] for name in dict.fromkeys(names)}
 
 

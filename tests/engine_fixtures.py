@@ -36,6 +36,38 @@ def llama_dir() -> Path:
     return tiny_model("llama")
 
 
+# What torch raises where oneDNN cannot take bf16 weights (a CPU with neither AVX-512 BW/VL/DQ
+# nor AVX-NE-CONVERT, e.g. an AVX2-only EPYC).
+ONEDNN_BF16_REFUSAL = (
+    "mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx_ne_convert or avx512bw, "
+    "avx512vl and avx512dq"
+)
+
+
+def cpu_without_onednn_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make this process's oneDNN refuse bf16 weights as it does on such a CPU (the same op, the
+    same error), whatever CPU the test runs on; the engine's once-per-process trial of what
+    the CPU takes starts afresh for the test (and its old answer comes back after)."""
+    import functools
+
+    import torch
+
+    from engines.reference import linear
+
+    real = torch.ops.mkldnn._reorder_linear_weight
+
+    def reorder(weight, *args, **kwargs):
+        if weight.dtype == torch.bfloat16:
+            raise RuntimeError(ONEDNN_BF16_REFUSAL)
+        return real(weight, *args, **kwargs)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", reorder)
+    monkeypatch.setattr(
+        linear, "_trial_refusal", functools.cache(linear._trial_refusal.__wrapped__)
+    )
+    monkeypatch.setattr(linear, "_log_fallback", functools.cache(linear._log_fallback.__wrapped__))
+
+
 def varied_prompts(
     count: int, seed: int = 0, vocab: int = 1000, shared_prefix: int = 40
 ) -> list[list[int]]:

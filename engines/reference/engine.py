@@ -263,7 +263,7 @@ class ReferenceEngine:
             has_step_records=True,
             eos_token_ids=self.config.eos_token_ids,
             load_seconds=time.monotonic() - started,
-            limitations=grammar_limitations(),
+            limitations=self.limitations + grammar_limitations(),
         )
 
     def _load(
@@ -288,6 +288,7 @@ class ReferenceEngine:
         import torch
 
         from engines.reference.kv_cache import BlockManager
+        from engines.reference.linear import fallback_note
         from engines.reference.resources import (
             load_tokenizer,
             pool_blocks,
@@ -304,6 +305,9 @@ class ReferenceEngine:
         self.config: ModelConfig = load_model_config(model_dir)
         self.max_model_len = resolve_max_model_len(self.config, max_model_len)
         self.model = load_model(model_dir, self.config, self._torch_dtype, self._torch_device)
+        # Where this CPU's oneDNN refuses the dtype, nn.Linear ran instead (draft model too).
+        note = fallback_note(self._torch_device, self._torch_dtype)
+        self.limitations: tuple[str, ...] = (note,) if note else ()
         self.tokenizer = load_tokenizer(model_dir)
 
         bytes_per_token = kv_bytes_per_token(self.config, self._torch_dtype)

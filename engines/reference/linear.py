@@ -10,13 +10,24 @@ order (fp32: about 1e-6 relative), within what the greedy parity tests already t
 the fused q/k/v and gate/up projections.
 
 Only plain `nn.Linear` modules are swapped (a quantized replacement keeps its own forward), and
-only on CPU with oneDNN available; CUDA keeps cuBLAS through `nn.Linear`.
+only on CPU with oneDNN available; CUDA keeps cuBLAS through `nn.Linear`. oneDNN takes bf16
+weights only on CPUs with AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT, and raises elsewhere (an
+AVX2-only EPYC, say): what this CPU takes is tried once per process (`onednn_refusal`), and a
+dtype it refuses keeps `nn.Linear` (slower), logged once and named
+in the engine's limitations (`fallback_note`).
 """
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
 from torch import nn
+
+from engines import testhooks
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = (torch.float32, torch.bfloat16)
 
@@ -49,8 +60,60 @@ class OneDnnLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, oneDNN"
 
 
-def onednn_usable(device: torch.device, dtype: torch.dtype) -> bool:
+@functools.cache
+def _trial_refusal(dtype: torch.dtype) -> str | None:
+    """torch's error where this CPU's oneDNN cannot take `dtype` weights, else None.
+
+    Found by doing once what a load does, on a tiny weight: reorder it, run it. The answer is
+    then whatever this torch build checks (for bf16 today the CPU's AVX-512 BW/VL/DQ or
+    AVX-NE-CONVERT; torch.backends.cpu.get_cpu_capability() would only approximate it)."""
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), None)
+        x = torch.zeros(2, 16, dtype=dtype)
+        torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    except RuntimeError as exc:
+        return str(exc).strip().splitlines()[0]
+    return None
+
+
+def onednn_refusal(dtype: torch.dtype) -> str | None:
+    """Why oneDNN cannot take `dtype` weights on this CPU, or None where it can."""
+    if _dtype_name(dtype) in testhooks.onednn_refused_dtypes():
+        return f"refused by the test hook {testhooks.ONEDNN_REFUSES_ENV}"
+    return _trial_refusal(dtype)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _onednn_applies(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype in _DTYPES and torch.backends.mkldnn.is_available()
+
+
+def onednn_usable(device: torch.device, dtype: torch.dtype) -> bool:
+    return _onednn_applies(device, dtype) and onednn_refusal(dtype) is None
+
+
+def fallback_note(device: torch.device, dtype: torch.dtype) -> str | None:
+    """One sentence for the engine's limitations where a `dtype` model on `device` would take
+    the oneDNN linears but this CPU refuses them (nn.Linear runs instead); else None."""
+    if not _onednn_applies(device, dtype):
+        return None
+    reason = onednn_refusal(dtype)
+    if reason is None:
+        return None
+    name = _dtype_name(dtype)
+    return (
+        f"{name} linears run as torch's nn.Linear: oneDNN cannot take {name} weights on this "
+        f"CPU ({reason}); steps of many tokens can be several times slower than with "
+        "engine.dtype float32, which keeps oneDNN"
+    )
+
+
+@functools.cache
+def _log_fallback(note: str) -> None:
+    logger.warning("%s", note)  # once per process, however many models load
 
 
 def pack_linears(model: nn.Module) -> int:
@@ -66,7 +129,11 @@ def pack_linears(model: nn.Module) -> int:
         if type(child) is nn.Linear
     ]
     for parent, name, child in swaps:
-        if not onednn_usable(child.weight.device, child.weight.dtype):
+        device, dtype = child.weight.device, child.weight.dtype
+        if not onednn_usable(device, dtype):
+            note = fallback_note(device, dtype)
+            if note is not None:
+                _log_fallback(note)
             continue
         setattr(parent, name, OneDnnLinear(child))
     return sum(type(getattr(p, n)) is OneDnnLinear for p, n, _ in swaps)

@@ -19,6 +19,8 @@ from typing import Any
 
 import pyarrow as pa
 
+from pipeline.batch.prompts import STAGE_COLUMNS
+from pipeline.batch.read import CORE_COLUMNS, ROW
 from pipeline.spec import JobSpec
 
 # Columns every output row has, in order; passthrough columns go right after `id`, and
@@ -133,6 +135,27 @@ def output_schema(
     if prompt_logprobs:
         fields.append(PROMPT_LOGPROBS_FIELD)
     return pa.schema(fields)
+
+
+# Every column name the pipeline writes itself: the read stage's, the prompt stage's, and every
+# column an output part can have. An input column by one of these names can be neither passed
+# through nor a template variable (JobSpec refuses it, naming it): it would overwrite the
+# pipeline's value or be overwritten by it.
+RESERVED_COLUMNS: frozenset[str] = frozenset(
+    {
+        ROW,
+        *CORE_COLUMNS,
+        *STAGE_COLUMNS,
+        *output_schema(
+            include_token_ids=True,
+            structured=True,
+            logprobs=True,
+            speculative=True,
+            samples=True,
+            prompt_logprobs=True,
+        ).names,
+    }
+)
 
 
 def wants_logprobs(spec: JobSpec) -> bool:

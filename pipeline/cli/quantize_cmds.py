@@ -49,16 +49,13 @@ def _fail(message: str, code: int = 1) -> None:
 
 
 def load_quantize_spec(path: Path, overrides: list[str]) -> QuantizeJobSpec:
-    import yaml
-
-    from pipeline.spec import SpecError, apply_overrides, format_validation_error, render_text
+    from pipeline.spec import SpecError, apply_overrides, format_validation_error, load_yaml
 
     try:
-        data = yaml.safe_load(render_text(path.read_text(), source=str(path)))
+        text = path.read_text()
     except OSError as exc:
         raise SpecError(f"cannot read {path}: {exc.strerror or exc}") from None
-    except yaml.YAMLError as exc:
-        raise SpecError(f"{path}: not valid YAML: {exc}") from None
+    data = load_yaml(text, source=str(path))
     if not isinstance(data, dict):
         raise SpecError(f"{path}: expected a mapping at the top level")
     data = apply_overrides(data, overrides)

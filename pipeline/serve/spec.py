@@ -14,7 +14,6 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from pipeline.spec import (
@@ -26,7 +25,7 @@ from pipeline.spec import (
     SpecError,
     StorageSpec,
     format_validation_error,
-    render_text,
+    load_yaml,
 )
 
 DEFAULT_API_KEYS_ENV = "TOKENMILL_API_KEYS"
@@ -588,9 +587,4 @@ def load_serve_spec(path: str | Path, env: dict[str, str] | None = None) -> Serv
         text = path.read_text()
     except OSError as exc:
         raise SpecError(f"cannot read serve file {path}: {exc.strerror or exc}") from None
-    rendered = render_text(text, env=env, source=str(path))
-    try:
-        data = yaml.safe_load(rendered)
-    except yaml.YAMLError as exc:
-        raise SpecError(f"{path}: not valid YAML: {exc}") from None
-    return parse_serve_spec(data, source=str(path))
+    return parse_serve_spec(load_yaml(text, source=str(path), env=env), source=str(path))

@@ -115,14 +115,37 @@ def _remote_listing(
     return fs, root, files
 
 
+def _destinations(
+    files: dict[str, dict[str, Any]], target: Path, prefix: str, field: str
+) -> dict[str, Path]:
+    """{relative name: local path} for every file, each checked to land inside `target`.
+
+    Object keys are names, not paths: a key holding `..` segments, or an empty segment that
+    turns the rest into an absolute path ("models/x//etc/y"), would write outside the cache if
+    joined as it is. Such a listing is refused whole, before anything is downloaded."""
+    root = target.resolve()
+    destinations = {}
+    for rel in files:
+        dest = (target / rel).resolve()
+        if not dest.is_relative_to(root) or dest == root:
+            raise SpecError(
+                f"{field}: the object {prefix}/{rel} would be written outside the model's "
+                f"download directory ({root}): its name climbs out with '..' or turns "
+                "absolute at an empty segment ('//'); rename or delete that object"
+            )
+        destinations[rel] = dest
+    return destinations
+
+
 def _download_all(
-    fs: Any, root: str, files: dict[str, dict[str, Any]], target: Path, prefix: str, field: str
+    fs: Any, root: str, files: dict[str, Path], sizes: dict[str, int], prefix: str, field: str
 ) -> None:
-    progress = _Progress(prefix, sum(int(i.get("size") or 0) for i in files.values()))
+    """Download every `files` name (relative to `root`) to its local path."""
+    progress = _Progress(prefix, sum(sizes.values()))
     storage_hint = f"{prefix} ({field})"
 
     def fetch(rel: str) -> None:
-        dest = target / rel
+        dest = files[rel]
         dest.parent.mkdir(parents=True, exist_ok=True)
         partial = dest.with_name(f".{dest.name}.partial")
         try:
@@ -130,11 +153,11 @@ def _download_all(
         except Exception as exc:
             raise StorageError(f"{field}: downloading {prefix}/{rel} failed: {exc}") from exc
         partial.rename(dest)
-        progress.add(int(files[rel].get("size") or 0))
+        progress.add(sizes[rel])
 
     started = time.monotonic()
     # Largest first: the long downloads start at once instead of queueing behind small files.
-    order = sorted(files, key=lambda rel: -int(files[rel].get("size") or 0))
+    order = sorted(files, key=lambda rel: -sizes[rel])
     with ThreadPoolExecutor(DOWNLOAD_THREADS, thread_name_prefix="model-download") as pool:
         for future in [pool.submit(fetch, rel) for rel in order]:
             future.result()  # the first failure raises; the pool finishes what is running
@@ -173,6 +196,7 @@ def materialize_model(
     cache = Path(os.path.expanduser(cache_dir))
     cache.mkdir(parents=True, exist_ok=True)
     target = cache / digest.hexdigest()[:16]
+    destinations = _destinations(files, target, prefix, field)
     if (target / COMPLETE_MARKER).is_file():
         return target
     with open(cache / f"{target.name}.lock", "w") as lock:
@@ -182,6 +206,7 @@ def materialize_model(
         # Leftovers of an interrupted download are not trusted.
         shutil.rmtree(target, ignore_errors=True)
         target.mkdir(parents=True)
-        _download_all(fs, root, files, target, prefix, field)
+        sizes = {rel: int(info.get("size") or 0) for rel, info in files.items()}
+        _download_all(fs, root, destinations, sizes, prefix, field)
         (target / COMPLETE_MARKER).write_text(prefix + "\n")
     return target

@@ -245,6 +245,31 @@ def test_materialize_model_downloads_once(
         materialize_model(f"s3://{bucket}/models/nothing", str(cache), storage)
 
 
+@pytest.mark.parametrize(
+    "name",
+    [
+        "../../escaped.txt",  # two levels up: beside the cache directory
+        "sub/../../escaped.txt",  # up past the model's own directory, into the cache
+        "{tmp}/escaped.txt",  # "models/x//tmp/...": an absolute path once joined
+    ],
+)
+def test_a_key_that_leads_out_of_the_cache_is_refused(
+    s3_server: S3Server, bucket: str, tiny_model_dir: Path, tmp_path: Path, name: str
+) -> None:
+    name = name.format(tmp=tmp_path)  # the absolute case stays inside this test's directory
+    prefix = f"s3://{bucket}/models/crafted"
+    s3_server.upload_dir(tiny_model_dir, prefix)
+    s3_server.put(f"{prefix}/{name}", "written where it does not belong")
+    cache = tmp_path / "area" / "cache"
+    with pytest.raises(SpecError) as info:
+        materialize_model(prefix, str(cache), s3_server.storage_spec())
+    message = str(info.value)
+    assert message.startswith("model.path: ") and f"{prefix}/{name}" in message, message
+    # Refused before any download: nothing written, inside the cache or out.
+    written = [p for p in tmp_path.rglob("*") if p.is_file() and not p.name.endswith(".lock")]
+    assert written == [], written
+
+
 def test_parquet_messages_and_gzip_jsonl_without_ray(s3_server: S3Server, bucket: str) -> None:
     chats = [[{"role": "user", "content": f"hi {i}"}] for i in range(3)]
     s3_server.put(f"s3://{bucket}/chat.parquet", parquet_bytes(pa.table({"chat": chats})))

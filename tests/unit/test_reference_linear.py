@@ -1,19 +1,43 @@
 """oneDNN linears of the reference engine on CPU: same results as nn.Linear, swapped only where
-they apply."""
+they apply, and nn.Linear kept for a dtype this CPU's oneDNN refuses (both paths run on any
+machine: the refusal is simulated where the CPU would take the dtype)."""
 
 from __future__ import annotations
+
+import logging
 
 import pytest
 import torch
 from torch import nn
 
-from engines.reference.linear import OneDnnLinear, linear_add, pack_linears
+from engines import testhooks
+from engines.reference import linear as linear_module
+from engines.reference.linear import (
+    OneDnnLinear,
+    fallback_note,
+    linear_add,
+    onednn_refusal,
+    pack_linears,
+)
+from tests.engine_fixtures import ONEDNN_BF16_REFUSAL, cpu_without_onednn_bf16
+
+CPU = torch.device("cpu")
+# OneDnnLinear itself, in bf16, needs a CPU whose oneDNN takes bf16 (AVX-512 BW/VL/DQ or
+# AVX-NE-CONVERT); elsewhere pack_linears never builds one, and the fallback tests below run.
+_BF16_REFUSED = onednn_refusal(torch.bfloat16)
+BF16 = pytest.param(
+    torch.bfloat16,
+    2e-2,
+    id="bf16",
+    marks=pytest.mark.skipif(
+        _BF16_REFUSED is not None, reason=f"this CPU's oneDNN refuses bf16: {_BF16_REFUSED}"
+    ),
+)
+FP32 = pytest.param(torch.float32, 1e-5, id="fp32")
 
 
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize(
-    ("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"]
-)
+@pytest.mark.parametrize(("dtype", "tol"), [FP32, BF16])
 def test_matches_nn_linear(bias: bool, dtype: torch.dtype, tol: float) -> None:
     torch.manual_seed(0)
     linear = nn.Linear(96, 80, bias=bias).to(dtype)
@@ -27,8 +51,10 @@ def test_matches_nn_linear(bias: bool, dtype: torch.dtype, tol: float) -> None:
 
 
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_linear_add_is_the_residual_plus_the_linear(bias: bool, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(("dtype", "tol"), [FP32, BF16])
+def test_linear_add_is_the_residual_plus_the_linear(
+    bias: bool, dtype: torch.dtype, tol: float
+) -> None:
     torch.manual_seed(3)
     linear = nn.Linear(96, 80, bias=bias).to(dtype)
     x, residual = torch.randn(37, 96).to(dtype), torch.randn(37, 80).to(dtype)
@@ -37,7 +63,6 @@ def test_linear_add_is_the_residual_plus_the_linear(bias: bool, dtype: torch.dty
         fused = linear_add(OneDnnLinear(linear), x, residual)
         plain = linear_add(linear, x, residual)
     torch.testing.assert_close(plain, expected, rtol=0, atol=0)  # not packed: the same two ops
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(fused.float(), expected.float(), rtol=tol, atol=tol)
 
 
@@ -65,3 +90,62 @@ def test_pack_swaps_plain_linears_only() -> None:
 def test_float16_stays_nn_linear() -> None:
     model = nn.Sequential(nn.Linear(8, 8).half())
     assert pack_linears(model) == 0 and type(model[0]) is nn.Linear
+
+
+def _bf16_model() -> nn.Sequential:
+    torch.manual_seed(5)
+    return nn.Sequential(nn.Linear(96, 80), nn.ReLU(), nn.Linear(80, 64)).to(torch.bfloat16)
+
+
+def _keeps_nn_linear(model: nn.Sequential) -> None:
+    """pack_linears leaves the bf16 model as it is: the same modules, bit-identical results."""
+    x = torch.randn(37, 96).to(torch.bfloat16)
+    residual = torch.randn(37, 80).to(torch.bfloat16)
+    with torch.inference_mode():
+        expected = model(x)
+        assert pack_linears(model) == 0
+        assert type(model[0]) is nn.Linear and type(model[2]) is nn.Linear
+        torch.testing.assert_close(model(x), expected, rtol=0, atol=0)
+        torch.testing.assert_close(
+            linear_add(model[0], x, residual), residual + model[0](x), rtol=0, atol=0
+        )
+    # fp32 still goes to oneDNN on the same CPU.
+    fp32 = nn.Sequential(nn.Linear(8, 8))
+    assert pack_linears(fp32) == 1 and type(fp32[0]) is OneDnnLinear
+
+
+def test_a_dtype_onednn_refuses_keeps_nn_linear(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The CPU refuses: oneDNN's op raises as torch's does without the instructions."""
+    cpu_without_onednn_bf16(monkeypatch)
+    assert onednn_refusal(torch.bfloat16) == ONEDNN_BF16_REFUSAL
+    assert onednn_refusal(torch.float32) is None
+    with caplog.at_level(logging.WARNING, logger=linear_module.__name__):
+        _keeps_nn_linear(_bf16_model())
+        _keeps_nn_linear(_bf16_model())  # a second model (a draft model, say): no second line
+    note = fallback_note(CPU, torch.bfloat16)
+    assert note is not None and ONEDNN_BF16_REFUSAL in note and "nn.Linear" in note
+    assert [r.getMessage() for r in caplog.records] == [note]
+
+
+def test_the_test_hook_refuses_a_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TOKENMILL_TEST_ONEDNN_REFUSES, which the batch driver passes on to its engine actors,
+    forces the same fallback, and only with the test hooks on."""
+    monkeypatch.setenv(testhooks.ONEDNN_REFUSES_ENV, "bfloat16")
+    monkeypatch.delenv(testhooks.HOOKS_ENV, raising=False)
+    assert onednn_refusal(torch.bfloat16) == _BF16_REFUSED  # off: whatever this CPU says
+    monkeypatch.setenv(testhooks.HOOKS_ENV, "1")
+    assert onednn_refusal(torch.bfloat16) == "refused by the test hook " + (
+        testhooks.ONEDNN_REFUSES_ENV
+    )
+    assert onednn_refusal(torch.float32) is None
+    assert testhooks.forwarded_env()[testhooks.ONEDNN_REFUSES_ENV] == "bfloat16"
+    _keeps_nn_linear(_bf16_model())
+
+
+def test_no_note_where_onednn_was_never_the_path() -> None:
+    # CUDA keeps cuBLAS, float16 keeps nn.Linear by design: neither is a fallback.
+    assert fallback_note(torch.device("cuda"), torch.bfloat16) is None
+    assert fallback_note(CPU, torch.float16) is None
+    assert fallback_note(CPU, torch.float32) is None

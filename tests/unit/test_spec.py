@@ -11,13 +11,13 @@ import yaml
 
 from pipeline import docgen
 from pipeline.spec import (
-    RESERVED_COLUMNS,
     JobSpec,
     SpecError,
     apply_overrides,
+    env_references,
     load_job_spec,
+    load_yaml,
     parse_job_spec,
-    render_text,
 )
 
 MINIMAL: dict[str, Any] = {
@@ -176,11 +176,39 @@ def test_template_columns_are_the_template_variables() -> None:
     assert parse_job_spec(no_prompt_column).template_columns() == ["body"]
 
 
-def test_reserved_columns_cover_every_stage_column() -> None:
-    from pipeline.batch.prompts import STAGE_COLUMNS
-    from pipeline.batch.read import CORE_COLUMNS
+def _every_output_column() -> list[str]:
+    """Every column an output part can have, whatever the job asks for (no passthrough)."""
+    from pipeline.batch.schema import output_schema
 
-    assert set(CORE_COLUMNS) | set(STAGE_COLUMNS) <= RESERVED_COLUMNS
+    schema = output_schema(
+        include_token_ids=True,
+        structured=True,
+        logprobs=True,
+        speculative=True,
+        samples=True,
+        prompt_logprobs=True,
+    )
+    return schema.names
+
+
+def _every_stage_column() -> list[str]:
+    """The columns the read and prompt stages add to a row besides the input's."""
+    from pipeline.batch.prompts import STAGE_COLUMNS
+    from pipeline.batch.read import CORE_COLUMNS, ROW
+
+    return [ROW, *CORE_COLUMNS, *STAGE_COLUMNS]
+
+
+@pytest.mark.parametrize("column", sorted({*_every_output_column(), *_every_stage_column()}))
+def test_a_pipeline_column_cannot_be_passed_through(column: str) -> None:
+    message = spec_error(with_changes(input={"passthrough_columns": ["user", column]}))
+    assert f"input.passthrough_columns: [{column!r}] are written by the pipeline" in message
+
+
+@pytest.mark.parametrize("column", ["actor_id", "finished_at", "spec_verifications"])
+def test_an_output_column_is_no_template_variable(column: str) -> None:
+    message = spec_error(with_changes(prompt={"template": f"{{{{ {column} }}}}"}))
+    assert f"prompt.template uses [{column!r}]" in message
 
 
 def test_non_mapping_document_is_rejected() -> None:
@@ -191,20 +219,182 @@ def test_non_mapping_document_is_rejected() -> None:
 
 
 def test_env_substitution_and_defaults() -> None:
-    text = "a: ${BUCKET}\nb: ${MISSING:-fallback}\nc: ${EMPTY:-x}\n# ${NOT_SET_IN_COMMENT}\n"
-    out = render_text(text, date="2026-01-02", env={"BUCKET": "nightly", "EMPTY": ""})
+    text = "a: ${BUCKET}\nb: ${MISSING:-fallback}\nc: x${EMPTY:-y}z\n# ${NOT_SET_IN_COMMENT}\n"
+    data = load_yaml(text, source="job.yaml", env={"BUCKET": "nightly", "EMPTY": ""})
     # Set-but-empty wins over the default, as in the shell.
-    assert out == "a: nightly\nb: fallback\nc: \n# ${NOT_SET_IN_COMMENT}\n"
+    assert data == {"a": "nightly", "b": "fallback", "c": "xz"}
 
 
 def test_unset_env_var_is_an_error_naming_it() -> None:
-    with pytest.raises(SpecError, match=r"environment variable \$\{NOPE\} is not set"):
-        render_text("a: ${NOPE}", date="2026-01-02", env={}, source="job.yaml")
+    with pytest.raises(SpecError, match=r"job.yaml: a: environment variable \$\{NOPE\} is not set"):
+        load_yaml("a: ${NOPE}", source="job.yaml", env={})
+    with pytest.raises(SpecError, match=r"job.yaml: a.b\[1\]: environment variable \$\{NOPE\}"):
+        load_yaml("a: {b: [x, '${NOPE}']}", source="job.yaml", env={})
+
+
+def test_a_variable_in_an_alias_is_substituted_once() -> None:
+    # The value of X holds a reference of its own: it stays as it is, where the anchor stands
+    # and where the alias repeats it.
+    data = load_yaml("a: &v ${X}\nb: *v\n", source="job.yaml", env={"X": "${X}!"})
+    assert data == {"a": "${X}!", "b": "${X}!"}
+
+
+def test_a_reference_works_wherever_a_value_can_stand() -> None:
+    # Flow collections (whose braces and commas a bare `${...}` would break), keys, block
+    # scalars, several references in one value.
+    text = "a: {b: ${X}, c: [${X}, x${Y}y]}\n${K}: 1\nd: |\n  ${X} and ${Y}\n"
+    data = load_yaml(text, source="job.yaml", env={"X": "1", "Y": "}, z: {", "K": "gpu"})
+    assert data == {"a": {"b": 1, "c": [1, "x}, z: {y"]}, "gpu": 1, "d": "1 and }, z: {\n"}
+
+
+def test_a_yaml_error_shows_the_references_as_written() -> None:
+    with pytest.raises(SpecError) as info:
+        load_yaml("a: [${X}, ${Y:-y}\nb: 1\n", source="job.yaml", env={})
+    assert str(info.value) == (
+        "job.yaml: not valid YAML at line 2, column 2: while parsing a flow sequence: expected "
+        "',' or ']', but got ':'\n  b: 1\n   ^"
+    )
+    with pytest.raises(SpecError) as info:
+        load_yaml("a: ${X}: ${Y}\n", source="job.yaml", env={})
+    assert str(info.value) == (
+        "job.yaml: not valid YAML at line 1, column 8: mapping values are not allowed here\n"
+        "  a: ${X}: ${Y}\n         ^"
+    )
+
+
+def test_env_references_are_the_names_values_use() -> None:
+    text = "a: ${ONE}\nb: [x, '${TWO:-2}-${ONE}']\n# ${IN_COMMENT}\nc: 1  # ${TRAILING}\n"
+    assert env_references(text) == ["ONE", "TWO"]
+    assert env_references("a: [unclosed") == []
+
+
+# `${VAR}` goes into one value of the parsed file, never into its text: whatever the variable
+# holds, the file keeps its shape and the field gets exactly that text.
+_JOB_WITH_SYSTEM_PROMPT = """\
+name: job-1
+input: {uri: s3://bucket/in/*.jsonl, format: jsonl, prompt_column: text}
+model: {path: /models/tiny}
+prompt:
+  system_prompt: ${SYSTEM}
+output: {uri: s3://bucket/out/}
+"""
+_TRICKY_VALUES = {
+    "colon-space": "Answer: yes or no",
+    "leading-quote": '"Hello" is how you greet',
+    "newline-adds-a-key": "Be brief.\nengine:\n  kind: vllm",
+    "hash": "Use C# # and nothing else",
+    "flow-mapping": "{be: brief}",
+    "flow-sequence": "[1, 2]",
+    "dash": "- one item",
+}
+
+
+@pytest.mark.parametrize("value", _TRICKY_VALUES.values(), ids=_TRICKY_VALUES.keys())
+def test_a_variable_is_one_value_whatever_it_holds(tmp_path: Path, value: str) -> None:
+    path = write_job(tmp_path, _JOB_WITH_SYSTEM_PROMPT)
+    spec = load_job_spec(path, env={"SYSTEM": value})
+    assert spec.prompt.system_prompt == value
+    assert spec.engine.kind == "reference"  # no key came in with the value
+
+
+def _serve_file(tmp_path: Path) -> Path:
+    path = tmp_path / "serve.yaml"
+    path.write_text(
+        "models:\n"
+        "  - name: m\n"
+        "    model: {path: /models/tiny}\n"
+        "    prompt: {system_prompt: ${SYSTEM}}\n"
+    )
+    return path
+
+
+def _quantize_file(tmp_path: Path) -> Path:
+    path = tmp_path / "quantize.yaml"
+    path.write_text(
+        "name: q\n"
+        "model: ${SYSTEM}\n"
+        "quantization: {format: fp8, calibration: {source: /data/cal.parquet}}\n"
+        "output: /out\n"
+    )
+    return path
+
+
+def _load_serve(path: Path, env: dict[str, str]) -> str | None:
+    from pipeline.serve.spec import load_serve_spec
+
+    return load_serve_spec(path, env=env).models[0].prompt.system_prompt
+
+
+def _load_quantize(path: Path, env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> str:
+    from pipeline.cli.quantize_cmds import load_quantize_spec
+
+    for name, value in env.items():  # this loader reads os.environ
+        monkeypatch.setenv(name, value)
+    return load_quantize_spec(path, []).model
+
+
+@pytest.mark.parametrize("loader", ["serve", "quantize"])
+def test_every_loader_substitutes_into_values(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, loader: str
+) -> None:
+    value = _TRICKY_VALUES["newline-adds-a-key"] + ': "x"'
+    if loader == "serve":
+        assert _load_serve(_serve_file(tmp_path), {"SYSTEM": value}) == value
+    else:
+        assert _load_quantize(_quantize_file(tmp_path), {"SYSTEM": value}, monkeypatch) == value
+
+
+def test_an_unset_variable_names_the_field(tmp_path: Path) -> None:
+    path = write_job(tmp_path, _JOB_WITH_SYSTEM_PROMPT)
+    with pytest.raises(SpecError) as info:
+        load_job_spec(path, env={})
+    assert str(info.value) == (
+        f"{path}: prompt.system_prompt: environment variable ${{SYSTEM}} is not set "
+        "(export it, or write ${SYSTEM:-default})"
+    )
+
+
+def test_a_variable_in_a_comment_is_not_substituted(tmp_path: Path) -> None:
+    text = _JOB_WITH_SYSTEM_PROMPT.replace("${SYSTEM}", "Be brief.  # was ${OLD_SYSTEM}")
+    spec = load_job_spec(write_job(tmp_path, text), env={})
+    assert spec.prompt.system_prompt == "Be brief."
+
+
+def test_a_variable_is_typed_as_yaml_types_the_value_where_it_stands(tmp_path: Path) -> None:
+    """Unquoted: YAML's own types for a plain value (number, true/false, null), as if the value
+    were written there. Quoted: text, which the schema converts for a number field."""
+    text = """\
+name: job-1
+input: {uri: s3://bucket/in/*.jsonl, format: jsonl, prompt_column: text}
+model: {path: /models/tiny}
+output: {uri: "s3://${BUCKET}/out/", include_token_ids: ${FLAG}}
+resources: {num_actors: ${ACTORS}}
+sampling: {temperature: ${TEMPERATURE}, max_tokens: "${MAX_TOKENS}", seed: ${SEED:-}}
+engine:
+  max_model_len: ${UNSET_LEN:-}
+  extra: {max_num_seqs: ${ACTORS}, label: "${ACTORS}"}
+"""
+    env = {
+        "BUCKET": "nightly",
+        "FLAG": "true",
+        "ACTORS": "3",
+        "TEMPERATURE": "0.5",
+        "MAX_TOKENS": "64",
+        "SEED": "",  # set but empty: the value is empty (null), as in the shell
+    }
+    spec = load_job_spec(write_job(tmp_path, text), env=env)
+    assert spec.output.uri == "s3://nightly/out/"
+    assert spec.output.include_token_ids is True
+    assert spec.resources.num_actors == 3
+    assert spec.sampling.temperature == 0.5 and spec.sampling.max_tokens == 64
+    assert spec.sampling.seed is None and spec.engine.max_model_len is None
+    # extra goes to the engine as it is: the types YAML gave the values are the ones it gets.
+    assert spec.engine.extra == {"max_num_seqs": 3, "label": "3"}
 
 
 def test_bad_date_is_an_error() -> None:
     with pytest.raises(SpecError, match="date '2026-13-01' is not YYYY-MM-DD"):
-        render_text("a: 1", date="2026-13-01", env={})
+        load_yaml("a: 1", source="job.yaml", date="2026-13-01", env={})
 
 
 def test_date_templating_precedence(tmp_path: Path) -> None:

@@ -64,6 +64,16 @@ def test_validate_reports_field_and_allowed_values(tmp_path: Path, model_dir: Pa
     assert expected in result.output
 
 
+@pytest.mark.parametrize("column", ["actor_id", "finished_at"])
+def test_validate_refuses_an_output_column_as_passthrough(
+    tmp_path: Path, model_dir: Path, column: str
+) -> None:
+    job = write_job(tmp_path, model_dir, input={"passthrough_columns": [column]})
+    result = run("validate", str(job))
+    assert result.exit_code != 0, result.output
+    assert f"input.passthrough_columns: [{column!r}] are written by the pipeline" in result.output
+
+
 def test_validate_check_storage_lists_inputs(tmp_path: Path, model_dir: Path) -> None:
     job = write_job(tmp_path, model_dir)
     result = run("validate", str(job), "--check-storage")
