@@ -477,7 +477,6 @@ def _stored_input(service: BatchService, owner: str, lines: int = 2) -> str:
 BODY = {"endpoint": "/v1/chat/completions", "completion_window": "24h"}
 
 
-@pytest.mark.xfail(strict=True, reason="a failed stop_job during a cancel is never retried")
 def test_a_failed_stop_is_retried_while_cancelling(tmp_path: Path) -> None:
     jobs = FlakyStopJobs(failures=2)
     service = _service(tmp_path, jobs)
@@ -496,7 +495,6 @@ def test_a_failed_stop_is_retried_while_cancelling(tmp_path: Path) -> None:
     assert jobs.stop_calls == 3  # a stop that got through is not sent again
 
 
-@pytest.mark.xfail(strict=True, reason="two concurrent resumes of one batch both submit a job")
 def test_concurrent_resumes_of_one_batch_submit_one_job(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -852,3 +850,46 @@ def test_per_key_batch_quotas(tmp_path: Path, jobs: FakeJobs) -> None:
         assert other.files.create(file=("a.jsonl", big), purpose="batch").bytes == len(big)
     finally:
         batch_routes._installed = None
+
+
+def test_a_refused_submit_leaves_no_batch_and_the_stopped_one_resumable(tmp_path: Path) -> None:
+    jobs = FakeJobs()
+    service = _service(tmp_path, jobs)
+    file_id = _stored_input(service, "alpha")
+    first = service.create("alpha", lambda _: True, {**BODY, "input_file_id": file_id})
+    service.cancel("alpha", first["id"])
+    assert service.retrieve("alpha", first["id"])["status"] == "cancelled"
+
+    def refuse(**kwargs: Any) -> str:
+        raise ConnectionError("the Ray head did not answer")
+
+    real_submit, jobs.submit_job = jobs.submit_job, refuse  # type: ignore[method-assign]
+    body = {**BODY, "input_file_id": file_id, "metadata": {RESUME_KEY: first["id"]}}
+    with pytest.raises(ApiError) as refused:
+        service.create("alpha", lambda _: True, body)
+    assert refused.value.status == 503 and refused.value.code == "batch_submit_failed"
+    assert [b["id"] for b in service.list("alpha")["data"]] == [first["id"]]
+    jobs.submit_job = real_submit  # type: ignore[method-assign]
+    resumed = service.create("alpha", lambda _: True, body)  # the claim was given back
+    assert f"tokenmill-{resumed['id']}" in jobs.submitted
+
+
+def test_a_record_whose_job_never_came_fails_after_the_grace(tmp_path: Path) -> None:
+    from pipeline.serve.batches import SUBMIT_GRACE_S
+
+    clock = [1_000_000.0]
+    jobs = FakeJobs()
+    service = _service(tmp_path, jobs)
+    service.now = lambda: clock[0]
+    file_id = _stored_input(service, "alpha")
+    # The ingress dies between saving the record and submitting: Ray never hears of the job.
+    jobs.submit_job = lambda **kwargs: (_ for _ in ()).throw(SystemExit())  # type: ignore[method-assign]
+    with pytest.raises(SystemExit):
+        service.create("alpha", lambda _: True, {**BODY, "input_file_id": file_id})
+    (batch,) = service.list("alpha")["data"]
+    assert batch["status"] == "validating"  # Ray may still show the job: wait
+    clock[0] += SUBMIT_GRACE_S
+    failed = service.retrieve("alpha", batch["id"])
+    assert (
+        failed["status"] == "failed" and "never submitted" in failed["errors"]["data"][0]["message"]
+    )
