@@ -63,10 +63,21 @@ def _jobs_client(spec: ServeSpec) -> Callable[[], JobsApi]:
     return connect
 
 
-def _caller(request: Request) -> tuple[BatchService, ApiKey]:
+def _caller(request: Request) -> tuple[BatchService, ApiKey, str]:
+    """The service, the caller's key and the owner its files and batches belong to."""
     if _installed is None:
         raise StarletteHTTPException(404, "Not Found")
-    return _installed.service, _installed.authenticate(request)
+    key = _installed.authenticate(request)
+    if key.owner is None:
+        raise ApiError(
+            403,
+            "The Batch API keeps files and batches per key, and this server accepts callers "
+            "without one (--insecure-no-auth): start it with keys (TOKENMILL_API_KEYS, "
+            "auth.api_keys_file or auth.keys_file) to use /v1/files and /v1/batches",
+            type="permission_error",
+            code="permission_denied",
+        )
+    return _installed.service, key, key.owner
 
 
 # --- multipart ---------------------------------------------------------------------------------
@@ -122,7 +133,7 @@ async def _read_limited(request: Request, limit: int) -> bytes:
 
 @router.post("/v1/files")
 async def upload_file(request: Request) -> JSONResponse:
-    service, key = _caller(request)
+    service, _, owner = _caller(request)
     limits = service.api
     body = await _read_limited(request, limits.max_file_bytes)
     fields = parse_multipart(request.headers.get("content-type", ""), body)
@@ -144,7 +155,7 @@ async def upload_file(request: Request) -> JSONResponse:
         validate_batch_input, io.BytesIO(content), limits.max_file_lines
     )
     stored = await asyncio.to_thread(
-        service.files(key.name).create,
+        service.files(owner).create,
         content,
         filename or "upload.jsonl",
         purpose,
@@ -157,8 +168,8 @@ async def upload_file(request: Request) -> JSONResponse:
 async def list_files(
     request: Request, purpose: str | None = None, limit: int = 10_000, after: str | None = None
 ) -> JSONResponse:
-    service, key = _caller(request)
-    files = await asyncio.to_thread(service.files(key.name).list)
+    service, _, owner = _caller(request)
+    files = await asyncio.to_thread(service.files(owner).list)
     found = [f.public() for f in files if purpose is None or f.data.get("purpose") == purpose]
     if after is not None:
         ids = [f["id"] for f in found]
@@ -177,15 +188,15 @@ async def list_files(
 
 @router.get("/v1/files/{file_id}")
 async def retrieve_file(file_id: str, request: Request) -> JSONResponse:
-    service, key = _caller(request)
-    stored = await asyncio.to_thread(service.files(key.name).get, file_id)
+    service, _, owner = _caller(request)
+    stored = await asyncio.to_thread(service.files(owner).get, file_id)
     return JSONResponse(stored.public())
 
 
 @router.get("/v1/files/{file_id}/content")
 async def file_content(file_id: str, request: Request) -> Response:
-    service, key = _caller(request)
-    files = service.files(key.name)
+    service, _, owner = _caller(request)
+    files = service.files(owner)
     stored = await asyncio.to_thread(files.get, file_id)
     # A sync iterator: Starlette reads it in a thread pool, chunk by chunk.
     return StreamingResponse(files.iter_content(stored), media_type="application/octet-stream")
@@ -193,8 +204,8 @@ async def file_content(file_id: str, request: Request) -> Response:
 
 @router.delete("/v1/files/{file_id}")
 async def delete_file(file_id: str, request: Request) -> JSONResponse:
-    service, key = _caller(request)
-    files = service.files(key.name)
+    service, _, owner = _caller(request)
+    files = service.files(owner)
     stored = await asyncio.to_thread(files.get, file_id)
     await asyncio.to_thread(files.delete, stored)
     return JSONResponse({"id": file_id, "object": "file", "deleted": True})
@@ -205,25 +216,25 @@ async def delete_file(file_id: str, request: Request) -> JSONResponse:
 
 @router.post("/v1/batches")
 async def create_batch(request: Request) -> JSONResponse:
-    service, key = _caller(request)
+    service, key, owner = _caller(request)
     body = parse_json_body(await request.body())
-    batch = await asyncio.to_thread(service.create, key.name, key.allows, body)
+    batch = await asyncio.to_thread(service.create, owner, key.allows, body)
     return JSONResponse(batch)
 
 
 @router.get("/v1/batches")
 async def list_batches(request: Request, limit: int = 20, after: str | None = None) -> JSONResponse:
-    service, key = _caller(request)
-    return JSONResponse(await asyncio.to_thread(service.list, key.name, limit, after))
+    service, _, owner = _caller(request)
+    return JSONResponse(await asyncio.to_thread(service.list, owner, limit, after))
 
 
 @router.get("/v1/batches/{batch_id}")
 async def retrieve_batch(batch_id: str, request: Request) -> JSONResponse:
-    service, key = _caller(request)
-    return JSONResponse(await asyncio.to_thread(service.retrieve, key.name, batch_id))
+    service, _, owner = _caller(request)
+    return JSONResponse(await asyncio.to_thread(service.retrieve, owner, batch_id))
 
 
 @router.post("/v1/batches/{batch_id}/cancel")
 async def cancel_batch(batch_id: str, request: Request) -> JSONResponse:
-    service, key = _caller(request)
-    return JSONResponse(await asyncio.to_thread(service.cancel, key.name, batch_id))
+    service, _, owner = _caller(request)
+    return JSONResponse(await asyncio.to_thread(service.cancel, owner, batch_id))

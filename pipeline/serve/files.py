@@ -1,7 +1,8 @@
 """`/v1/files` storage and upload validation (no FastAPI here: pipeline.serve.batch_routes).
 
 Files live under `<batch_api.uri>/files/<owner>/`, `owner` a digest of the uploading key's
-name, so a key only ever lists and opens its own:
+owner (pipeline.serve.keys: its keys-file name, or the plaintext key's SHA-256), so a key
+only ever lists and opens its own:
 
     file-<id>.jsonl   the uploaded content (input files)
     file-<id>.json    the file object OpenAI returns, plus private fields (`_tokenmill`: the
@@ -41,10 +42,10 @@ MAX_TRACKED_MODELS = 100  # distinct body.model values kept: more fail the batch
 PURPOSES = ("batch",)  # what an upload may be for (batch_output is the server's own)
 
 
-def owner_slug(key_name: str) -> str:
-    """The storage folder of a key's files and batches: a digest, since key names may hold
+def owner_slug(owner: str) -> str:
+    """The storage folder of an owner's files and batches: a digest, since owners may hold
     characters some stores dislike."""
-    return hashlib.sha256(key_name.encode()).hexdigest()[:20]
+    return hashlib.sha256(owner.encode()).hexdigest()[:20]
 
 
 def new_id(prefix: str) -> str:

@@ -19,6 +19,12 @@ a pasted plaintext key would otherwise end up in the logs.
 
 The keys from the environment / plaintext secrets file (pipeline.serve.auth) join the file's
 under their names env-N and file-N, without limits.
+
+A key's `owner` is what its Batch API files and batches belong to, and must not move when
+keys are reordered: a keys-file entry's name (the operator chose it, and a rotated key keeps
+it), else the plaintext key's own SHA-256 (env-N and file-N are positions: reordering
+TOKENMILL_API_KEYS would hand one key's files to another). With --insecure-no-auth there is
+no owner, and the Batch API is refused.
 """
 
 from __future__ import annotations
@@ -215,9 +221,17 @@ class ApiKey:
     limits: KeyLimits = field(default_factory=KeyLimits)
     models: frozenset[str] | None = None  # None: every served model
     metrics: bool = False
+    # Who its Batch API files and batches belong to (module docstring); None: nobody.
+    owner: str | None = None
 
     def allows(self, model: str) -> bool:
         return self.models is None or model in self.models
+
+
+def digest_owner(key_digest: str) -> str:
+    """The owner of a plaintext key's files and batches: its digest ('/' keeps it apart from
+    every keys-file name)."""
+    return f"sha256/{key_digest}"
 
 
 class KeyRing:
@@ -233,13 +247,14 @@ class KeyRing:
     def build(cls, static: KeyDigests, file: KeyFile | None) -> KeyRing:
         """The environment's / plaintext file's keys (unlimited, may read /metrics) plus the
         keys file's entries. A digest in both takes the entry's name, limits and models."""
-        keys = {d: ApiKey(name, metrics=True) for name, d in static.named}
+        keys = {d: ApiKey(name, metrics=True, owner=digest_owner(d)) for name, d in static.named}
         for entry in file.keys if file else ():
             keys[entry.sha256] = ApiKey(
                 entry.name,
                 entry.limits,
                 frozenset(entry.models) if entry.models is not None else None,
                 entry.metrics,
+                owner=entry.name,
             )
         return cls(keys, insecure=static.insecure)
 

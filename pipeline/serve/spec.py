@@ -374,7 +374,7 @@ class BatchApiSpec(_Strict):
     uri: str = Field(
         min_length=1,
         description="Object-storage prefix (s3:// or a local path every node can read) holding "
-        "uploaded files (files/<key>/), batch records and their jobs' output (batches/<key>/). "
+        "uploaded files (files/<owner>/), batch records and their jobs' output (batches/<owner>/). "
         "Batch state lives here, so it survives a restart of the Serve application.",
     )
     jobs_address: str = Field(

@@ -28,9 +28,9 @@ from pipeline.serve.spec import parse_serve_spec
 from pipeline.spec import parse_job_spec
 
 KEYS = {
-    "key-a": ApiKey("alpha"),
-    "key-b": ApiKey("beta"),
-    "key-r": ApiKey("r", models=frozenset()),
+    "key-a": ApiKey("alpha", owner="alpha"),
+    "key-b": ApiKey("beta", owner="beta"),
+    "key-r": ApiKey("r", models=frozenset(), owner="r"),
 }
 
 
@@ -551,7 +551,6 @@ def _env_ring(*keys: str) -> Any:
     return KeyRing.build(KeyDigests(frozenset(d for _, d in named), named=named), None)
 
 
-@pytest.mark.xfail(strict=True, reason="files and batches belong to positional names (env-N)")
 def test_reordered_env_keys_keep_their_own_files_and_batches(
     tmp_path: Path, jobs: FakeJobs
 ) -> None:
@@ -576,7 +575,6 @@ def test_reordered_env_keys_keep_their_own_files_and_batches(
         batch_routes._installed = None
 
 
-@pytest.mark.xfail(strict=True, reason="a caller with no stable identity may use the Batch API")
 def test_batch_api_refused_without_a_stable_identity(tmp_path: Path, jobs: FakeJobs) -> None:
     from pipeline.serve.auth import KeyDigests
     from pipeline.serve.keys import KeyRing
