@@ -61,6 +61,7 @@ import yaml
 from pipeline.batch.commit.manifest import Manifest, read_manifest
 from pipeline.batch.openai_output import LineContext, expected_exports, export_committed
 from pipeline.batch.read.openai_batch import SUPPORTED_BATCH_URLS
+from pipeline.serve.batch_quota import QuotaLedger
 from pipeline.serve.files import (
     MAX_REPORTED_ERRORS,
     PRIVATE,
@@ -69,6 +70,7 @@ from pipeline.serve.files import (
     InputError,
     owner_slug,
 )
+from pipeline.serve.keys import BatchQuota
 from pipeline.serve.protocol import ApiError
 from pipeline.serve.spec import BatchApiSpec, ServedModelSpec, ServeSpec
 from pipeline.spec import SpecError, parse_job_spec
@@ -114,6 +116,13 @@ def new_batch_id(created_ms: int) -> str:
     """A batch id whose name order is newest first (see _ID_RE)."""
     countdown = (1 << 44) - 1 - created_ms
     return f"batch_{countdown:011x}{os.urandom(8).hex()}"
+
+
+def batch_created_s(batch_id: str) -> float | None:
+    """When a batch was created, from its id (None for ids from before ids carried it)."""
+    if _ID_RE.fullmatch(batch_id) is None:
+        return None
+    return ((1 << 44) - 1 - int(batch_id[6:17], 16)) / 1000
 
 
 def _list_order(batch_id: str) -> tuple[bool, str]:
@@ -205,7 +214,16 @@ class BatchService:
 
     # --- create ------------------------------------------------------------------------------
 
-    def create(self, owner: str, allows: Callable[[str], bool], body: dict[str, Any]) -> dict:
+    def create(
+        self,
+        owner: str,
+        allows: Callable[[str], bool],
+        body: dict[str, Any],
+        quota: BatchQuota | None = None,
+        key_name: str | None = None,
+    ) -> dict:
+        """A new batch of `owner`'s (`quota`: its key's Batch API quota, `key_name` the name
+        messages give it)."""
         endpoint = body.get("endpoint")
         if endpoint not in SUPPORTED_BATCH_URLS:
             raise ApiError(
@@ -288,13 +306,52 @@ class BatchService:
             # The manifest is the stopped batch's until the new job begins its run.
             before = read_manifest(OutputDir(output_uri, self.spec.storage))
             record[PRIVATE]["runs_before"] = len(before.runs) if before else 0
-            # Claimed before anything is submitted: of two resumes racing, one wins this write.
-            self._claim(out, resumed, batch_id)
+        lines = summary.lines
+        if resumed is not None:  # only what the stopped batch did not finish runs
+            done = resumed.record["request_counts"]
+            lines = max(0, done["total"] - done["completed"] - done["failed"])
+        ledger = None
+        if quota is not None and not quota.unlimited:
+            ledger = QuotaLedger(out, quota, key_name or owner, self.now)
+            ledger.reserve(batch_id, lines, lambda b: self._ended_or_gone(out, b))
+        try:
+            if resumed is not None:
+                # Claimed before anything is submitted: of two resumes racing, one wins.
+                self._claim(out, resumed, batch_id)
+            self._start(out, record, resumed, served, files.content_uris(stored)[0])
+        except BaseException:
+            if ledger is not None:
+                ledger.release(batch_id, lines)
+            raise
+        return _public(record)
+
+    def _ended_or_gone(self, out: OutputDir, batch_id: str) -> bool:
+        """Whether a batch counted in a quota no longer takes a place: it ended, or its record
+        was never written (its create failed, or the ingress died, SUBMIT_GRACE_S ago)."""
+        try:
+            return self._current(out, batch_id).record["status"] in TERMINAL
+        except ApiError as exc:
+            if exc.status != 404:
+                return False  # unreadable now: it keeps its place
+            created = batch_created_s(batch_id)
+            return created is None or self.now() - created >= SUBMIT_GRACE_S
+
+    def _start(
+        self,
+        out: OutputDir,
+        record: dict,
+        resumed: _Loaded | None,
+        served: ServedModelSpec,
+        input_uri: str,
+    ) -> None:
+        """Save the record, submit its job (record removed and claim given back if refused)."""
+        batch_id = record["id"]
+        output_uri = record[PRIVATE]["output_uri"]
         job = job_spec_data(
             batch_id,
             served,
             self.spec,
-            files.content_uris(stored)[0],
+            input_uri,
             output_uri,
             expires_at=record["expires_at"],
         )
@@ -310,7 +367,6 @@ class BatchService:
             raise
         record[PRIVATE]["submitted"] = True
         self._write(out, _Loaded(record, version), lambda r: r[PRIVATE].update(submitted=True))
-        return _public(record)
 
     def _new_id(self, now: float) -> str:
         with self._id_lock:
