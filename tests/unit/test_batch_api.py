@@ -86,8 +86,14 @@ def _spec(tmp_path: Path, **batch_api: Any) -> Any:
     )
 
 
-def _routes_app(spec: Any, jobs: FakeJobs, identify: Callable[[str], ApiKey | None]) -> FastAPI:
-    """The routes on a bare app; `identify` maps a bearer key to its ApiKey."""
+def _routes_app(
+    spec: Any,
+    jobs: FakeJobs,
+    identify: Callable[[str], ApiKey | None],
+    enter: batch_routes.Enter | None = None,
+) -> FastAPI:
+    """The routes on a bare app; `identify` maps a bearer key to its ApiKey, `enter` stands
+    for the ingress's admission (none: every call admitted)."""
     app = FastAPI()
 
     @app.exception_handler(ApiError)
@@ -102,7 +108,10 @@ def _routes_app(spec: Any, jobs: FakeJobs, identify: Callable[[str], ApiKey | No
             raise ApiError(401, "bad key", code="invalid_api_key")
         return key
 
-    batch_routes.install(spec, authenticate)
+    if enter is None:
+        batch_routes.install(spec, authenticate)
+    else:
+        batch_routes.install(spec, authenticate, enter)
     assert batch_routes._installed is not None
     batch_routes._installed.service = BatchService(spec, lambda: jobs)
     return app
@@ -916,3 +925,50 @@ def test_streaming_validation_matches_the_one_pass_over_lines() -> None:
     assert summary.lines == 3 and [(e.code, e.line) for e in summary.errors] == [
         ("line_too_long", 2)
     ]
+
+
+def test_every_route_is_admitted_and_gives_its_slot_back(tmp_path: Path, jobs: FakeJobs) -> None:
+    """Each /v1/files and /v1/batches call goes through the ingress's admission (its slot and
+    the key's limits), and gives it back when done: a download when its last byte is sent."""
+    held: list[str] = []
+    entered: list[str] = []
+
+    async def enter(key: ApiKey) -> Callable[[], None]:
+        if key.name == "beta":
+            raise ApiError(429, "over its limit", code="rate_limit_exceeded")
+        entered.append(key.name)
+        held.append(key.name)
+        return lambda: held.remove(key.name)
+
+    app = _routes_app(_spec(tmp_path), jobs, KEYS.get, enter)
+    try:
+        client = _client(app)
+        file_id = client.files.create(file=("in.jsonl", _jsonl([_line(0)])), purpose="batch").id
+        client.files.list()
+        client.files.retrieve(file_id)
+        assert client.files.content(file_id).content == _jsonl([_line(0)])
+        batch = _create(client, file_id)
+        client.batches.list()
+        client.batches.retrieve(batch.id)
+        client.batches.cancel(batch.id)
+        client.files.delete(file_id)
+        assert len(entered) == 9 and held == []  # every call admitted, every slot back
+        other = _client(app, "key-b")
+        for call in (
+            lambda: other.files.list(),
+            lambda: other.files.create(file=("in.jsonl", _jsonl([_line(0)])), purpose="batch"),
+            lambda: other.batches.list(),
+            lambda: other.batches.retrieve(batch.id),
+        ):
+            with pytest.raises(openai.RateLimitError):
+                call()
+        # Every route bounds its body: a cancel with a large declared body is refused unread.
+        limit = _spec(tmp_path).http.max_body_bytes
+        response = TestClient(app).post(
+            f"/v1/batches/{batch.id}/cancel",
+            content=b" " * (limit + 1),
+            headers={"Authorization": "Bearer key-a"},
+        )
+        assert response.status_code == 413 and held == []
+    finally:
+        batch_routes._installed = None
