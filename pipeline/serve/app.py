@@ -25,12 +25,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from ray import serve
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import Receive, Scope, Send
 
 from engines.api import (
     FORMAT_ERROR_PREFIX,
@@ -43,6 +42,7 @@ from pipeline.serve import batch_routes
 from pipeline.serve.auth import KeyDigests
 from pipeline.serve.board import open_board
 from pipeline.serve.health import unready_models
+from pipeline.serve.httpio import HeldStreamingResponse, read_body
 from pipeline.serve.keys import ApiKey, KeyFileWatcher
 from pipeline.serve.limits import (
     Admission,
@@ -182,21 +182,6 @@ class _Call:
     ended: bool = field(default=False)  # a stream's end-of-response bookkeeping is done
 
 
-class _HeldStreamingResponse(StreamingResponse):
-    """A stream that releases its request's hold when sent, or when it never starts (the
-    client went away before the body began: the body's own `finally` never runs then)."""
-
-    def __init__(self, *args: Any, on_close: Callable[[], None], **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._on_close = on_close
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._on_close()
-
-
 def _replica_id() -> str:
     try:
         return serve.get_replica_context().replica_id.unique_id
@@ -253,7 +238,7 @@ class OpenAIIngress:
         self._slots = Gate(spec.http.max_concurrent_requests)
         self._tokenize_slots = Gate(spec.http.max_tokenizing_requests)
         self._usage = UsageAccounting(self._metrics, self._open_usage_log(spec))
-        batch_routes.install(spec, self._authenticate)
+        batch_routes.install(spec, self._authenticate, self._enter_batch_api)
 
     def _open_usage_log(self, spec: ServeSpec) -> UsageLog | None:
         if spec.usage_log is None:
@@ -386,14 +371,7 @@ class OpenAIIngress:
         handed_off = False  # a stream's response releases `held` once it is sent
         try:
             key = self._authenticate(request)
-            # Refuse, never queue, once this replica holds its maximum: bounded memory.
-            if not self._slots.try_take():
-                raise self._busy(
-                    "ingress_full",
-                    f"this server is handling its maximum of {self._slots.capacity} requests",
-                )
-            held.slot = True
-            held.lease = await self._admit(key)
+            held = await self._enter(key)
             data = parse_json_body(await self._read_body(request))
             # Label metrics with served names only: client-chosen strings would let anyone
             # grow the metric label set without bound.
@@ -449,6 +427,27 @@ class OpenAIIngress:
             )
         return key
 
+    async def _enter(self, key: ApiKey) -> _Held:
+        """An ingress slot and the key's admission (max_concurrent, requests_per_minute) for
+        one request, or the 429 that refuses it; the caller closes what it gets."""
+        held = _Held(self._slots)
+        # Refuse, never queue, once this replica holds its maximum: bounded memory.
+        if not self._slots.try_take():
+            raise self._busy(
+                "ingress_full",
+                f"this server is handling its maximum of {self._slots.capacity} requests",
+            )
+        held.slot = True
+        try:
+            held.lease = await self._admit(key)
+        except BaseException:
+            held.close()
+            raise
+        return held
+
+    async def _enter_batch_api(self, key: ApiKey) -> Callable[[], None]:
+        return (await self._enter(key)).close
+
     async def _admit(self, key: ApiKey) -> RequestLease:
         try:
             return await self._limiter.acquire(key)
@@ -488,18 +487,7 @@ class OpenAIIngress:
             "prompt",
             code="request_too_large",
         )
-        declared = request.headers.get("content-length")
-        if declared and declared.isdigit() and int(declared) > limit:
-            raise too_large
-        # Chunked bodies carry no length: count while reading and stop at the limit.
-        chunks: list[bytes] = []
-        size = 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise too_large
-            chunks.append(chunk)
-        return b"".join(chunks)
+        return await read_body(request, limit, too_large)
 
     def _served(
         self, name: str, param: str | None = "model", key: ApiKey | None = None
@@ -736,7 +724,7 @@ class OpenAIIngress:
             self._metrics.in_flight.labels(name).dec()
             logger.exception("engine stream failed for model %s", name)
             raise self._failed(call, engine_unavailable(name, exc)) from None
-        return _HeldStreamingResponse(
+        return HeldStreamingResponse(
             self._events(call, deltas),
             media_type="text/event-stream",
             headers={

@@ -1,52 +1,86 @@
 """HTTP routes of `/v1/files` and `/v1/batches` (OpenAI's shapes), mounted on the ingress.
 
 The routes are plain functions on an APIRouter that pipeline.serve.app includes in its FastAPI
-app; the ingress replica hands them its serve file and its key check with `install` when it
-starts (one ingress per replica process). Without `batch_api` in the serve file they answer
-404 like any unknown route. Storage and the Jobs API block, so they run in threads.
+app; the ingress replica hands them its serve file, its key check and its admission with
+`install` when it starts (one ingress per replica process). Without `batch_api` in the serve
+file they answer 404 like any unknown route. Storage and the Jobs API block, so they run in
+threads.
+
+Every call is admitted as a chat request is: an ingress slot and the key's own limits
+(requests_per_minute, max_concurrent), 429 beyond them; a body over http.max_body_bytes (an
+upload: over batch_api.max_file_bytes) is refused before it is read. An upload also takes one
+of batch_api.max_concurrent_uploads slots, and streams through: the multipart body is read as
+it arrives (pipeline.serve.multipart), its file part checked line by line and written to
+storage in parts (pipeline.serve.files.Upload), so the ingress holds a few MiB per upload
+whatever the file's size. The key's Batch API quotas (pipeline.serve.keys.BatchQuota) are
+checked here (bytes stored) and by the batch service (batches in flight, lines per day).
 """
 
 # No `from __future__ import annotations`: FastAPI reads the signatures at runtime.
 import asyncio
-import email.policy
-import io
+import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from email.parser import BytesParser
 from typing import cast
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pipeline.serve.batches import BatchService, JobsApi
-from pipeline.serve.files import PURPOSES, validate_batch_input
+from pipeline.serve.files import PURPOSES, FileStore, StoredFile, StreamingValidator, Upload
+from pipeline.serve.httpio import (
+    HeldStreamingResponse,
+    body_too_large,
+    check_declared_length,
+    read_body,
+)
 from pipeline.serve.keys import ApiKey
+from pipeline.serve.limits import Gate
+from pipeline.serve.multipart import MultipartError, MultipartReader, PartData, PartEnd, PartStart
 from pipeline.serve.protocol import ApiError, parse_json_body
 from pipeline.serve.spec import ServeSpec
 
 router = APIRouter()
 # Room for the multipart framing around an upload of max_file_bytes.
 MULTIPART_OVERHEAD_BYTES = 64 * 1024
+# An upload's data goes to its thread (checked, then written) in pieces of about this size.
+UPLOAD_PIECE_BYTES = 1024 * 1024
+MAX_FIELD_BYTES = 1024  # a form field other than the file (purpose)
+
+# Takes an ingress slot and the key's admission for one call (429 if refused); returns the
+# function that gives them back.
+Enter = Callable[[ApiKey], Awaitable[Callable[[], None]]]
+
+
+async def _no_admission(_: ApiKey) -> Callable[[], None]:
+    return lambda: None
 
 
 @dataclass
 class _Installed:
+    spec: ServeSpec
     authenticate: Callable[[Request], ApiKey]
+    enter: Enter
     service: BatchService
+    uploads: Gate  # batch_api.max_concurrent_uploads
 
 
 _installed: _Installed | None = None
 
 
-def install(spec: ServeSpec, authenticate: Callable[[Request], ApiKey]) -> None:
+def install(
+    spec: ServeSpec, authenticate: Callable[[Request], ApiKey], enter: Enter = _no_admission
+) -> None:
     """Called by the ingress at start: the routes answer for this serve file."""
     global _installed
     if spec.batch_api is None:
         _installed = None
         return
-    _installed = _Installed(authenticate, BatchService(spec, _jobs_client(spec)))
+    service = BatchService(spec, _jobs_client(spec))
+    uploads = Gate(spec.batch_api.max_concurrent_uploads)
+    _installed = _Installed(spec, authenticate, enter, service, uploads)
 
 
 def _jobs_client(spec: ServeSpec) -> Callable[[], JobsApi]:
@@ -63,34 +97,56 @@ def _jobs_client(spec: ServeSpec) -> Callable[[], JobsApi]:
     return connect
 
 
-def _caller(request: Request) -> tuple[BatchService, ApiKey]:
+@dataclass
+class _Caller:
+    service: BatchService
+    key: ApiKey
+    owner: str  # what its files and batches belong to (pipeline.serve.keys)
+    release: Callable[[], None]  # its ingress slot and key admission
+
+
+def _installed_or_404() -> _Installed:
     if _installed is None:
         raise StarletteHTTPException(404, "Not Found")
-    return _installed.service, _installed.authenticate(request)
+    return _installed
 
 
-# --- multipart ---------------------------------------------------------------------------------
-
-
-def parse_multipart(content_type: str, body: bytes) -> dict[str, tuple[str | None, bytes]]:
-    """Form fields of a multipart/form-data body: name -> (filename, bytes)."""
-    if not content_type.lower().startswith("multipart/form-data"):
+@contextlib.asynccontextmanager
+async def _admitted(request: Request, upload: bool = False) -> AsyncIterator[_Caller]:
+    """Authenticate, check the declared body size (http.max_body_bytes; an upload checks its
+    own), then take an ingress slot and the key's admission for the call; given back at the
+    end unless the caller hands `release` on (a streamed response)."""
+    installed = _installed_or_404()
+    key = installed.authenticate(request)
+    if key.owner is None:
         raise ApiError(
-            400,
-            "Upload the file as multipart/form-data with fields 'file' and 'purpose'",
-            code="invalid_request",
+            403,
+            "The Batch API keeps files and batches per key, and this server accepts callers "
+            "without one (--insecure-no-auth): start it with keys (TOKENMILL_API_KEYS, "
+            "auth.api_keys_file or auth.keys_file) to use /v1/files and /v1/batches",
+            type="permission_error",
+            code="permission_denied",
         )
-    head = b"Content-Type: " + content_type.encode("latin-1") + b"\r\n\r\n"
-    message = BytesParser(policy=email.policy.HTTP).parsebytes(head + body)
-    if not message.is_multipart():
-        raise ApiError(400, "The multipart body could not be read", code="invalid_request")
-    fields: dict[str, tuple[str | None, bytes]] = {}
-    for part in message.iter_parts():  # type: ignore[attr-defined]
-        name = part.get_param("name", header="content-disposition")
-        if isinstance(name, str):
-            payload = part.get_payload(decode=True)
-            fields[name] = (part.get_filename(), payload if isinstance(payload, bytes) else b"")
-    return fields
+    if not upload:
+        limit = installed.spec.http.max_body_bytes
+        check_declared_length(request, limit, body_too_large(limit))
+    release = await installed.enter(key)
+    caller = _Caller(installed.service, key, key.owner, release)
+    try:
+        yield caller
+    finally:
+        caller.release()
+
+
+def _busy(code: str, what: str) -> ApiError:
+    retry = _installed_or_404().spec.http.retry_after_s
+    return ApiError(
+        429,
+        f"Server busy: {what}; retry after {retry} s",
+        type="rate_limit_error",
+        code=code,
+        headers={"Retry-After": str(retry)},
+    )
 
 
 def _too_large(limit: int) -> ApiError:
@@ -103,62 +159,186 @@ def _too_large(limit: int) -> ApiError:
     )
 
 
-async def _read_limited(request: Request, limit: int) -> bytes:
-    too_large = _too_large(limit)
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > limit + MULTIPART_OVERHEAD_BYTES:
-        raise too_large
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit + MULTIPART_OVERHEAD_BYTES:
-            raise too_large
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-# --- /v1/files ---------------------------------------------------------------------------------
+def _storage_full(key: ApiKey, stored: int) -> ApiError:
+    limit = key.batch.max_stored_bytes
+    retry = _installed_or_404().spec.http.retry_after_s
+    return ApiError(
+        429,
+        f"Storage limit reached for key '{key.name}': its files would hold more than its "
+        f"{limit} bytes ({stored} stored before this upload). Delete files it no longer needs "
+        "(DELETE /v1/files/{file_id}), then upload again.",
+        type="requests",
+        code="storage_limit_exceeded",
+        headers={"Retry-After": str(retry)},
+    )
 
 
 @router.post("/v1/files")
 async def upload_file(request: Request) -> JSONResponse:
-    service, key = _caller(request)
-    limits = service.api
-    body = await _read_limited(request, limits.max_file_bytes)
-    fields = parse_multipart(request.headers.get("content-type", ""), body)
-    purpose = fields.get("purpose", (None, b""))[1].decode(errors="replace").strip()
-    if purpose not in PURPOSES:
-        raise ApiError(
-            400,
-            f"Invalid purpose {purpose!r}; this server stores files for: {', '.join(PURPOSES)}",
-            param="purpose",
-            code="invalid_value",
+    installed = _installed_or_404()
+    limits = installed.service.api
+    async with _admitted(request, upload=True) as caller:
+        check_declared_length(
+            request,
+            limits.max_file_bytes + MULTIPART_OVERHEAD_BYTES,
+            _too_large(limits.max_file_bytes),
         )
-    if "file" not in fields:
-        raise ApiError(400, "Missing required parameter: 'file'.", param="file", code="missing")
-    filename, content = fields["file"]
-    if len(content) > limits.max_file_bytes:
-        raise _too_large(limits.max_file_bytes)
-    # Problems in the lines do not refuse the upload: a batch made from it fails instead.
-    summary = await asyncio.to_thread(
-        validate_batch_input, io.BytesIO(content), limits.max_file_lines
+        if not installed.uploads.try_take():
+            raise _busy(
+                "upload_slots_full",
+                f"this server is taking its maximum of {installed.uploads.capacity} uploads",
+            )
+        try:
+            stored = await _UploadReceiver(request, caller).receive()
+        finally:
+            installed.uploads.give()
+        return JSONResponse(stored.public())
+
+
+class _UploadReceiver:
+    """One upload read from the request as it arrives (see the module docstring)."""
+
+    def __init__(self, request: Request, caller: _Caller) -> None:
+        self.request = request
+        self.caller = caller
+        self.limits = caller.service.api
+        self.files: FileStore = caller.service.files(caller.owner)
+        self.room: int | None = None  # bytes the key's storage quota leaves
+        self.stored_before = 0
+        self.upload: Upload | None = None
+        self.validator = StreamingValidator(self.limits.max_file_lines, self.limits.max_line_bytes)
+        self.filename: str | None = None
+        self.purpose: bytearray | None = None
+        self.received = 0  # bytes of the file part
+        self.pending: list[bytes] = []  # file data not yet handed to the thread
+        self.pending_bytes = 0
+
+    async def receive(self) -> StoredFile:
+        quota = self.caller.key.batch.max_stored_bytes
+        if quota is not None:
+            self.stored_before = await asyncio.to_thread(self.files.stored_bytes)
+            self.room = quota - self.stored_before
+            declared = self.request.headers.get("content-length", "")
+            at_least = int(declared) - MULTIPART_OVERHEAD_BYTES if declared.isdigit() else 0
+            if self.room <= 0 or at_least > self.room:
+                raise _storage_full(self.caller.key, self.stored_before)
+        try:
+            reader = MultipartReader(self.request.headers.get("content-type", ""))
+        except MultipartError as exc:
+            raise _bad_upload(str(exc)) from None
+        try:
+            current: str | None = None  # the form field being read
+            async for chunk in self.request.stream():
+                for event in _events(reader, chunk):
+                    if isinstance(event, PartStart):
+                        current = await self._start(event)
+                    elif isinstance(event, PartData):
+                        self._data(current, event.data)
+                    elif isinstance(event, PartEnd):
+                        current = None
+                if self.pending_bytes >= UPLOAD_PIECE_BYTES:
+                    await self._flush()
+            try:
+                reader.close()
+            except MultipartError as exc:
+                raise _bad_upload(str(exc)) from None
+            await self._flush()
+            self._check_purpose(final=True)
+            if self.upload is None:
+                raise ApiError(
+                    400, "Missing required parameter: 'file'.", param="file", code="missing"
+                )
+            # Problems in the lines do not refuse the upload: a batch made from it fails.
+            summary = self.validator.finish()
+            upload = self.upload
+            return await asyncio.to_thread(
+                upload.commit,
+                self.filename or "upload.jsonl",
+                self._purpose_text(),
+                summary.to_json(),
+            )
+        except BaseException:
+            if self.upload is not None:
+                # Shielded: a client that went away still leaves nothing behind.
+                await asyncio.shield(asyncio.to_thread(self.upload.abort))
+            raise
+
+    async def _start(self, part: PartStart) -> str | None:
+        if part.name == "file":
+            if self.upload is not None:
+                raise _bad_upload("the body has two 'file' parts; send one file per upload")
+            self._check_purpose(final=False)  # a purpose sent first is refused before storing
+            self.filename = part.filename
+            self.upload = await asyncio.to_thread(self.files.open_upload)
+        elif part.name == "purpose":
+            self.purpose = bytearray()
+        return part.name
+
+    def _data(self, field: str | None, data: bytes) -> None:
+        if field == "file":
+            self.received += len(data)
+            if self.received > self.limits.max_file_bytes:
+                raise _too_large(self.limits.max_file_bytes)
+            if self.room is not None and self.received > self.room:
+                raise _storage_full(self.caller.key, self.stored_before)
+            self.pending.append(data)
+            self.pending_bytes += len(data)
+        elif field == "purpose" and self.purpose is not None:
+            self.purpose += data
+            if len(self.purpose) > MAX_FIELD_BYTES:
+                raise _bad_upload(f"the 'purpose' field is over {MAX_FIELD_BYTES} bytes")
+
+    async def _flush(self) -> None:
+        if not self.pending:
+            return
+        pieces, self.pending, self.pending_bytes = self.pending, [], 0
+        assert self.upload is not None
+        await asyncio.to_thread(_check_and_write, self.validator, self.upload, pieces)
+
+    def _purpose_text(self) -> str:
+        return bytes(self.purpose or b"").decode(errors="replace").strip()
+
+    def _check_purpose(self, final: bool) -> None:
+        if self.purpose is None and not final:
+            return  # not sent yet: it may follow the file
+        purpose = self._purpose_text()
+        if purpose not in PURPOSES:
+            raise ApiError(
+                400,
+                f"Invalid purpose {purpose!r}; this server stores files for: {', '.join(PURPOSES)}",
+                param="purpose",
+                code="invalid_value",
+            )
+
+
+def _events(reader: MultipartReader, chunk: bytes) -> list:
+    try:
+        return reader.feed(chunk)
+    except MultipartError as exc:
+        raise _bad_upload(str(exc)) from None
+
+
+def _check_and_write(validator: StreamingValidator, upload: Upload, pieces: list[bytes]) -> None:
+    for data in pieces:
+        validator.feed(data)
+        upload.write(data)
+
+
+def _bad_upload(why: str) -> ApiError:
+    return ApiError(
+        400,
+        f"The upload could not be read: {why}. Upload the file as multipart/form-data with "
+        "fields 'file' and 'purpose'",
+        code="invalid_request",
     )
-    stored = await asyncio.to_thread(
-        service.files(key.name).create,
-        content,
-        filename or "upload.jsonl",
-        purpose,
-        summary.to_json(),
-    )
-    return JSONResponse(stored.public())
 
 
 @router.get("/v1/files")
 async def list_files(
     request: Request, purpose: str | None = None, limit: int = 10_000, after: str | None = None
 ) -> JSONResponse:
-    service, key = _caller(request)
-    files = await asyncio.to_thread(service.files(key.name).list)
+    async with _admitted(request) as caller:
+        files = await asyncio.to_thread(caller.service.files(caller.owner).list)
     found = [f.public() for f in files if purpose is None or f.data.get("purpose") == purpose]
     if after is not None:
         ids = [f["id"] for f in found]
@@ -177,26 +357,30 @@ async def list_files(
 
 @router.get("/v1/files/{file_id}")
 async def retrieve_file(file_id: str, request: Request) -> JSONResponse:
-    service, key = _caller(request)
-    stored = await asyncio.to_thread(service.files(key.name).get, file_id)
+    async with _admitted(request) as caller:
+        stored = await asyncio.to_thread(caller.service.files(caller.owner).get, file_id)
     return JSONResponse(stored.public())
 
 
 @router.get("/v1/files/{file_id}/content")
 async def file_content(file_id: str, request: Request) -> Response:
-    service, key = _caller(request)
-    files = service.files(key.name)
-    stored = await asyncio.to_thread(files.get, file_id)
+    async with _admitted(request) as caller:
+        files = caller.service.files(caller.owner)
+        stored = await asyncio.to_thread(files.get, file_id)
+        # The call holds its slot until the last byte is sent: the response gives it back.
+        release, caller.release = caller.release, lambda: None
     # A sync iterator: Starlette reads it in a thread pool, chunk by chunk.
-    return StreamingResponse(files.iter_content(stored), media_type="application/octet-stream")
+    return HeldStreamingResponse(
+        files.iter_content(stored), media_type="application/octet-stream", on_close=release
+    )
 
 
 @router.delete("/v1/files/{file_id}")
 async def delete_file(file_id: str, request: Request) -> JSONResponse:
-    service, key = _caller(request)
-    files = service.files(key.name)
-    stored = await asyncio.to_thread(files.get, file_id)
-    await asyncio.to_thread(files.delete, stored)
+    async with _admitted(request) as caller:
+        files = caller.service.files(caller.owner)
+        stored = await asyncio.to_thread(files.get, file_id)
+        await asyncio.to_thread(files.delete, stored)
     return JSONResponse({"id": file_id, "object": "file", "deleted": True})
 
 
@@ -205,25 +389,32 @@ async def delete_file(file_id: str, request: Request) -> JSONResponse:
 
 @router.post("/v1/batches")
 async def create_batch(request: Request) -> JSONResponse:
-    service, key = _caller(request)
-    body = parse_json_body(await request.body())
-    batch = await asyncio.to_thread(service.create, key.name, key.allows, body)
+    async with _admitted(request) as caller:
+        limit = caller.service.spec.http.max_body_bytes
+        body = parse_json_body(await read_body(request, limit))
+        key = caller.key
+        batch = await asyncio.to_thread(
+            caller.service.create, caller.owner, key.allows, body, key.batch, key.name
+        )
     return JSONResponse(batch)
 
 
 @router.get("/v1/batches")
 async def list_batches(request: Request, limit: int = 20, after: str | None = None) -> JSONResponse:
-    service, key = _caller(request)
-    return JSONResponse(await asyncio.to_thread(service.list, key.name, limit, after))
+    async with _admitted(request) as caller:
+        page = await asyncio.to_thread(caller.service.list, caller.owner, limit, after)
+    return JSONResponse(page)
 
 
 @router.get("/v1/batches/{batch_id}")
 async def retrieve_batch(batch_id: str, request: Request) -> JSONResponse:
-    service, key = _caller(request)
-    return JSONResponse(await asyncio.to_thread(service.retrieve, key.name, batch_id))
+    async with _admitted(request) as caller:
+        batch = await asyncio.to_thread(caller.service.retrieve, caller.owner, batch_id)
+    return JSONResponse(batch)
 
 
 @router.post("/v1/batches/{batch_id}/cancel")
 async def cancel_batch(batch_id: str, request: Request) -> JSONResponse:
-    service, key = _caller(request)
-    return JSONResponse(await asyncio.to_thread(service.cancel, key.name, batch_id))
+    async with _admitted(request) as caller:
+        batch = await asyncio.to_thread(caller.service.cancel, caller.owner, batch_id)
+    return JSONResponse(batch)

@@ -9,6 +9,11 @@ submit` does (pipeline.submit). Its record is one JSON object in object storage,
                                                       OpenAI export files, report)
 
 so it survives a restart of the Serve application and any ingress replica can answer for it.
+Every write of a record is a compare-and-swap on the version read (pipeline.storage's
+conditional writes): two replicas reading one batch at once cannot undo each other's change (a
+cancel, a stop sent), and a record is created before its job is submitted, so a job never runs
+without one; a resume claims the stopped batch by the same kind of write before it submits,
+so of two resumes racing only one runs a job into that output.
 Batch ids begin with their creation time counted down, so a listing of names is newest first
 and a list page reads only its own records.
 
@@ -25,7 +30,8 @@ output's manifest:
     Ray RUNNING                               in_progress (finalizing once the manifest is
                                               final); cancelling after a cancel
     Ray SUCCEEDED                             completed
-    Ray STOPPED / FAILED after a cancel       cancelled
+    Ray STOPPED / FAILED after a cancel       cancelled (until Ray has taken the stop, each
+                                              read while cancelling sends it again)
     ... after the completion window passed    expired (the job was stopped at expiry)
     Ray FAILED / STOPPED otherwise            failed
 
@@ -46,6 +52,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -54,6 +61,7 @@ import yaml
 from pipeline.batch.commit.manifest import Manifest, read_manifest
 from pipeline.batch.openai_output import LineContext, expected_exports, export_committed
 from pipeline.batch.read.openai_batch import SUPPORTED_BATCH_URLS
+from pipeline.serve.batch_quota import QuotaLedger
 from pipeline.serve.files import (
     MAX_REPORTED_ERRORS,
     PRIVATE,
@@ -62,10 +70,11 @@ from pipeline.serve.files import (
     InputError,
     owner_slug,
 )
+from pipeline.serve.keys import BatchQuota
 from pipeline.serve.protocol import ApiError
 from pipeline.serve.spec import BatchApiSpec, ServedModelSpec, ServeSpec
 from pipeline.spec import SpecError, parse_job_spec
-from pipeline.storage import OutputDir, join_uri
+from pipeline.storage import OutputDir, PreconditionFailed, join_uri
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +86,12 @@ MAX_LIST_LIMIT = 100
 # Metadata key naming a cancelled, failed or expired batch of the same file to resume.
 RESUME_KEY = "tokenmill_resume_from"
 RESUMABLE = frozenset({"cancelled", "failed", "expired"})
+# Records are written by compare-and-swap: a write that lost to another replica's reads the
+# record again and re-applies its change, this many times at most.
+MAX_RECORD_WRITES = 5
+# A record saved before its job was submitted whose job Ray does not know this long after it
+# was created: the ingress died between the two, so the batch fails (it can be resumed).
+SUBMIT_GRACE_S = 300
 # Batch ids start with the creation time counted down (milliseconds before 2^44 ms, 11 hex
 # digits) and end with 16 random hex digits, so the store's name order is newest first and a
 # list page reads only its own records.
@@ -101,6 +116,13 @@ def new_batch_id(created_ms: int) -> str:
     """A batch id whose name order is newest first (see _ID_RE)."""
     countdown = (1 << 44) - 1 - created_ms
     return f"batch_{countdown:011x}{os.urandom(8).hex()}"
+
+
+def batch_created_s(batch_id: str) -> float | None:
+    """When a batch was created, from its id (None for ids from before ids carried it)."""
+    if _ID_RE.fullmatch(batch_id) is None:
+        return None
+    return ((1 << 44) - 1 - int(batch_id[6:17], 16)) / 1000
 
 
 def _list_order(batch_id: str) -> tuple[bool, str]:
@@ -192,7 +214,16 @@ class BatchService:
 
     # --- create ------------------------------------------------------------------------------
 
-    def create(self, owner: str, allows: Callable[[str], bool], body: dict[str, Any]) -> dict:
+    def create(
+        self,
+        owner: str,
+        allows: Callable[[str], bool],
+        body: dict[str, Any],
+        quota: BatchQuota | None = None,
+        key_name: str | None = None,
+    ) -> dict:
+        """A new batch of `owner`'s (`quota`: its key's Batch API quota, `key_name` the name
+        messages give it)."""
         endpoint = body.get("endpoint")
         if endpoint not in SUPPORTED_BATCH_URLS:
             raise ApiError(
@@ -263,30 +294,79 @@ class BatchService:
             # No job: the batch fails on its next read, as OpenAI's fails during validating.
             record["request_counts"]["total"] = 0
             record[PRIVATE]["input_errors"] = [e.to_json() for e in errors]
-            self._save(out, record)
+            out.create(f"{batch_id}.json", _dumps(record))
             return _public(record)
         assert served is not None
-        output_uri = resumed[PRIVATE]["output_uri"] if resumed else out.uri_of(batch_id)
-        record[PRIVATE].update({"output_uri": output_uri, "job": submission_id(batch_id)})
+        output_uri = resumed.record[PRIVATE]["output_uri"] if resumed else out.uri_of(batch_id)
+        record[PRIVATE].update(
+            {"output_uri": output_uri, "job": submission_id(batch_id), "submitted": False}
+        )
         if resumed is not None:
-            record[PRIVATE]["resumed_from"] = resumed["id"]
+            record[PRIVATE]["resumed_from"] = resumed.record["id"]
             # The manifest is the stopped batch's until the new job begins its run.
             before = read_manifest(OutputDir(output_uri, self.spec.storage))
             record[PRIVATE]["runs_before"] = len(before.runs) if before else 0
+        lines = summary.lines
+        if resumed is not None:  # only what the stopped batch did not finish runs
+            done = resumed.record["request_counts"]
+            lines = max(0, done["total"] - done["completed"] - done["failed"])
+        ledger = None
+        if quota is not None and not quota.unlimited:
+            ledger = QuotaLedger(out, quota, key_name or owner, self.now)
+            ledger.reserve(batch_id, lines, lambda b: self._ended_or_gone(out, b))
+        try:
+            if resumed is not None:
+                # Claimed before anything is submitted: of two resumes racing, one wins.
+                self._claim(out, resumed, batch_id)
+            self._start(out, record, resumed, served, files.content_uris(stored)[0])
+        except BaseException:
+            if ledger is not None:
+                ledger.release(batch_id, lines)
+            raise
+        return _public(record)
+
+    def _ended_or_gone(self, out: OutputDir, batch_id: str) -> bool:
+        """Whether a batch counted in a quota no longer takes a place: it ended, or its record
+        was never written (its create failed, or the ingress died, SUBMIT_GRACE_S ago)."""
+        try:
+            return self._current(out, batch_id).record["status"] in TERMINAL
+        except ApiError as exc:
+            if exc.status != 404:
+                return False  # unreadable now: it keeps its place
+            created = batch_created_s(batch_id)
+            return created is None or self.now() - created >= SUBMIT_GRACE_S
+
+    def _start(
+        self,
+        out: OutputDir,
+        record: dict,
+        resumed: _Loaded | None,
+        served: ServedModelSpec,
+        input_uri: str,
+    ) -> None:
+        """Save the record, submit its job (record removed and claim given back if refused)."""
+        batch_id = record["id"]
+        output_uri = record[PRIVATE]["output_uri"]
         job = job_spec_data(
             batch_id,
             served,
             self.spec,
-            files.content_uris(stored)[0],
+            input_uri,
             output_uri,
             expires_at=record["expires_at"],
         )
-        self._submit(batch_id, job)
-        self._save(out, record)
-        if resumed is not None:  # after the submit: a refused job leaves it resumable
-            resumed[PRIVATE]["resumed_by"] = batch_id
-            self._save(out, resumed)
-        return _public(record)
+        # Saved before the submit: no job ever runs without its record.
+        version = out.create(f"{batch_id}.json", _dumps(record))
+        try:
+            self._submit(batch_id, job)
+        except ApiError:
+            # The client gets no batch: none is left behind, and the stopped one is free again.
+            out.delete(f"{batch_id}.json")
+            if resumed is not None:
+                self._unclaim(out, resumed.record["id"], batch_id)
+            raise
+        record[PRIVATE]["submitted"] = True
+        self._write(out, _Loaded(record, version), lambda r: r[PRIVATE].update(submitted=True))
 
     def _new_id(self, now: float) -> str:
         with self._id_lock:
@@ -295,38 +375,49 @@ class BatchService:
 
     def _resumed(
         self, out: OutputDir, metadata: dict[str, str], input_file_id: str, endpoint: str
-    ) -> dict | None:
+    ) -> _Loaded | None:
         """The batch metadata[RESUME_KEY] names, if it can be resumed: the new batch's job then
         writes to its output, so the job's own resume runs only the requests it did not
         finish, and the new batch's files hold every request once."""
         resume_id = metadata.get(RESUME_KEY)
         if resume_id is None:
             return None
+        try:
+            old = self._current(out, resume_id)
+        except ApiError:
+            raise _refuse_resume(resume_id, "no such batch") from None
+        _check_resumable(old.record, input_file_id, endpoint)
+        return old
 
-        def refuse(why: str) -> ApiError:
-            return ApiError(
-                400,
-                f"Cannot resume {resume_id}: {why}",
-                param=f"metadata.{RESUME_KEY}",
-                code="invalid_value",
+    def _claim(self, out: OutputDir, resumed: _Loaded, batch_id: str) -> None:
+        """Mark the resumed batch as resumed by `batch_id`, by compare-and-swap on the record
+        read when it was checked: a resume that lost the race reads the winner's name."""
+        try:
+            resumed.record[PRIVATE]["resumed_by"] = batch_id
+            resumed.version = out.replace(
+                f"{resumed.record['id']}.json", _dumps(resumed.record), resumed.version
             )
+        except PreconditionFailed:
+            current = self._current(out, resumed.record["id"])
+            _check_resumable(
+                current.record, resumed.record["input_file_id"], resumed.record["endpoint"]
+            )
+            raise ApiError(
+                409,
+                f"Batch {resumed.record['id']} changed while this resume was being made; retry",
+                param=f"metadata.{RESUME_KEY}",
+                code="conflict",
+            ) from None
+
+    def _unclaim(self, out: OutputDir, resumed_id: str, batch_id: str) -> None:
+        def release(record: dict) -> None:
+            if record[PRIVATE].get("resumed_by") == batch_id:
+                record[PRIVATE]["resumed_by"] = None
 
         try:
-            old = self._refresh(out, self._load(out, resume_id))
-        except ApiError:
-            raise refuse("no such batch") from None
-        if old["status"] not in RESUMABLE:
-            raise refuse(
-                f"its status is {old['status']!r}; only {', '.join(sorted(RESUMABLE))} "
-                "batches can be resumed"
-            )
-        if "output_uri" not in old[PRIVATE]:
-            raise refuse("it never ran (its input failed validation)")
-        if (old["input_file_id"], old["endpoint"]) != (input_file_id, endpoint):
-            raise refuse("a resume must use the same input_file_id and endpoint")
-        if old[PRIVATE].get("resumed_by"):
-            raise refuse(f"it was resumed by {old[PRIVATE]['resumed_by']}; resume that batch")
-        return old
+            self._write(out, self._loaded(out, resumed_id), release)
+        except Exception:  # the refused resume is reported to the client either way
+            logger.exception("releasing %s after a refused resume failed", resumed_id)
 
     def _input_errors(
         self, summary: BatchInputSummary, endpoint: str, allows: Callable[[str], bool]
@@ -408,8 +499,7 @@ class BatchService:
     # --- read --------------------------------------------------------------------------------
 
     def retrieve(self, owner: str, batch_id: str) -> dict:
-        out = self._dir(owner)
-        return _public(self._refresh(out, self._load(out, batch_id)))
+        return _public(self._current(self._dir(owner), batch_id).record)
 
     def list(self, owner: str, limit: int = 20, after: str | None = None) -> dict:
         if not 1 <= limit <= MAX_LIST_LIMIT:
@@ -428,7 +518,7 @@ class BatchService:
         page = []
         for batch_id in ids[:limit]:
             try:
-                page.append(_public(self._refresh(out, self._load(out, batch_id))))
+                page.append(_public(self._current(out, batch_id).record))
             except ApiError:  # deleted since the listing
                 continue
         return {
@@ -441,55 +531,103 @@ class BatchService:
 
     def cancel(self, owner: str, batch_id: str) -> dict:
         out = self._dir(owner)
-        record = self._refresh(out, self._load(out, batch_id))
-        if record["status"] in ("cancelling", "cancelled"):
+        for _ in range(MAX_RECORD_WRITES):
+            loaded = self._current(out, batch_id)
+            record = loaded.record
+            if record["status"] in ("cancelling", "cancelled"):
+                return _public(record)
+            if record["status"] in TERMINAL:
+                raise ApiError(
+                    400,
+                    f"Cannot cancel a batch with status '{record['status']}'",
+                    code="invalid_state",
+                )
+            record["status"] = "cancelling"
+            record["cancelling_at"] = int(self.now())
+            try:
+                # First: a replica reading it now must not call it expired.
+                loaded.version = self._save(out, loaded)
+            except PreconditionFailed:
+                continue  # another replica moved it on: look again
+            if self._stop(record):  # else every read while cancelling tries again
+                self._write(out, loaded, lambda r: r[PRIVATE].update(stopped=True))
             return _public(record)
-        if record["status"] in TERMINAL:
-            raise ApiError(
-                400,
-                f"Cannot cancel a batch with status '{record['status']}'",
-                code="invalid_state",
-            )
-        record["status"] = "cancelling"
-        record["cancelling_at"] = int(self.now())
-        self._save(out, record)  # first: a replica reading it now must not call it expired
-        self._stop(record)
-        return _public(record)
+        raise _busy_record(batch_id)
 
     # --- the state machine -------------------------------------------------------------------
 
-    def _load(self, out: OutputDir, batch_id: str) -> dict:
+    def _load(self, out: OutputDir, batch_id: str) -> tuple[dict, str]:
+        """A batch's record and its version (what a compare-and-swap names), or 404."""
         if not batch_id.startswith("batch_") or "/" in batch_id:
             raise _not_found(batch_id)
+        found = out.read_versioned(f"{batch_id}.json")
+        if found is None:
+            raise _not_found(batch_id)
+        return json.loads(found.data), found.version
+
+    def _loaded(self, out: OutputDir, batch_id: str) -> _Loaded:
+        return _Loaded(*self._load(out, batch_id))
+
+    def _save(self, out: OutputDir, loaded: _Loaded) -> str:
+        """Write the record if it is still the version read (PreconditionFailed if not)."""
+        return out.replace(f"{loaded.record['id']}.json", _dumps(loaded.record), loaded.version)
+
+    def _write(self, out: OutputDir, loaded: _Loaded, change: Callable[[dict], None]) -> None:
+        """Apply `change` and save; on a lost compare-and-swap, to the record as it is now."""
+        for _ in range(MAX_RECORD_WRITES):
+            change(loaded.record)
+            try:
+                loaded.version = self._save(out, loaded)
+                return
+            except PreconditionFailed:
+                loaded = self._loaded(out, loaded.record["id"])
+        raise _busy_record(loaded.record["id"])
+
+    def _stop(self, record: dict) -> bool:
+        """Ask Ray to stop the batch's job; False when that failed (the next read retries)."""
         try:
-            return json.loads(out.read(f"{batch_id}.json"))
-        except FileNotFoundError:
-            raise _not_found(batch_id) from None
+            self.jobs.stop_job(record[PRIVATE]["job"])  # False: it had ended already
+            return True
+        except Exception:  # the head is away: every read while stopping tries again
+            logger.warning(
+                "stopping %s failed; retried on the next read",
+                record[PRIVATE]["job"],
+                exc_info=True,
+            )
+            return False
 
-    def _save(self, out: OutputDir, record: dict) -> None:
-        out.put(f"{record['id']}.json", json.dumps(record).encode())
+    def _current(self, out: OutputDir, batch_id: str) -> _Loaded:
+        """The record brought up to date (see the module docstring), saved if it changed. A
+        save that loses to another replica's re-reads the record and brings that up to date
+        (every step is safe to repeat: a second stop, the same file ids)."""
+        for _ in range(MAX_RECORD_WRITES):
+            loaded = self._loaded(out, batch_id)
+            before = json.dumps(loaded.record, sort_keys=True)
+            self._refresh(loaded.record)
+            if json.dumps(loaded.record, sort_keys=True) == before:
+                return loaded
+            try:
+                loaded.version = self._save(out, loaded)
+                return loaded
+            except PreconditionFailed:
+                continue
+        raise _busy_record(batch_id)
 
-    def _stop(self, record: dict) -> None:
-        try:
-            self.jobs.stop_job(record[PRIVATE]["job"])
-        except Exception:  # already ended, or the head is away: the next read sees it
-            logger.warning("stopping %s failed", record[PRIVATE]["job"], exc_info=True)
-
-    def _refresh(self, out: OutputDir, record: dict) -> dict:
-        """Bring a batch's status up to date (see the module docstring); saved if changed."""
+    def _refresh(self, record: dict) -> None:
+        """Bring a batch's status up to date in place (see the module docstring)."""
         if record["status"] in TERMINAL:
-            return record
+            return
         if record[PRIVATE].get("input_errors"):
             record["status"], record["failed_at"] = "failed", int(self.now())
             record["errors"] = {"object": "list", "data": record[PRIVATE]["input_errors"]}
-            self._save(out, record)
-            return record
-        before = json.dumps(record, sort_keys=True)
+            return
         try:
             job = self.jobs.get_job_info(record[PRIVATE]["job"])
         except Exception:
             logger.warning("reading %s failed", record[PRIVATE]["job"], exc_info=True)
-            return record  # the last known status; the next read tries again
+            self._never_submitted(record)
+            return  # the last known status; the next read tries again
+        record[PRIVATE]["submitted"] = True
         job_status = _job_status(job)
         now = int(self.now())
         output = OutputDir(record[PRIVATE]["output_uri"], self.spec.storage)
@@ -500,17 +638,33 @@ class BatchService:
             self._running(record, job_status, manifest, now)
         else:
             self._ended(record, job, job_status, output, manifest, now)
-        if json.dumps(record, sort_keys=True) != before:
-            self._save(out, record)
-        return record
+
+    def _never_submitted(self, record: dict) -> None:
+        """A record saved before its submit whose job never came (the ingress died between
+        the two, or the submit failed and the record could not be removed) fails, once Ray
+        has had SUBMIT_GRACE_S to show the job."""
+        if record[PRIVATE].get("submitted") is not False:
+            return
+        now = int(self.now())
+        if now - record["created_at"] < SUBMIT_GRACE_S:
+            return
+        message = "the batch job was never submitted (the server stopped meanwhile); resume it"
+        record["status"], record["failed_at"] = "failed", now
+        record["errors"] = {
+            "object": "list",
+            "data": [{"code": "batch_failed", "message": message, "param": None, "line": None}],
+        }
 
     def _running(self, record: dict, job_status: str, manifest: Manifest | None, now: int) -> None:
         if record["cancelling_at"] is None and now >= record["expires_at"]:
-            if not record[PRIVATE].get("expiring"):
-                record[PRIVATE]["expiring"] = now  # ends as expired, with what finished
-                self._stop(record)
+            record[PRIVATE].setdefault("expiring", now)  # ends as expired, with what finished
+        stopping = record["cancelling_at"] is not None or record[PRIVATE].get("expiring")
+        if stopping:
+            # Until Ray took the stop: a stop that failed (the head away) is sent again.
+            if not record[PRIVATE].get("stopped") and self._stop(record):
+                record[PRIVATE]["stopped"] = True
             return
-        if record["cancelling_at"] is not None or job_status == "PENDING":
+        if job_status == "PENDING":
             return
         if record["in_progress_at"] is None:
             record["in_progress_at"] = now
@@ -602,6 +756,54 @@ def _metadata(value: Any) -> dict[str, str]:
             code="invalid_value",
         )
     return dict(value)
+
+
+@dataclass
+class _Loaded:
+    """A batch record as read, and the version a compare-and-swap of it names."""
+
+    record: dict
+    version: str
+
+
+def _dumps(record: dict) -> bytes:
+    return json.dumps(record).encode()
+
+
+def _refuse_resume(resume_id: str, why: str) -> ApiError:
+    return ApiError(
+        400,
+        f"Cannot resume {resume_id}: {why}",
+        param=f"metadata.{RESUME_KEY}",
+        code="invalid_value",
+    )
+
+
+def _check_resumable(old: dict, input_file_id: str, endpoint: str) -> None:
+    resume_id = old["id"]
+    if old["status"] not in RESUMABLE:
+        raise _refuse_resume(
+            resume_id,
+            f"its status is {old['status']!r}; only {', '.join(sorted(RESUMABLE))} "
+            "batches can be resumed",
+        )
+    if "output_uri" not in old[PRIVATE]:
+        raise _refuse_resume(resume_id, "it never ran (its input failed validation)")
+    if (old["input_file_id"], old["endpoint"]) != (input_file_id, endpoint):
+        raise _refuse_resume(resume_id, "a resume must use the same input_file_id and endpoint")
+    if old[PRIVATE].get("resumed_by"):
+        raise _refuse_resume(
+            resume_id, f"it was resumed by {old[PRIVATE]['resumed_by']}; resume that batch"
+        )
+
+
+def _busy_record(batch_id: str) -> ApiError:
+    return ApiError(
+        503,
+        f"Batch {batch_id} is being changed by several requests at once; retry shortly",
+        type="server_error",
+        code="conflict",
+    )
 
 
 def _public(record: dict) -> dict:

@@ -1,7 +1,8 @@
 """`/v1/files` storage and upload validation (no FastAPI here: pipeline.serve.batch_routes).
 
 Files live under `<batch_api.uri>/files/<owner>/`, `owner` a digest of the uploading key's
-name, so a key only ever lists and opens its own:
+owner (pipeline.serve.keys: its keys-file name, or the plaintext key's SHA-256), so a key
+only ever lists and opens its own:
 
     file-<id>.jsonl   the uploaded content (input files)
     file-<id>.json    the file object OpenAI returns, plus private fields (`_tokenmill`: the
@@ -10,6 +11,11 @@ name, so a key only ever lists and opens its own:
 
 A batch's output and error files are registered here when it ends; their content is the
 concatenation of the batch job's export files (pipeline.batch.openai_output), not a copy.
+
+An upload is written to storage in parts as it arrives (`Upload`: an S3 multipart upload, or a
+temp file renamed into place) and checked on the way (`StreamingValidator`), so the ingress
+holds a few parts of it, never the file; its file object is written last, so a file is listed
+only once its content is complete.
 
 Uploads are checked in one pass over their lines as OpenAI checks a batch input: each line a
 JSON object that `parse_batch_request` accepts (custom_id, POST, a supported url, a body this
@@ -22,29 +28,37 @@ its own (a line's url not the batch's endpoint, an unknown model) named by line 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
 import secrets
+import tempfile
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from pipeline.batch.read.openai_batch import SUPPORTED_BATCH_URLS, parse_batch_request
 from pipeline.serve.protocol import ApiError
 from pipeline.spec import StorageSpec
 from pipeline.storage import OutputDir, join_uri
+from pipeline.storage.prefix import TEMP_SUFFIX
 
 PRIVATE = "_tokenmill"  # the file object's fields a client never sees
 MAX_REPORTED_ERRORS = 20  # errors (and line numbers per url or model) a failed batch names
 MAX_TRACKED_MODELS = 100  # distinct body.model values kept: more fail the batch anyway
 PURPOSES = ("batch",)  # what an upload may be for (batch_output is the server's own)
+# An upload goes to S3 in parts of this size (S3's smallest part but the last), so each
+# upload in flight holds at most about this much in the ingress.
+UPLOAD_PART_BYTES = 5 * 1024 * 1024
 
 
-def owner_slug(key_name: str) -> str:
-    """The storage folder of a key's files and batches: a digest, since key names may hold
+def owner_slug(owner: str) -> str:
+    """The storage folder of an owner's files and batches: a digest, since owners may hold
     characters some stores dislike."""
-    return hashlib.sha256(key_name.encode()).hexdigest()[:20]
+    return hashlib.sha256(owner.encode()).hexdigest()[:20]
 
 
 def new_id(prefix: str) -> str:
@@ -127,29 +141,113 @@ def validate_batch_input(lines: Iterable[bytes], max_lines: int) -> BatchInputSu
     """One pass over an upload's lines (an iterable of bytes lines, e.g. an open binary
     file). Never raises for what the lines hold: as OpenAI does, problems are kept and fail
     the batch made from the file, during `validating`, naming the lines."""
-    summary = BatchInputSummary()
-    first_line_of: dict[str, int] = {}  # custom_id -> its line: the one unbounded structure
-    number = 0
-    for number, raw in enumerate(lines, start=1):
-        if number > max_lines:
-            summary.add_error(
+    checker = _LineChecker(max_lines)
+    for raw in lines:
+        if not checker.check(raw):
+            break
+    return checker.finish()
+
+
+class _LineChecker:
+    """The checks of one file, a line at a time."""
+
+    def __init__(self, max_lines: int) -> None:
+        self.max_lines = max_lines
+        self.summary = BatchInputSummary()
+        self.first_line_of: dict[str, int] = {}  # custom_id -> its line: the one unbounded map
+        self.number = 0
+
+    def check(self, raw: bytes) -> bool:
+        """Check the next line; False once past max_lines (the rest is not read)."""
+        if self.number >= self.max_lines:
+            self.summary.add_error(
                 InputError(
                     "too_many_tasks",
-                    f"The file has more than {max_lines} requests (lines), this server's "
+                    f"The file has more than {self.max_lines} requests (lines), this server's "
                     "limit for one batch; split it into several files.",
                 )
             )
-            number = max_lines
-            break
-        error = _line_error(raw, number, first_line_of, summary)
+            return False
+        self.number += 1
+        error = _line_error(raw, self.number, self.first_line_of, self.summary)
         if error is not None:
-            summary.add_error(error)
-    if number == 0:
-        summary.add_error(
-            InputError("empty_file", "The file is empty; a batch file holds one request per line.")
+            self.summary.add_error(error)
+        return True
+
+    def too_long(self, max_line_bytes: int) -> bool:
+        """The next line is over max_line_bytes: counted, not read."""
+        if self.number >= self.max_lines:
+            return self.check(b"")
+        self.number += 1
+        self.summary.add_error(
+            InputError(
+                "line_too_long",
+                f"This line is longer than this server's limit of {max_line_bytes} bytes for "
+                "one request.",
+                self.number,
+            )
         )
-    summary.lines = number
-    return summary
+        return True
+
+    def finish(self) -> BatchInputSummary:
+        if self.number == 0:
+            self.summary.add_error(
+                InputError(
+                    "empty_file", "The file is empty; a batch file holds one request per line."
+                )
+            )
+        self.summary.lines = self.number
+        return self.summary
+
+
+class StreamingValidator:
+    """validate_batch_input over bytes fed in any pieces (an upload as it arrives). A line
+    is held until it ends, up to max_line_bytes: a longer one is an error and skipped."""
+
+    def __init__(self, max_lines: int, max_line_bytes: int) -> None:
+        self._checker = _LineChecker(max_lines)
+        self._max_line_bytes = max_line_bytes
+        self._partial = bytearray()  # the current line's start
+        self._skipping = False  # inside a line found too long
+        self._done = False  # past max_lines: the rest is only stored
+
+    def feed(self, data: bytes) -> None:
+        start = 0
+        while not self._done:
+            end = data.find(b"\n", start)
+            if end < 0:
+                self._hold(data[start:])
+                return
+            if self._skipping:
+                self._skipping = False
+            elif self._partial:
+                self._partial += data[start : end + 1]
+                if len(self._partial) > self._max_line_bytes:
+                    self._done = not self._checker.too_long(self._max_line_bytes)
+                else:
+                    self._done = not self._checker.check(bytes(self._partial))
+                self._partial.clear()
+            elif end + 1 - start > self._max_line_bytes:
+                self._done = not self._checker.too_long(self._max_line_bytes)
+            else:
+                self._done = not self._checker.check(data[start : end + 1])
+            start = end + 1
+
+    def _hold(self, rest: bytes) -> None:
+        if self._skipping or not rest:
+            return
+        if len(self._partial) + len(rest) > self._max_line_bytes:
+            self._done = not self._checker.too_long(self._max_line_bytes)
+            self._partial.clear()
+            self._skipping = True
+        else:
+            self._partial += rest
+
+    def finish(self) -> BatchInputSummary:
+        if not self._done and self._partial:  # a last line without a line break
+            self._checker.check(bytes(self._partial))
+            self._partial.clear()
+        return self._checker.finish()
 
 
 def _line_error(
@@ -240,6 +338,26 @@ class FileStore:
         self.dir.put(f"{file_id}.jsonl", content)  # content first: a listed file has it
         return self._save(file_id, len(content), filename, purpose, private)
 
+    def open_upload(self) -> Upload:
+        """A new file's content, written in parts (Upload); its object comes at `commit`."""
+        return Upload(self, new_id("file-"))
+
+    def stored_bytes(self) -> int:
+        """Bytes of this owner's uploads, from one listing (files still being uploaded, or
+        whose object was never written, are not counted)."""
+        try:
+            entries = self.dir.fs.ls(self.dir.root, detail=True, refresh=True)
+        except FileNotFoundError:
+            return 0
+        sizes = {str(e["name"]).rstrip("/").rsplit("/", 1)[-1]: e.get("size") for e in entries}
+        return sum(
+            int(size or 0)
+            for name, size in sizes.items()
+            if name.startswith("file-")
+            and name.endswith(".jsonl")
+            and name.removesuffix(".jsonl") + ".json" in sizes
+        )
+
     def register(
         self, file_id: str, filename: str, purpose: str, sources: list[str], size: int
     ) -> StoredFile:
@@ -305,6 +423,56 @@ class FileStore:
         self.dir.delete(f"{stored.id}.json")
         if "sources" not in stored.private:
             self.dir.delete(f"{stored.id}.jsonl")
+
+
+class Upload:
+    """One upload's content on its way to storage (see the module docstring). Blocking: call
+    it off the event loop. `commit` makes it a file; `abort` leaves nothing behind."""
+
+    def __init__(self, store: FileStore, file_id: str) -> None:
+        self.store = store
+        self.file_id = file_id
+        self.size = 0
+        out = store.dir
+        self._name = f"{file_id}.jsonl"
+        self._temp: str | None = None
+        if out.is_s3:
+            # Uncommitted until `commit`: parts go up as they fill, the object appears whole.
+            self._handle: Any = out.fs.open(
+                out.path(self._name), "wb", block_size=UPLOAD_PART_BYTES, autocommit=False
+            )
+        else:
+            Path(out.root).mkdir(parents=True, exist_ok=True)
+            fd, self._temp = tempfile.mkstemp(
+                prefix=f".{self._name}.", suffix=TEMP_SUFFIX, dir=out.root
+            )
+            self._handle = os.fdopen(fd, "wb")
+
+    def write(self, data: bytes) -> None:
+        self._handle.write(data)
+        self.size += len(data)
+
+    def commit(self, filename: str, purpose: str, private: dict[str, Any]) -> StoredFile:
+        if self._temp is None:
+            self._handle.close()  # the last part
+            self._handle.commit()  # completes the multipart upload
+        else:
+            self._handle.flush()
+            os.fsync(self._handle.fileno())
+            self._handle.close()
+            os.replace(self._temp, self.store.dir.path(self._name))
+            self._temp = None
+        # The object last: a listed file has its content.
+        return self.store._save(self.file_id, self.size, filename, purpose, private)
+
+    def abort(self) -> None:
+        if self._temp is None:
+            self._handle.discard()  # aborts the multipart upload: no parts are kept
+            self._handle.closed = True  # nothing left to flush when it is collected
+            return
+        self._handle.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._temp)
 
 
 def _not_found(file_id: str) -> ApiError:

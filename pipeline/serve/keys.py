@@ -9,6 +9,7 @@ keys by the SHA-256 digest of the key, never the key itself:
         limits: {requests_per_minute: 600, tokens_per_minute: 200000, max_concurrent: 8}
         models: [tiny-llama]      # absent: every served model
         metrics: true             # may read /metrics (every key's usage)
+        batch: {max_batches_in_flight: 4, max_lines_per_day: 100000, max_stored_bytes: 10000000000}
 
 Each ingress replica reads the file itself, so no key material travels through Ray's stored
 application arguments, and `KeyFileWatcher` re-reads it every `auth.reload_interval_s` in a
@@ -19,6 +20,12 @@ a pasted plaintext key would otherwise end up in the logs.
 
 The keys from the environment / plaintext secrets file (pipeline.serve.auth) join the file's
 under their names env-N and file-N, without limits.
+
+A key's `owner` is what its Batch API files and batches belong to, and must not move when
+keys are reordered: a keys-file entry's name (the operator chose it, and a rotated key keeps
+it), else the plaintext key's own SHA-256 (env-N and file-N are positions: reordering
+TOKENMILL_API_KEYS would hand one key's files to another). With --insecure-no-auth there is
+no owner, and the Batch API is refused.
 """
 
 from __future__ import annotations
@@ -78,6 +85,42 @@ class KeyLimits(_Strict):
         )
 
 
+class BatchQuota(_Strict):
+    """What a key's owner may keep running and stored through the Batch API
+    (docs/batch-api.md, Quotas); every ingress replica counts against the same totals."""
+
+    max_batches_in_flight: int | None = Field(
+        None,
+        ge=1,
+        description="Batches not yet ended (validating, in_progress, finalizing, cancelling) "
+        "at once; one more gets 429 batch_limit_exceeded. Batches created while no limit "
+        "was set are not counted. null: no limit.",
+    )
+    max_lines_per_day: int | None = Field(
+        None,
+        ge=1,
+        description="Requests (lines) of the batches created per UTC day (a resume counts the "
+        "requests it has left to run); a batch that would pass it gets 429 "
+        "lines_per_day_exceeded with Retry-After until the next UTC midnight, a batch larger "
+        "than the whole limit 400. null: no limit.",
+    )
+    max_stored_bytes: int | None = Field(
+        None,
+        ge=1,
+        description="Bytes of uploaded files kept at once (batch output files do not count); "
+        "an upload that would pass it gets 429 storage_limit_exceeded, also mid-upload: "
+        "delete files to make room. null: no limit.",
+    )
+
+    @property
+    def unlimited(self) -> bool:
+        return (
+            self.max_batches_in_flight is None
+            and self.max_lines_per_day is None
+            and self.max_stored_bytes is None
+        )
+
+
 class KeyEntry(_Strict):
     name: str = Field(
         pattern=NAME_PATTERN,
@@ -94,6 +137,11 @@ class KeyEntry(_Strict):
         "model_not_found, as OpenAI does for a model a key cannot see.",
     )
     metrics: bool = Field(False, description="May read /metrics (which shows every key's usage).")
+    batch: BatchQuota = Field(
+        default_factory=BatchQuota,
+        description="Batch API quotas of this key's owner (batches in flight, lines per day, "
+        "bytes stored); absent: none.",
+    )
 
     @field_validator("sha256", mode="before")
     @classmethod
@@ -183,7 +231,7 @@ def _message(err: Any, loc: list[Any]) -> str:
                 "the keys file holds digests, never keys: remove this field and put the key's "
                 "SHA-256 in sha256 (`tokenmill key-digest`)"
             )
-        return "unknown field (allowed: name, sha256, limits, models, metrics)"
+        return "unknown field (allowed: name, sha256, limits, models, metrics, batch)"
     if kind == "missing":
         return "required field is missing"
     if field == "sha256" and kind in ("string_pattern_mismatch", "string_type"):
@@ -215,9 +263,18 @@ class ApiKey:
     limits: KeyLimits = field(default_factory=KeyLimits)
     models: frozenset[str] | None = None  # None: every served model
     metrics: bool = False
+    # Who its Batch API files and batches belong to (module docstring); None: nobody.
+    owner: str | None = None
+    batch: BatchQuota = field(default_factory=BatchQuota)
 
     def allows(self, model: str) -> bool:
         return self.models is None or model in self.models
+
+
+def digest_owner(key_digest: str) -> str:
+    """The owner of a plaintext key's files and batches: its digest ('/' keeps it apart from
+    every keys-file name)."""
+    return f"sha256/{key_digest}"
 
 
 class KeyRing:
@@ -233,13 +290,15 @@ class KeyRing:
     def build(cls, static: KeyDigests, file: KeyFile | None) -> KeyRing:
         """The environment's / plaintext file's keys (unlimited, may read /metrics) plus the
         keys file's entries. A digest in both takes the entry's name, limits and models."""
-        keys = {d: ApiKey(name, metrics=True) for name, d in static.named}
+        keys = {d: ApiKey(name, metrics=True, owner=digest_owner(d)) for name, d in static.named}
         for entry in file.keys if file else ():
             keys[entry.sha256] = ApiKey(
                 entry.name,
                 entry.limits,
                 frozenset(entry.models) if entry.models is not None else None,
                 entry.metrics,
+                owner=entry.name,
+                batch=entry.batch,
             )
         return cls(keys, insecure=static.insecure)
 

@@ -373,7 +373,7 @@ class BatchApiSpec(_Strict):
     uri: str = Field(
         min_length=1,
         description="Object-storage prefix (s3:// or a local path every node can read) holding "
-        "uploaded files (files/<key>/), batch records and their jobs' output (batches/<key>/). "
+        "uploaded files (files/<owner>/), batch records and their jobs' output (batches/<owner>/). "
         "Batch state lives here, so it survives a restart of the Serve application.",
     )
     jobs_address: str = Field(
@@ -386,7 +386,21 @@ class BatchApiSpec(_Strict):
         200 * 1024**2,
         ge=1024,
         description="Largest upload accepted (bytes); larger gets 400 file_too_large, as "
-        "OpenAI answers. The upload is held in the ingress's memory while it is checked.",
+        "OpenAI answers. An upload streams to storage in parts while it is checked: the "
+        "ingress holds a few MiB of each, never the file.",
+    )
+    max_line_bytes: int = Field(
+        8 * 1024**2,
+        ge=1024,
+        description="Longest line (one request) of an upload checked; a longer one fails the "
+        "batch made from the file (line_too_long). Bounds what checking an upload holds.",
+    )
+    max_concurrent_uploads: int = Field(
+        8,
+        ge=1,
+        description="Uploads one ingress replica takes at once; beyond it, 429 "
+        "upload_slots_full with Retry-After http.retry_after_s. Each holds a few MiB (a part "
+        "on its way to storage, the line being checked) and a thread while it is checked.",
     )
     max_file_lines: int = Field(
         50_000,

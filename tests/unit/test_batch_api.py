@@ -7,7 +7,7 @@ from __future__ import annotations
 import io
 import json
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -27,7 +27,11 @@ from pipeline.serve.protocol import ApiError
 from pipeline.serve.spec import parse_serve_spec
 from pipeline.spec import parse_job_spec
 
-KEYS = {"key-a": ApiKey("alpha"), "key-b": ApiKey("beta"), "key-r": ApiKey("r", models=frozenset())}
+KEYS = {
+    "key-a": ApiKey("alpha", owner="alpha"),
+    "key-b": ApiKey("beta", owner="beta"),
+    "key-r": ApiKey("r", models=frozenset(), owner="r"),
+}
 
 
 def _line(i: int, **extra: Any) -> dict[str, Any]:
@@ -70,35 +74,52 @@ def jobs() -> FakeJobs:
     return FakeJobs()
 
 
-@pytest.fixture
-def app(tmp_path: Path, jobs: FakeJobs) -> Iterator[FastAPI]:
-    spec = parse_serve_spec(
+def _spec(tmp_path: Path, **batch_api: Any) -> Any:
+    return parse_serve_spec(
         {
             "models": [
                 {"name": "tiny", "model": {"path": "/m"}, "batch": {"max_tokens": 8}},
                 {"name": "online-only", "model": {"path": "/m"}},
             ],
-            "batch_api": {"uri": str(tmp_path / "store"), "max_file_bytes": 4096},
+            "batch_api": {"uri": str(tmp_path / "store"), "max_file_bytes": 4096, **batch_api},
         }
     )
+
+
+def _routes_app(
+    spec: Any,
+    jobs: FakeJobs,
+    identify: Callable[[str], ApiKey | None],
+    enter: batch_routes.Enter | None = None,
+) -> FastAPI:
+    """The routes on a bare app; `identify` maps a bearer key to its ApiKey, `enter` stands
+    for the ingress's admission (none: every call admitted)."""
     app = FastAPI()
 
     @app.exception_handler(ApiError)
     async def _error(_: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     app.include_router(batch_routes.router)
 
     def authenticate(request: Request) -> ApiKey:
-        key = KEYS.get(request.headers.get("authorization", "").removeprefix("Bearer "))
+        key = identify(request.headers.get("authorization", "").removeprefix("Bearer "))
         if key is None:
             raise ApiError(401, "bad key", code="invalid_api_key")
         return key
 
-    batch_routes.install(spec, authenticate)
+    if enter is None:
+        batch_routes.install(spec, authenticate)
+    else:
+        batch_routes.install(spec, authenticate, enter)
     assert batch_routes._installed is not None
     batch_routes._installed.service = BatchService(spec, lambda: jobs)
-    yield app
+    return app
+
+
+@pytest.fixture
+def app(tmp_path: Path, jobs: FakeJobs) -> Iterator[FastAPI]:
+    yield _routes_app(_spec(tmp_path), jobs, KEYS.get)
     batch_routes._installed = None
 
 
@@ -430,3 +451,524 @@ def test_completion_window_setting_expires_a_running_batch(tmp_path: Path) -> No
     assert jobs.stopped == [job]  # SIGTERM: the job commits what finished and exits
     expired = service.retrieve("alpha", batch["id"])
     assert expired["status"] == "expired" and expired["expired_at"] == int(clock[0])
+
+
+class FlakyStopJobs(FakeJobs):
+    """A Jobs API whose first `failures` stop_job calls fail (the head away for a moment)."""
+
+    def __init__(self, failures: int) -> None:
+        super().__init__()
+        self.failures = failures
+        self.stop_calls = 0
+
+    def stop_job(self, job_id: str) -> bool:
+        self.stop_calls += 1
+        if self.stop_calls <= self.failures:
+            raise ConnectionError("the Ray head did not answer")
+        return super().stop_job(job_id)
+
+
+def _service(tmp_path: Path, jobs: FakeJobs) -> BatchService:
+    spec = parse_serve_spec(
+        {
+            "models": [{"name": "tiny", "model": {"path": "/m"}, "batch": {}}],
+            "batch_api": {"uri": str(tmp_path / "store")},
+        }
+    )
+    return BatchService(spec, lambda: jobs)
+
+
+def _stored_input(service: BatchService, owner: str, lines: int = 2) -> str:
+    summary = validate_batch_input([json.dumps(_line(i)).encode() for i in range(lines)], 10)
+    return service.files(owner).create(b"", "in.jsonl", "batch", summary.to_json()).id
+
+
+BODY = {"endpoint": "/v1/chat/completions", "completion_window": "24h"}
+
+
+def test_a_failed_stop_is_retried_while_cancelling(tmp_path: Path) -> None:
+    jobs = FlakyStopJobs(failures=2)
+    service = _service(tmp_path, jobs)
+    file_id = _stored_input(service, "alpha")
+    batch = service.create("alpha", lambda _: True, {**BODY, "input_file_id": file_id})
+    job = f"tokenmill-{batch['id']}"
+    jobs.status[job] = "RUNNING"
+    assert service.cancel("alpha", batch["id"])["status"] == "cancelling"
+    assert jobs.stop_calls == 1 and jobs.status[job] == "RUNNING"  # the stop failed
+    # Every read while cancelling tries the stop again, until one gets through.
+    assert service.retrieve("alpha", batch["id"])["status"] == "cancelling"
+    assert jobs.stop_calls == 2 and jobs.status[job] == "RUNNING"
+    assert service.retrieve("alpha", batch["id"])["status"] == "cancelling"
+    assert jobs.stop_calls == 3 and jobs.stopped == [job]
+    assert service.retrieve("alpha", batch["id"])["status"] == "cancelled"
+    assert jobs.stop_calls == 3  # a stop that got through is not sent again
+
+
+def test_concurrent_resumes_of_one_batch_submit_one_job(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    jobs = FakeJobs()
+    service = _service(tmp_path, jobs)
+    file_id = _stored_input(service, "alpha")
+    first = service.create("alpha", lambda _: True, {**BODY, "input_file_id": file_id})
+    service.cancel("alpha", first["id"])
+    assert service.retrieve("alpha", first["id"])["status"] == "cancelled"
+
+    # Both requests check the stopped batch before either goes on: the race, every time.
+    both_checked = threading.Barrier(2, timeout=30)
+    real_resumed = service._resumed
+
+    def resumed(*args: Any) -> Any:
+        found = real_resumed(*args)
+        both_checked.wait()
+        return found
+
+    monkeypatch.setattr(service, "_resumed", resumed)
+    outcomes: list[Any] = []
+
+    def resume() -> None:
+        body = {**BODY, "input_file_id": file_id, "metadata": {RESUME_KEY: first["id"]}}
+        try:
+            outcomes.append(service.create("alpha", lambda _: True, body))
+        except ApiError as exc:
+            outcomes.append(exc)
+
+    threads = [threading.Thread(target=resume) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert len(outcomes) == 2, "a resume did not return within 60 s"
+    created = [o for o in outcomes if isinstance(o, dict)]
+    refused = [o for o in outcomes if isinstance(o, ApiError)]
+    assert len(created) == 1 and len(refused) == 1, outcomes
+    assert refused[0].status == 400 and f"resumed by {created[0]['id']}" in refused[0].message
+    resumes = [j for j in jobs.submitted if j != f"tokenmill-{first['id']}"]
+    assert resumes == [f"tokenmill-{created[0]['id']}"]  # one job writes into the output
+    # The refused one left no batch behind.
+    assert [b["id"] for b in service.list("alpha")["data"]] == [created[0]["id"], first["id"]]
+
+
+def _env_ring(*keys: str) -> Any:
+    """The keys of TOKENMILL_API_KEYS=keys[0],keys[1],... as the ingress holds them."""
+    from pipeline.serve.auth import KeyDigests, digest
+    from pipeline.serve.keys import KeyRing
+
+    named = tuple((f"env-{i}", digest(k)) for i, k in enumerate(keys, start=1))
+    return KeyRing.build(KeyDigests(frozenset(d for _, d in named), named=named), None)
+
+
+def test_reordered_env_keys_keep_their_own_files_and_batches(
+    tmp_path: Path, jobs: FakeJobs
+) -> None:
+    ring = [_env_ring("key-one", "key-two")]
+    app = _routes_app(_spec(tmp_path), jobs, lambda key: ring[0].identify(f"Bearer {key}"))
+    try:
+        one = _client(app, "key-one")
+        file_id = one.files.create(file=("in.jsonl", _jsonl([_line(0)])), purpose="batch").id
+        batch_id = _create(one, file_id).id
+        # The operator reorders the variable (or removes the first key): positions move.
+        ring[0] = _env_ring("key-two", "key-one")
+        two = _client(app, "key-two")
+        assert list(two.files.list()) == [] and list(two.batches.list()) == []
+        with pytest.raises(openai.NotFoundError):
+            two.files.retrieve(file_id)
+        with pytest.raises(openai.NotFoundError):
+            two.batches.retrieve(batch_id)
+        # The key that made them still has them.
+        assert [f.id for f in one.files.list()] == [file_id]
+        assert [b.id for b in one.batches.list()] == [batch_id]
+    finally:
+        batch_routes._installed = None
+
+
+def test_batch_api_refused_without_a_stable_identity(tmp_path: Path, jobs: FakeJobs) -> None:
+    from pipeline.serve.auth import KeyDigests
+    from pipeline.serve.keys import KeyRing
+
+    insecure = KeyRing.build(KeyDigests(frozenset(), insecure=True), None)  # --insecure-no-auth
+    app = _routes_app(_spec(tmp_path), jobs, lambda key: insecure.identify(f"Bearer {key}"))
+    try:
+        client = _client(app, "anything")
+        with pytest.raises(openai.PermissionDeniedError) as refused:
+            client.files.create(file=("in.jsonl", _jsonl([_line(0)])), purpose="batch")
+        assert "--insecure-no-auth" in refused.value.message
+        assert "keys_file" in refused.value.message  # the fix: a key that names its owner
+        with pytest.raises(openai.PermissionDeniedError):
+            client.batches.list()
+    finally:
+        batch_routes._installed = None
+
+
+# --- item: Batch API limits (body sizes, streamed uploads, upload slots, per-key quotas) ----
+
+BOUNDARY = "tokenmill-test-boundary"
+
+
+def _multipart_head(filename: str = "big.jsonl", purpose: str = "batch") -> bytes:
+    return (
+        f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\n{purpose}\r\n'
+        f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="file"; '
+        f'filename="{filename}"\r\nContent-Type: application/jsonl\r\n\r\n'
+    ).encode()
+
+
+MULTIPART_TAIL = f"\r\n--{BOUNDARY}--\r\n".encode()
+
+
+def _big_lines(total_bytes: int, line_bytes: int = 4096) -> Iterator[bytes]:
+    """Valid batch lines, `line_bytes` each, about `total_bytes` in all, made as needed."""
+    pad = "x" * (line_bytes - 150)
+    for i in range(total_bytes // line_bytes):
+        line = json.dumps(
+            _line(i, body={"model": "tiny", "messages": [{"role": "user", "content": pad}]})
+        )
+        yield (line + " " * max(0, line_bytes - 1 - len(line)) + "\n").encode()
+
+
+def _chunked(parts: Iterator[bytes], size: int = 64 * 1024) -> Iterator[bytes]:
+    """Re-cut a byte stream into `size` chunks, as a server hands a body to the app."""
+    buffer = b""
+    for part in parts:
+        buffer += part
+        while len(buffer) >= size:
+            yield buffer[:size]
+            buffer = buffer[size:]
+    if buffer:
+        yield buffer
+
+
+async def _asgi_post(
+    app: FastAPI,
+    path: str,
+    key: str,
+    chunks: Iterator[bytes],
+    content_type: str,
+    length: int | None = None,
+    hold: Any = None,
+) -> tuple[int, dict[str, str], bytes]:
+    """One POST straight into the ASGI app, its body handed over chunk by chunk as it is made
+    (so the test holds none of it); `hold`, an asyncio.Event, pauses the body until set."""
+    import asyncio
+
+    headers = [
+        (b"authorization", f"Bearer {key}".encode()),
+        (b"content-type", content_type.encode()),
+    ]
+    if length is not None:
+        headers.append((b"content-length", str(length).encode()))
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": headers,
+        "client": ("127.0.0.1", 50000),
+        "server": ("testserver", 80),
+    }
+    done = asyncio.Event()
+    sent: dict[str, Any] = {"body": b""}
+
+    async def receive() -> dict[str, Any]:
+        if hold is not None:
+            await hold.wait()
+        chunk = next(chunks, None)
+        if chunk is not None:
+            return {"type": "http.request", "body": chunk, "more_body": True}
+        if not sent.get("end"):
+            sent["end"] = True
+            return {"type": "http.request", "body": b"", "more_body": False}
+        await done.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            sent["status"] = message["status"]
+            sent["headers"] = {k.decode(): v.decode() for k, v in message["headers"]}
+        elif message["type"] == "http.response.body":
+            sent["body"] += message.get("body", b"")
+            if not message.get("more_body"):
+                done.set()
+
+    await app(scope, receive, send)
+    return sent["status"], sent["headers"], sent["body"]
+
+
+def test_an_upload_is_streamed_to_storage(tmp_path: Path, jobs: FakeJobs) -> None:
+    import asyncio
+    import hashlib
+    import tracemalloc
+
+    size = 16 * 1024 * 1024
+    spec = _spec(tmp_path, max_file_bytes=64 * 1024 * 1024)
+    app = _routes_app(spec, jobs, KEYS.get)
+    try:
+        content_type = f"multipart/form-data; boundary={BOUNDARY}"
+        # A small upload first: what the first one imports is not what an upload holds.
+        small = _chunked(iter([_multipart_head(), *_big_lines(8192), MULTIPART_TAIL]))
+        assert asyncio.run(_asgi_post(app, "/v1/files", "key-a", small, content_type))[0] == 200
+        body = _chunked(iter([_multipart_head(), *_big_lines(size), MULTIPART_TAIL]))
+        tracemalloc.start()
+        try:
+            tracemalloc.reset_peak()
+            base = tracemalloc.get_traced_memory()[0]
+            status, _, raw = asyncio.run(
+                _asgi_post(
+                    app, "/v1/files", "key-a", body, f"multipart/form-data; boundary={BOUNDARY}"
+                )
+            )
+            peak = tracemalloc.get_traced_memory()[1] - base
+        finally:
+            tracemalloc.stop()
+        assert status == 200, raw
+        uploaded = json.loads(raw)
+        assert uploaded["bytes"] == size
+        print(f"upload of {size >> 20} MiB: peak Python memory {peak / 2**20:.2f} MiB")
+        # Streamed in parts: the ingress holds a few parts of it (and the custom_ids seen,
+        # which grow with lines, not bytes), never the file.
+        assert peak < size / 4, f"peak {peak} bytes while uploading {size}"
+        service = batch_routes._installed.service  # type: ignore[union-attr]
+        stored = service.files("alpha").get(uploaded["id"])
+        digest = hashlib.sha256()
+        for chunk in service.files("alpha").iter_content(stored):
+            digest.update(chunk)
+        assert digest.hexdigest() == hashlib.sha256(b"".join(_big_lines(size))).hexdigest()
+        assert BatchInputSummary.from_json(stored.private).lines == size // 4096
+    finally:
+        batch_routes._installed = None
+
+
+def test_create_batch_body_over_max_body_bytes_is_413(tmp_path: Path, jobs: FakeJobs) -> None:
+    import asyncio
+
+    spec = _spec(tmp_path).model_copy(deep=True)
+    limit = spec.http.max_body_bytes
+    app = _routes_app(spec, jobs, KEYS.get)
+    try:
+        padded = json.dumps({**BODY, "input_file_id": "file-x"}) + " " * (limit + 1)
+        for length in (len(padded), None):  # declared, and chunked with no length
+            status, _, raw = asyncio.run(
+                _asgi_post(
+                    app,
+                    "/v1/batches",
+                    "key-a",
+                    _chunked(iter([padded.encode()]), 4096),
+                    "application/json",
+                    length,
+                )
+            )
+            assert status == 413, raw
+            assert json.loads(raw)["error"]["code"] == "request_too_large"
+    finally:
+        batch_routes._installed = None
+
+
+def test_uploads_beyond_the_cap_get_429(tmp_path: Path, jobs: FakeJobs) -> None:
+    import asyncio
+
+    spec = _spec(tmp_path, max_concurrent_uploads=1)
+    app = _routes_app(spec, jobs, KEYS.get)
+    content_type = f"multipart/form-data; boundary={BOUNDARY}"
+
+    def body() -> Iterator[bytes]:
+        return iter([_multipart_head(), _jsonl([_line(0)]), MULTIPART_TAIL])
+
+    async def scenario() -> tuple[tuple, tuple, tuple]:
+        hold = asyncio.Event()
+        first = asyncio.ensure_future(
+            _asgi_post(app, "/v1/files", "key-a", body(), content_type, hold=hold)
+        )
+        await asyncio.sleep(0.2)  # the first upload is in, its body not yet sent
+        second = await asyncio.wait_for(
+            _asgi_post(app, "/v1/files", "key-b", body(), content_type), 30
+        )
+        hold.set()
+        done = await asyncio.wait_for(first, 30)
+        third = await asyncio.wait_for(
+            _asgi_post(app, "/v1/files", "key-b", body(), content_type), 30
+        )
+        return second, done, third
+
+    try:
+        second, first, third = asyncio.run(scenario())
+        assert second[0] == 429, second
+        error = json.loads(second[2])["error"]
+        assert error["code"] == "upload_slots_full" and int(second[1]["retry-after"]) >= 1
+        assert first[0] == 200 and third[0] == 200  # a slot frees when its upload ends
+    finally:
+        batch_routes._installed = None
+
+
+QUOTA_KEYS = """
+keys:
+  - name: quota
+    sha256: "%s"
+    batch: {max_batches_in_flight: 1, max_lines_per_day: 5, max_stored_bytes: 3000}
+"""
+
+
+def test_per_key_batch_quotas(tmp_path: Path, jobs: FakeJobs) -> None:
+    from pipeline.serve.auth import KeyDigests, digest
+    from pipeline.serve.keys import KeyRing, parse_key_file
+
+    ring = KeyRing.build(
+        KeyDigests(frozenset()), parse_key_file(QUOTA_KEYS % digest("key-q"), "keys.yaml")
+    )
+    app = _routes_app(
+        _spec(tmp_path), jobs, lambda key: ring.identify(f"Bearer {key}") or KEYS.get(key)
+    )
+    try:
+        client = _client(app, "key-q")
+        three = _jsonl([_line(i) for i in range(3)])
+        first_file = client.files.create(file=("a.jsonl", three), purpose="batch").id
+        first = _create(client, first_file)
+        # Batches in flight: one at a time; the second gets 429 while the first runs.
+        with pytest.raises(openai.RateLimitError) as in_flight:
+            _create(client, first_file)
+        assert in_flight.value.code == "batch_limit_exceeded"
+        assert int(in_flight.value.response.headers["retry-after"]) >= 1
+        jobs.status[f"tokenmill-{first.id}"] = "SUCCEEDED"  # ended (no output: failed)
+        # Lines per day: 3 used of 5, so another 3 are refused until the next UTC day.
+        with pytest.raises(openai.RateLimitError) as lines:
+            _create(client, first_file)
+        assert lines.value.code == "lines_per_day_exceeded"
+        assert 1 <= int(lines.value.response.headers["retry-after"]) <= 86_400
+        two = client.files.create(file=("b.jsonl", _jsonl([_line(0), _line(1)])), purpose="batch")
+        assert _create(client, two.id).status == "validating"  # 5 of 5
+        # Bytes stored: the uploads so far and this one would pass 3000.
+        big = _jsonl([_line(i) for i in range(40)])
+        while two.bytes + len(big) > 3000:  # fits once the first file is deleted
+            big = big[: big.rindex(b"\n", 0, len(big) - 1) + 1]
+        assert len(three) + two.bytes + len(big) > 3000
+        with pytest.raises(openai.RateLimitError) as stored:
+            client.files.create(file=("c.jsonl", big), purpose="batch")
+        assert stored.value.code == "storage_limit_exceeded"
+        assert "Delete files" in stored.value.message
+        client.files.delete(first_file)
+        client.files.create(file=("c.jsonl", big), purpose="batch")  # room again
+        # Other keys are not affected by this key's quota.
+        other = _client(app, "key-a")
+        assert other.files.create(file=("a.jsonl", big), purpose="batch").bytes == len(big)
+    finally:
+        batch_routes._installed = None
+
+
+def test_a_refused_submit_leaves_no_batch_and_the_stopped_one_resumable(tmp_path: Path) -> None:
+    jobs = FakeJobs()
+    service = _service(tmp_path, jobs)
+    file_id = _stored_input(service, "alpha")
+    first = service.create("alpha", lambda _: True, {**BODY, "input_file_id": file_id})
+    service.cancel("alpha", first["id"])
+    assert service.retrieve("alpha", first["id"])["status"] == "cancelled"
+
+    def refuse(**kwargs: Any) -> str:
+        raise ConnectionError("the Ray head did not answer")
+
+    real_submit, jobs.submit_job = jobs.submit_job, refuse  # type: ignore[method-assign]
+    body = {**BODY, "input_file_id": file_id, "metadata": {RESUME_KEY: first["id"]}}
+    with pytest.raises(ApiError) as refused:
+        service.create("alpha", lambda _: True, body)
+    assert refused.value.status == 503 and refused.value.code == "batch_submit_failed"
+    assert [b["id"] for b in service.list("alpha")["data"]] == [first["id"]]
+    jobs.submit_job = real_submit  # type: ignore[method-assign]
+    resumed = service.create("alpha", lambda _: True, body)  # the claim was given back
+    assert f"tokenmill-{resumed['id']}" in jobs.submitted
+
+
+def test_a_record_whose_job_never_came_fails_after_the_grace(tmp_path: Path) -> None:
+    from pipeline.serve.batches import SUBMIT_GRACE_S
+
+    clock = [1_000_000.0]
+    jobs = FakeJobs()
+    service = _service(tmp_path, jobs)
+    service.now = lambda: clock[0]
+    file_id = _stored_input(service, "alpha")
+    # The ingress dies between saving the record and submitting: Ray never hears of the job.
+    jobs.submit_job = lambda **kwargs: (_ for _ in ()).throw(SystemExit())  # type: ignore[method-assign]
+    with pytest.raises(SystemExit):
+        service.create("alpha", lambda _: True, {**BODY, "input_file_id": file_id})
+    (batch,) = service.list("alpha")["data"]
+    assert batch["status"] == "validating"  # Ray may still show the job: wait
+    clock[0] += SUBMIT_GRACE_S
+    failed = service.retrieve("alpha", batch["id"])
+    assert (
+        failed["status"] == "failed" and "never submitted" in failed["errors"]["data"][0]["message"]
+    )
+
+
+def test_streaming_validation_matches_the_one_pass_over_lines() -> None:
+    from pipeline.serve.files import StreamingValidator
+
+    data = _jsonl([_line(0), "{oops", _line(0), _line(3)]) + b"[1]"  # no final line break
+    expected = validate_batch_input(io.BytesIO(data), max_lines=10)
+    for size in (1, 2, 7, 64, len(data)):
+        validator = StreamingValidator(max_lines=10, max_line_bytes=1024)
+        for i in range(0, len(data), size):
+            validator.feed(data[i : i + size])
+        assert validator.finish() == expected, size
+    capped = StreamingValidator(max_lines=2, max_line_bytes=1024)
+    capped.feed(data)
+    assert capped.finish() == validate_batch_input(io.BytesIO(data), max_lines=2)
+    # A line over max_line_bytes is an error of its own and is not held.
+    long = json.dumps(_line(1, body={"model": "tiny", "messages": [{"content": "x" * 4000}]}))
+    validator = StreamingValidator(max_lines=10, max_line_bytes=1024)
+    for i in range(0, 6000, 100):
+        validator.feed((_jsonl([_line(0), long, _line(2)]))[i : i + 100])
+    summary = validator.finish()
+    assert summary.lines == 3 and [(e.code, e.line) for e in summary.errors] == [
+        ("line_too_long", 2)
+    ]
+
+
+def test_every_route_is_admitted_and_gives_its_slot_back(tmp_path: Path, jobs: FakeJobs) -> None:
+    """Each /v1/files and /v1/batches call goes through the ingress's admission (its slot and
+    the key's limits), and gives it back when done: a download when its last byte is sent."""
+    held: list[str] = []
+    entered: list[str] = []
+
+    async def enter(key: ApiKey) -> Callable[[], None]:
+        if key.name == "beta":
+            raise ApiError(429, "over its limit", code="rate_limit_exceeded")
+        entered.append(key.name)
+        held.append(key.name)
+        return lambda: held.remove(key.name)
+
+    app = _routes_app(_spec(tmp_path), jobs, KEYS.get, enter)
+    try:
+        client = _client(app)
+        file_id = client.files.create(file=("in.jsonl", _jsonl([_line(0)])), purpose="batch").id
+        client.files.list()
+        client.files.retrieve(file_id)
+        assert client.files.content(file_id).content == _jsonl([_line(0)])
+        batch = _create(client, file_id)
+        client.batches.list()
+        client.batches.retrieve(batch.id)
+        client.batches.cancel(batch.id)
+        client.files.delete(file_id)
+        assert len(entered) == 9 and held == []  # every call admitted, every slot back
+        other = _client(app, "key-b")
+        for call in (
+            lambda: other.files.list(),
+            lambda: other.files.create(file=("in.jsonl", _jsonl([_line(0)])), purpose="batch"),
+            lambda: other.batches.list(),
+            lambda: other.batches.retrieve(batch.id),
+        ):
+            with pytest.raises(openai.RateLimitError):
+                call()
+        # Every route bounds its body: a cancel with a large declared body is refused unread.
+        limit = _spec(tmp_path).http.max_body_bytes
+        response = TestClient(app).post(
+            f"/v1/batches/{batch.id}/cancel",
+            content=b" " * (limit + 1),
+            headers={"Authorization": "Bearer key-a"},
+        )
+        assert response.status_code == 413 and held == []
+    finally:
+        batch_routes._installed = None

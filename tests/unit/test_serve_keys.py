@@ -131,12 +131,19 @@ def test_ring_identifies_named_and_environment_keys(tmp_path: Path) -> None:
         assert ring.identify(header) is None
     assert ring.names == ["env-1", "env-2", "team-a", "team-b"]
     assert "key-a" not in repr(ring.__dict__) and "env-key" not in repr(static)
+    # Batch API owners: the entry's name, a plaintext key's digest (never its position).
+    assert a.owner == "team-a"
+    assert env.owner == f"sha256/{hashlib.sha256(b'env-key').hexdigest()}"
+    swapped = load_key_digests(AuthSpec(), env={"TOKENMILL_API_KEYS": "other,env-key"})
+    moved = KeyRing.build(swapped, None).identify(bearer("env-key"))
+    assert moved is not None and moved.name == "env-2" and moved.owner == env.owner
 
 
 def test_insecure_ring_names_the_caller_anonymous() -> None:
     ring = KeyRing.build(KeyDigests(frozenset(), insecure=True), None)
     caller = ring.identify(None)
     assert caller is not None and caller.name == ANONYMOUS and caller.metrics
+    assert caller.owner is None  # no files or batches of its own: the Batch API refuses it
 
 
 def test_a_keys_file_alone_is_a_key_source(tmp_path: Path) -> None:
