@@ -77,11 +77,29 @@ lint: setup-dev
 test: setup-dev lint
 	TOKENMILL_CHECKOV=$(CURDIR)/$(CHECKOV_VENV)/bin/checkov $(BIN)/pytest
 	$(MAKE) test-vllm
+	$(MAKE) test-trtllm-pins
 
 # The tests marked vllm (they skip in .venv): the engine contract, greedy parity with the
 # reference engine, a pipeline job and the Serve endpoint on engine.kind vllm.
 test-vllm: setup-vllm
 	$(VLLM_VENV)/bin/pytest -m vllm tests/contract tests/vllm
+
+# Our code under TensorRT-LLM 1.2's pure-Python pins (.venv-trtllm): the suites that meet
+# transformers, tokenizers, xgrammar, numpy, pyarrow and fsspec/s3fs: the unit tests (Serve's
+# aside: its extra cannot install beside these pins, docs/deploy.md), the engine contract
+# (reference and the TensorRT-LLM stand-in), structured output, checkpoint loading and parity
+# with transformers, reading and committing on the S3 server, and batch jobs end to end.
+TRTLLM_PINS_TESTS := tests/unit tests/contract \
+	tests/integration/test_structured_output.py tests/integration/test_structured_pipeline.py \
+	tests/integration/test_reference_models.py tests/integration/test_reference_loader.py \
+	tests/integration/test_read.py tests/integration/test_read_tokenize.py \
+	tests/integration/test_commit.py tests/integration/test_pipeline.py
+TRTLLM_PINS_SKIP := --ignore-glob='*serve*' --ignore=tests/unit/test_batch_api.py \
+	--ignore=tests/unit/test_multipart.py \
+	-k 'not (test_pipeline and (stop_at or retry_errors or duplicate_ids_across))'
+
+test-trtllm-pins: setup-trtllm
+	$(TRTLLM_VENV)/bin/pytest $(TRTLLM_PINS_TESTS) $(TRTLLM_PINS_SKIP)
 
 format: setup-dev
 	$(BIN)/ruff format .

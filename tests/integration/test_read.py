@@ -305,14 +305,16 @@ def test_concurrent_materialize_downloads_once(
     storage = s3_server.storage_spec()
     fs, _ = filesystem_for(prefix, storage)  # s3fs caches instances: the one the code uses
     downloads: list[str] = []
-    real_get_file = fs.get_file
+    real_get_file = type(fs).get_file
 
-    def counting_get_file(rpath: str, lpath: str, **kwargs: Any) -> Any:
+    def counting_get_file(self: Any, rpath: str, lpath: str, **kwargs: Any) -> Any:
         downloads.append(rpath)
         time.sleep(0.05)  # widen the window in which a second downloader could start
-        return real_get_file(rpath, lpath, **kwargs)
+        return real_get_file(self, rpath, lpath, **kwargs)
 
-    monkeypatch.setattr(fs, "get_file", counting_get_file)
+    # On the class: older fsspec (TensorRT-LLM 1.2's) caches one instance per thread, and the
+    # downloads run on a pool's threads.
+    monkeypatch.setattr(type(fs), "get_file", counting_get_file)
     cache = str(tmp_path / "cache")
     with ThreadPoolExecutor(max_workers=4) as pool:
         paths = list(pool.map(lambda _: materialize_model(prefix, cache, storage), range(4)))

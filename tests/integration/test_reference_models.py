@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import transformers
 
 from engines.reference.engine import ReferenceEngine
 from tests.engine_fixtures import greedy_requests, hf_greedy, run_all, tiny_model, varied_prompts
@@ -62,17 +63,19 @@ def test_mistral_family(tmp_path) -> None:
 
 def test_llama3_rope_scaling(tmp_path) -> None:
     model_dir = Path(shutil.copytree(tiny_model("llama"), tmp_path / "llama3"))
-    _edit_config(
-        model_dir,
-        rope_parameters={
-            "rope_type": "llama3",
-            "rope_theta": 500000.0,
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 64,
-        },
-    )
+    params = {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        _edit_config(model_dir, rope_parameters=params)
+    else:  # a checkpoint of transformers 4.x (TensorRT-LLM 1.2 pins 4.57.1) spells it so
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+        _edit_config(model_dir, rope_theta=params["rope_theta"], rope_scaling=scaling)
     _assert_matches_transformers(model_dir)
 
 
