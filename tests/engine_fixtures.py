@@ -68,6 +68,18 @@ def cpu_without_onednn_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(linear, "_log_fallback", functools.cache(linear._log_fallback.__wrapped__))
 
 
+def rope_config_fields(params: dict) -> dict:
+    """RoPE settings (`rope_parameters`, transformers 5's spelling) as the installed
+    transformers writes them in config.json: 4.x (TensorRT-LLM 1.2 pins 4.57.1) spells them
+    rope_theta + rope_scaling."""
+    import transformers
+
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        return {"rope_parameters": params}
+    scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    return {"rope_theta": params["rope_theta"], "rope_scaling": scaling}
+
+
 def varied_prompts(
     count: int, seed: int = 0, vocab: int = 1000, shared_prefix: int = 40
 ) -> list[list[int]]:

@@ -158,20 +158,12 @@ def read_output(out: Path) -> tuple[dict[str, str], dict[str, Any]]:
     return texts, summary.to_dict()
 
 
-def shared_prefix(a: str, b: str) -> int:
-    """Leading characters two texts share."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def agreement(a: dict[str, str], b: dict[str, str]) -> dict[str, float]:
     """Rows with the same text, and the mean share of leading characters in common."""
+    from engines.quantize.quality import matched_prefix
+
     same = sum(a[k] == b[k] for k in a)
-    prefix = sum(shared_prefix(a[k], b[k]) / max(1, len(a[k])) for k in a)
+    prefix = sum(matched_prefix(list(a[k]), list(b[k])) / max(1, len(a[k])) for k in a)
     return {"same_text": round(same / len(a), 3), "shared_prefix": round(prefix / len(a), 3)}
 
 

@@ -8,10 +8,16 @@ import shutil
 from pathlib import Path
 
 import pytest
-import transformers
 
 from engines.reference.engine import ReferenceEngine
-from tests.engine_fixtures import greedy_requests, hf_greedy, run_all, tiny_model, varied_prompts
+from tests.engine_fixtures import (
+    greedy_requests,
+    hf_greedy,
+    rope_config_fields,
+    run_all,
+    tiny_model,
+    varied_prompts,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -71,11 +77,7 @@ def test_llama3_rope_scaling(tmp_path) -> None:
         "high_freq_factor": 4.0,
         "original_max_position_embeddings": 64,
     }
-    if int(transformers.__version__.split(".")[0]) >= 5:
-        _edit_config(model_dir, rope_parameters=params)
-    else:  # a checkpoint of transformers 4.x (TensorRT-LLM 1.2 pins 4.57.1) spells it so
-        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-        _edit_config(model_dir, rope_theta=params["rope_theta"], rope_scaling=scaling)
+    _edit_config(model_dir, **rope_config_fields(params))
     _assert_matches_transformers(model_dir)
 
 

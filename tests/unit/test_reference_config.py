@@ -8,6 +8,7 @@ import pytest
 
 from engines.api import EngineError
 from engines.reference.config import RopeConfig, load_model_config, rope_inv_freq
+from tests.engine_fixtures import rope_config_fields
 
 BASE = {
     "model_type": "llama",
@@ -96,15 +97,9 @@ def test_llama3_inv_freq_matches_transformers(tmp_path) -> None:
     cfg = load_model_config(
         _write(tmp_path, hidden_size=512, num_attention_heads=4, rope_parameters=params)
     )
-    if int(transformers.__version__.split(".")[0]) >= 5:
-        hf_config = transformers.LlamaConfig(
-            hidden_size=512, num_attention_heads=4, rope_parameters=params
-        )
-    else:  # 4.x (TensorRT-LLM 1.2 pins 4.57.1) spells it rope_theta + rope_scaling
-        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-        hf_config = transformers.LlamaConfig(
-            hidden_size=512, num_attention_heads=4, rope_theta=500000.0, rope_scaling=scaling
-        )
+    hf_config = transformers.LlamaConfig(
+        hidden_size=512, num_attention_heads=4, **rope_config_fields(params)
+    )
     expected, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_config, "cpu")
     ours = rope_inv_freq(cfg.head_dim, cfg.rope)
     assert torch.equal(ours, expected)
