@@ -1,17 +1,34 @@
-"""Test hooks of the engines, off unless the process runs with TOKENMILL_TEST_HOOKS=1.
+"""Test hooks, off unless the process runs with TOKENMILL_TEST_HOOKS=1.
 
 TOKENMILL_TEST_STEP_DELAY_S: the reference engine sleeps this long after every step. Tests that
 kill or stop a run midway need a midway on any machine; without it a fast machine finishes
-their few rows before the kill lands. The batch driver passes these variables on to its engine
-actors (pipeline.batch.cluster), so they reach actors on a cluster the driver joined too.
+their few rows before the kill lands.
+
+TOKENMILL_TEST_PAUSE_AT: the name of a pause point (`pause_point`); a process reaching it stops
+itself with SIGSTOP, every thread at once, as a long GC pause, a stopped container or a slow
+node would stop it, until the test sends SIGCONT. Tests of the commit protocol stop a driver at
+the worst moment this way.
+
+TOKENMILL_TEST_PROMPT_EXIT_ON: a prompt actor that renders a row whose prompt contains this
+text exits at once (os._exit), as a tokenizer that segfaults or runs out of memory on one
+input would.
+
+The batch driver passes these variables on to its engine and prompt actors
+(pipeline.batch.cluster), so they reach actors on a cluster the driver joined too.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 
 HOOKS_ENV = "TOKENMILL_TEST_HOOKS"
 STEP_DELAY_ENV = "TOKENMILL_TEST_STEP_DELAY_S"
+PAUSE_AT_ENV = "TOKENMILL_TEST_PAUSE_AT"
+PROMPT_EXIT_ENV = "TOKENMILL_TEST_PROMPT_EXIT_ON"
+_FORWARDED = (HOOKS_ENV, STEP_DELAY_ENV, PAUSE_AT_ENV, PROMPT_EXIT_ENV)
+# Exit status of a prompt actor the hook kills (EX_SOFTWARE), to tell it apart in logs.
+PROMPT_EXIT_STATUS = 70
 
 
 def enabled() -> bool:
@@ -23,11 +40,27 @@ def step_delay_s() -> float:
     return float(os.environ.get(STEP_DELAY_ENV) or 0.0) if enabled() else 0.0
 
 
+def pause_point(name: str) -> None:
+    """Stop this process (SIGSTOP) if the hooks are on and TOKENMILL_TEST_PAUSE_AT names
+    `name`; it goes on where it stopped once it gets SIGCONT."""
+    if enabled() and os.environ.get(PAUSE_AT_ENV) == name:
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def prompt_exit_marker() -> str | None:
+    """The text that makes a prompt actor exit (None unless the hooks are on and it is set)."""
+    return (os.environ.get(PROMPT_EXIT_ENV) or None) if enabled() else None
+
+
+def exit_prompt_actor() -> None:
+    os._exit(PROMPT_EXIT_STATUS)
+
+
 def forwarded_env() -> dict[str, str]:
     """The hook variables to hand to actors (empty unless the hooks are on)."""
     if not enabled():
         return {}
-    return {name: os.environ[name] for name in (HOOKS_ENV, STEP_DELAY_ENV) if name in os.environ}
+    return {name: os.environ[name] for name in _FORWARDED if name in os.environ}
 
 
 def step_delay_env(seconds: float) -> dict[str, str]:

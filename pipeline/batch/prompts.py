@@ -40,6 +40,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from engines import testhooks
 from pipeline.batch.read import ERROR, ID, MESSAGES, PROMPT, override_columns
 from pipeline.batch.shards import RowRanges, RowSelection
 from pipeline.batch.units import PreparedInfo, WorkUnit
@@ -376,6 +377,7 @@ class PromptStage:
         self.tokenizer = load_tokenizer(spec.model, spec.storage)
         self.max_len = context_length(spec)
         self.overrides = override_columns(spec)
+        self._exit_on = testhooks.prompt_exit_marker()  # None outside tests
 
     def process_row(self, row: Mapping[str, Any]) -> dict[str, Any]:
         """Stage columns and `error` for one row (a dict of the read columns)."""
@@ -387,6 +389,8 @@ class PromptStage:
         if problem:
             out[ERROR] = problem
             return out
+        if self._exit_on is not None and self._exit_on in str(row.get(PROMPT)):
+            testhooks.exit_prompt_actor()  # tests: a row that kills the tokenizer's process
         try:
             token_ids = render_row(row, self.spec, self.tokenizer)
         except PromptError as exc:

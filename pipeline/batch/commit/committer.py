@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from engines import testhooks
 from pipeline.batch.commit.fingerprint import Fingerprint
 from pipeline.batch.commit.lease import Lease
 from pipeline.batch.commit.ledger import CommitLedger, Decision
@@ -278,6 +279,7 @@ class Committer:
     ) -> Manifest:
         """Record the run's end and the totals; `_SUCCESS` last, when complete."""
         assert self.manifest is not None and self.run is not None
+        testhooks.pause_point("finish")  # tests: a driver that stalls here
         for name in self.refused:
             self.out.delete(name)
         committed = set(self.ledger.parts)
