@@ -36,9 +36,6 @@ LEASE_S = 1.0  # the lease timeout of both runs: A's lease expires while A stand
 ROWS_PER_SHARD = 4
 SCHEMA = output_schema([pa.field("url", pa.string())])
 FINGERPRINT = Fingerprint("f" * 64, {"model": "m"})
-XFAIL = pytest.mark.xfail(
-    strict=True, reason="a stalled run deletes what the run that took over committed"
-)
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -200,7 +197,6 @@ def _wake(step: Callable[[], Any]) -> bool:
     return False
 
 
-@XFAIL
 def test_a_run_that_wakes_in_finish_deletes_no_part_of_the_run_that_took_over(
     out: OutputDir, tmp_path: Path
 ) -> None:
@@ -217,7 +213,6 @@ def test_a_run_that_wakes_in_finish_deletes_no_part_of_the_run_that_took_over(
     assert read_manifest(out).status == "complete"  # type: ignore[union-attr]
 
 
-@XFAIL
 def test_a_run_that_wakes_before_its_export_deletes_no_export_of_the_run_that_took_over(
     out: OutputDir, tmp_path: Path
 ) -> None:
@@ -232,7 +227,6 @@ def test_a_run_that_wakes_before_its_export_deletes_no_export_of_the_run_that_to
     assert noticed, "A went on as if it still held the output"
 
 
-@XFAIL
 def test_a_run_that_wakes_while_adopting_deletes_no_part_of_the_run_that_took_over(
     out: OutputDir, tmp_path: Path
 ) -> None:
@@ -245,7 +239,6 @@ def test_a_run_that_wakes_while_adopting_deletes_no_part_of_the_run_that_took_ov
     assert noticed, "A went on as if it still held the output"
 
 
-@XFAIL
 def test_leftovers_of_a_finished_run_are_not_adopted_while_it_deletes_them(
     out: OutputDir, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -275,7 +268,6 @@ def test_leftovers_of_a_finished_run_are_not_adopted_while_it_deletes_them(
     assert manifest is not None and leftover not in {p["name"] for p in manifest.parts}
 
 
-@pytest.mark.xfail(strict=True, reason="renewals retry for storage.retry_s")
 def test_lease_renewals_give_up_well_inside_a_third_of_the_timeout(
     s3_server: Any, tmp_path: Path
 ) -> None:

@@ -4,13 +4,23 @@
             the parts a crashed run wrote but did not record, number this run, record it
     commit  every part an engine actor reports goes through the ledger; accepted parts are
             written into the manifest at least every `output.commit_interval_s`
-    finish  record the run, delete part files the manifest does not list (refused
-            duplicates, a crashed run's unreadable leftovers, a fenced-off run's late parts),
-            compute the totals from the manifest alone, write the status, then `_SUCCESS`
+    finish  record the run, the totals (from the manifest alone) and the status; then
+            delete the part files that manifest does not list (refused duplicates, replaced
+            parts, a crashed run's leftovers, a fenced-off run's late parts); `_SUCCESS` last,
             when every input row of every shard is committed
 
 Every manifest write is a compare-and-swap under the run's lease, so nothing here can commit
-after another run took the output over.
+after another run took the output over. Deleting cannot be made conditional on the lease (the
+lease is another object), and a driver can stall between any two requests (a GC pause, a
+stopped container) and wake after another run took the output over. So a run deletes only
+what no other run can hold committed:
+
+- it checks the lease before it deletes anything, and deletes files only after the manifest
+  write that settles them (the compare-and-swap fails if another run wrote since);
+- a run whose end is recorded (`finished_at`) has settled its parts and every earlier run's:
+  a part of such a run that the manifest does not list is garbage, and no later run adopts it;
+- it never deletes a part of a run numbered above its own (only a run that took over numbers
+  itself higher), nor, while adopting, a part of a run it does not know.
 """
 
 from __future__ import annotations
@@ -19,6 +29,7 @@ import dataclasses
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,6 +115,7 @@ class Committer:
 
     def clear(self) -> None:
         """--fresh: delete this job's parts, manifest and marker; other files stay."""
+        self.lease.verify()  # LeaseLost: another run took the output over meanwhile
         for name in [*list_part_names(self.out), *JOB_FILES]:
             self.out.delete(name)
 
@@ -153,21 +165,31 @@ class Committer:
     def adopt_orphans(self) -> list[str]:
         """Record the parts an earlier run wrote but did not get into the manifest (its driver
         died between the two), from their footers; delete part files that cannot be adopted.
-        Called once, before this run writes any part."""
+        Called once, before this run writes any part.
+
+        Only parts of runs that did not record their end can be adopted: a finished run's
+        unlisted parts are garbage it may be deleting right now. Parts of a run the manifest
+        does not name belong to a run that started after it was read (one that took the
+        output over): they are left alone."""
+        runs = self.manifest.runs if self.manifest else []
         listed = set(self.ledger.parts)
-        earlier = {r.attempt for r in (self.manifest.runs if self.manifest else [])}
+        earlier = {r.attempt for r in runs}
+        settled = settled_attempt(runs)
+        self.lease.verify()  # LeaseLost before anything is deleted if the output was taken
         adopted = []
         for name in list_part_names(self.out):
             if name in listed:
                 continue
             part = PartName.parse(name)
+            if part is None or part.run > max(earlier, default=0):
+                continue  # a newer run's (see the docstring)
             record = read_part_record(self.out, name)
             ok = (
-                part is not None
-                and record is not None
+                record is not None
                 and record.name == name
                 and record.replaces is None
                 and part.run in earlier
+                and part.run > settled
             )
             if ok and record is not None:
                 size, version = self.out.stat(name)
@@ -204,8 +226,8 @@ class Committer:
             duplicate_ids=self.manifest.duplicate_ids if self.manifest else None,
             fenced=self.fenced,
         )
+        self.save(force=True)  # LeaseLost / ManifestConflict if another run took over
         self.out.delete(SUCCESS_NAME)  # the parts may change from here on
-        self.save(force=True)
         return self.run
 
     # --- commit ------------------------------------------------------------------------------
@@ -276,16 +298,15 @@ class Committer:
         accounts: list[dict[str, Any]],
         events: list[dict[str, Any]],
         budget: dict[str, Any] | None,
+        prune: Callable[[], None] | None = None,
     ) -> Manifest:
-        """Record the run's end and the totals; `_SUCCESS` last, when complete."""
+        """Record the run's end and the totals, delete what that record settles as garbage
+        (then `prune()`: other files derived from parts no longer committed); `_SUCCESS`
+        last, when complete."""
         assert self.manifest is not None and self.run is not None
         testhooks.pause_point("finish")  # tests: a driver that stalls here
-        for name in self.refused:
-            self.out.delete(name)
-        committed = set(self.ledger.parts)
-        for name in list_part_names(self.out):
-            if name not in committed:  # a fenced-off run's late part, or a leftover
-                self.out.delete(name)
+        self.lease.verify()  # LeaseLost before anything changes if another run took over
+        stale = self._stale_parts()
         self.run.wall_s = wall_s
         self.run.finished_at = utc_now()
         self.run.actors = accounts
@@ -306,10 +327,31 @@ class Committer:
             }
         self.manifest.totals = compute_totals(self.ledger, self.manifest.runs, self.spec)
         self.lease.verify()
-        self.store.write(self.manifest)
+        self.store.write(self.manifest)  # ManifestConflict if another run wrote since
+        # From here the stale parts are garbage by this run's own record: no run adopts them.
+        for name in stale:
+            self.out.delete(name)
+        if prune is not None:
+            prune()
         if status == "complete":
             self.out.put(SUCCESS_NAME, b"")  # last: marks the output complete
         return self.manifest
+
+    def _stale_parts(self) -> list[str]:
+        """Part files this run's record will not list: refused and replaced parts, leftovers
+        of earlier runs. Never a part of a run numbered above this one (a run that took the
+        output over)."""
+        assert self.run is not None
+        committed = set(self.ledger.parts)
+        names = {*self.refused, *list_part_names(self.out)} - committed
+        parsed = ((n, PartName.parse(n)) for n in sorted(names))
+        return [n for n, part in parsed if part is not None and part.run <= self.run.attempt]
+
+
+def settled_attempt(runs: list[RunRecord]) -> int:
+    """The highest attempt that recorded its end (0: none): every part of it and of earlier
+    runs that the manifest does not list is garbage."""
+    return max((r.attempt for r in runs if r.finished_at is not None), default=0)
 
 
 def compute_totals(ledger: CommitLedger, runs: list[RunRecord], spec: JobSpec) -> dict[str, Any]:

@@ -13,6 +13,9 @@
   certain, and a rerun after a crash should not wait out the timeout.
 - renew: a conditional replace of the version this run wrote last, every third of the timeout.
   If it fails, another run took the lease over: `LeaseLost`, and this run must stop at once.
+  Transient failures are retried for a sixth of the timeout only (not `storage.retry_s`): a
+  renewal that cannot get through gives up, and the run stops, at most half a timeout after
+  the last renewal that did, well before another run may take the lease over.
 - release: delete it, if it is still ours.
 
 The manifest is written the same way (compare-and-swap on its version), so a run that lost its
@@ -35,9 +38,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from pipeline.batch.commit.parts import LEASE_NAME
-from pipeline.storage import OutputDir, PreconditionFailed
+from pipeline.storage import OutputDir, PreconditionFailed, RetryPolicy
 
 logger = logging.getLogger(__name__)
+
+# Renewals are retried for this fraction of the lease timeout (see the module docstring).
+RENEW_RETRY_FRACTION = 1 / 6
 
 
 class LeaseHeld(RuntimeError):
@@ -132,6 +138,12 @@ class Lease:
 
     def __init__(self, out: OutputDir, holder: LeaseHolder, version: str, fenced: bool):
         self.out = out
+        bound = holder.timeout_s * RENEW_RETRY_FRACTION
+        self._renewing = out.with_retries(
+            RetryPolicy(min(out.retry.total_s, bound), first_delay_s=min(0.5, bound / 8))
+            if out.retry is not None
+            else None
+        )
         self.holder = holder
         self.version = version
         self.fenced = fenced
@@ -209,7 +221,9 @@ class Lease:
             if self._lost:
                 raise LeaseLost(self._lost)
             try:
-                self.version = self.out.replace(LEASE_NAME, self.holder.to_bytes(), self.version)
+                self.version = self._renewing.replace(
+                    LEASE_NAME, self.holder.to_bytes(), self.version
+                )
             except PreconditionFailed:
                 self._lost = (
                     f"{self.out.uri}: this run's lease was taken over by another run (it was not "
