@@ -12,7 +12,12 @@ replace runs under an flock on a hidden lock file beside the object, comparing t
 POSIX-locking filesystem.
 
 Every operation can be given a RetryPolicy (pipeline.storage.retry): transient failures are
-retried, a failed precondition never is.
+retried, a failed precondition never is. A conditional write whose first attempt landed but
+whose answer was lost (a dropped connection, a 503 after the write) is retried, by us or by the
+client library, and the retry finds the object changed: a 412 that is no lost race. So after a
+failed precondition the object is read back, and if it holds exactly the bytes written, the
+write is reported as done. That needs every write's bytes to be its own: the lease and the
+manifest carry a fresh write id.
 """
 
 from __future__ import annotations
@@ -147,13 +152,24 @@ class OutputDir:
         """Write `name` only if it does not exist; returns its version.
 
         Raises PreconditionFailed if it exists (another writer created it first)."""
-        return self._do(lambda: self._create(name, data), f"create {name}")
+        return self._conditional(lambda: self._create(name, data), name, data, "create")
 
     def replace(self, name: str, data: bytes, version: str) -> str:
         """Overwrite `name` only if its version is still `version`; returns the new version.
 
         Raises PreconditionFailed if it changed or vanished since `version` was read."""
-        return self._do(lambda: self._replace(name, data, version), f"replace {name}")
+        return self._conditional(lambda: self._replace(name, data, version), name, data, "replace")
+
+    def _conditional(self, write: Callable[[], str], name: str, data: bytes, what: str) -> str:
+        """`write()` (with retries); a failed precondition stands only if the object does not
+        hold `data`: else an earlier attempt of this very write landed (module docstring)."""
+        try:
+            return self._do(write, f"{what} {name}")
+        except PreconditionFailed:
+            current = self.read_versioned(name)
+            if current is not None and current.data == data:
+                return current.version
+            raise
 
     def supports_conditional_writes(self) -> bool:
         """Whether the store refuses a second create of one name (probed with a scratch

@@ -264,9 +264,6 @@ def _served(fault: Any) -> bool:
     return bool(fault.served) if hasattr(fault, "served") else bool(fault)
 
 
-LANDED = pytest.mark.xfail(strict=True, reason="a retried conditional write that landed gets 412")
-
-
 def _manifest(run_id: str = "") -> Manifest:
     return Manifest(
         job="j",
@@ -284,7 +281,6 @@ def _patient(out: OutputDir) -> OutputDir:
     return out.with_retries(RetryPolicy(total_s=30, first_delay_s=0.01))
 
 
-@LANDED
 def test_acquire_whose_create_landed_before_a_transient_error_holds_the_lease(
     out: OutputDir, request: pytest.FixtureRequest
 ) -> None:
@@ -298,7 +294,6 @@ def test_acquire_whose_create_landed_before_a_transient_error_holds_the_lease(
     assert not out.exists(LEASE_NAME)
 
 
-@LANDED
 def test_a_renewal_that_landed_before_a_transient_error_keeps_the_lease(
     out: OutputDir, request: pytest.FixtureRequest
 ) -> None:
@@ -312,7 +307,6 @@ def test_a_renewal_that_landed_before_a_transient_error_keeps_the_lease(
     lease.release()
 
 
-@LANDED
 def test_a_manifest_write_that_landed_before_a_transient_error_is_no_conflict(
     out: OutputDir, request: pytest.FixtureRequest
 ) -> None:

@@ -98,7 +98,10 @@ class LeaseHolder:
         return bool(here) and self.machine == here and self.pid > 0 and _process_gone(self.pid)
 
     def to_bytes(self) -> bytes:
-        return json.dumps({**asdict(self), "renewed_at": time.time()}).encode()
+        """The lease's content for one write: `write_id` makes every write's bytes its own (a
+        retried write recognises them on storage: pipeline.storage.prefix)."""
+        fields = {**asdict(self), "renewed_at": time.time(), "write_id": uuid.uuid4().hex}
+        return json.dumps(fields).encode()
 
     @classmethod
     def parse(cls, data: bytes) -> LeaseHolder | None:
