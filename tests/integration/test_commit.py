@@ -18,7 +18,7 @@ import pyarrow as pa
 import pytest
 
 from pipeline.batch.commit.fingerprint import COMPONENTS, Fingerprint, job_fingerprint
-from pipeline.batch.commit.lease import Lease, LeaseHeld, LeaseLost
+from pipeline.batch.commit.lease import Lease, LeaseHeld, LeaseHolder, LeaseLost, new_holder
 from pipeline.batch.commit.manifest import (
     Manifest,
     ManifestConflict,
@@ -182,6 +182,77 @@ def test_a_lease_that_is_not_renewed_is_taken_over_and_the_old_holder_loses_it(
     dead.release()  # not ours any more: must not delete the new holder's lease
     assert out.exists(LEASE_NAME)
     taker.release()
+
+
+def _take_over_before(out: OutputDir, monkeypatch: pytest.MonkeyPatch, name: str) -> list[str]:
+    """Make another run take the lease over just before `out` next deletes or conditionally
+    writes `name`, whichever call it makes (the last moment a release can lose a race).
+    Returns [the new holder's run id] once that happened."""
+    other = OutputDir(out.uri, out.storage)
+    taker = new_holder(60)
+    taken: list[str] = []
+
+    def wrap(method: Callable[..., Any]) -> Callable[..., Any]:
+        def call(target: str, *args: Any, **kwargs: Any) -> Any:
+            if target == name and not taken:
+                current = other.read_versioned(LEASE_NAME)
+                assert current is not None
+                other.replace(LEASE_NAME, taker.to_bytes(), current.version)
+                taken.append(taker.run_id)
+            return method(target, *args, **kwargs)
+
+        return call
+
+    for attr in ("delete", "delete_if", "replace"):
+        if hasattr(out, attr):
+            monkeypatch.setattr(out, attr, wrap(getattr(out, attr)))
+    return taken
+
+
+def _holder_on_storage(out: OutputDir) -> LeaseHolder | None:
+    current = OutputDir(out.uri, out.storage).read_versioned(LEASE_NAME)
+    return None if current is None else LeaseHolder.parse(current.data)
+
+
+def _without_conditional_deletes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store that ignores If-Match on DELETE (it deletes whatever the object holds)."""
+    monkeypatch.setattr(
+        OutputDir, "supports_conditional_deletes", lambda self: False, raising=False
+    )
+
+
+@pytest.mark.xfail(strict=True, reason="release reads, then deletes unconditionally")
+@pytest.mark.parametrize("deletes", ["conditional", "unconditional"])
+def test_release_does_not_delete_a_lease_another_run_wrote_at_the_last_moment(
+    out: OutputDir, monkeypatch: pytest.MonkeyPatch, deletes: str
+) -> None:
+    if deletes == "unconditional":
+        _without_conditional_deletes(monkeypatch)
+    mine = OutputDir(out.uri, out.storage)
+    lease = Lease.acquire(mine, timeout_s=60)
+    taken = _take_over_before(mine, monkeypatch, LEASE_NAME)
+    lease.release()
+    assert taken, "the other run never took the lease over"
+    holder = _holder_on_storage(out)
+    assert holder is not None, "release deleted the lease the other run had just written"
+    assert holder.run_id == taken[0]
+
+
+@pytest.mark.xfail(strict=True, reason="release deletes unconditionally")
+def test_where_deletes_are_not_conditional_release_leaves_a_released_lease(
+    out: OutputDir, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _without_conditional_deletes(monkeypatch)
+    first = Lease.acquire(out, timeout_s=60)
+    first.release()
+    holder = _holder_on_storage(out)
+    assert holder is not None and holder.run_id == first.run_id and holder.released
+    second = Lease.acquire(out, timeout_s=60)  # a released lease is free at once
+    assert second.taken_over is not None and second.taken_over.run_id == first.run_id
+    with pytest.raises(LeaseLost):
+        first.verify()
+    second.verify()
+    second.release()
 
 
 def test_manifest_writes_are_compare_and_swap(out: OutputDir) -> None:

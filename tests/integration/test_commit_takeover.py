@@ -290,3 +290,33 @@ def test_lease_renewals_give_up_well_inside_a_third_of_the_timeout(
         fault.left = 0
     assert fault.served >= 2, "the renewal was not retried at all"
     assert took < timeout / 3, f"the renewal retried for {took:.1f}s (lease timeout {timeout}s)"
+
+
+@pytest.mark.xfail(strict=True, reason="--fresh deletes the manifest unconditionally")
+def test_a_fresh_run_that_stalls_while_clearing_deletes_nothing_of_the_run_that_took_over(
+    out: OutputDir, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    spec, plan = _spec(tmp_path, out), _plan(2)
+    earlier = Run(out, spec, plan)
+    earlier.start()
+    earlier.write(0)
+    earlier.finish()
+    earlier.lease.release()
+    a = Run(out, spec, plan)  # a --fresh run: it clears the output first
+    taken: list[Run] = []
+
+    def stall_first(method: Callable[..., Any]) -> Callable[..., Any]:
+        def call(name: str, *args: Any) -> Any:
+            if not taken:  # A stops at its first delete; B takes over and completes
+                taken.append(_take_over(out, spec, plan, [1]))
+            return method(name, *args)
+
+        return call
+
+    for attr in ("delete", "delete_if"):
+        if hasattr(a.committer.out, attr):
+            monkeypatch.setattr(a.committer.out, attr, stall_first(getattr(a.committer.out, attr)))
+    noticed = _wake(a.committer.clear)
+    assert taken, "A deleted nothing"
+    _check_intact(out, taken[0])
+    assert noticed, "A went on as if it still held the output"
