@@ -91,6 +91,7 @@ def out(request: pytest.FixtureRequest, tmp_path: Path) -> OutputDir:
 
 def test_create_is_create_only_and_replace_needs_the_current_version(out: OutputDir) -> None:
     assert out.supports_conditional_writes()
+    assert out.supports_conditional_deletes()  # moto honours If-Match on DELETE
     first = out.create("obj", b"one")
     with pytest.raises(PreconditionFailed):
         out.create("obj", b"two")
@@ -221,7 +222,6 @@ def _without_conditional_deletes(monkeypatch: pytest.MonkeyPatch) -> None:
     )
 
 
-@pytest.mark.xfail(strict=True, reason="release reads, then deletes unconditionally")
 @pytest.mark.parametrize("deletes", ["conditional", "unconditional"])
 def test_release_does_not_delete_a_lease_another_run_wrote_at_the_last_moment(
     out: OutputDir, monkeypatch: pytest.MonkeyPatch, deletes: str
@@ -238,7 +238,6 @@ def test_release_does_not_delete_a_lease_another_run_wrote_at_the_last_moment(
     assert holder.run_id == taken[0]
 
 
-@pytest.mark.xfail(strict=True, reason="release deletes unconditionally")
 def test_where_deletes_are_not_conditional_release_leaves_a_released_lease(
     out: OutputDir, monkeypatch: pytest.MonkeyPatch
 ) -> None:

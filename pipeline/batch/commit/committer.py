@@ -35,7 +35,7 @@ from typing import Any
 
 from engines import testhooks
 from pipeline.batch.commit.fingerprint import Fingerprint
-from pipeline.batch.commit.lease import Lease
+from pipeline.batch.commit.lease import Lease, LeaseLost
 from pipeline.batch.commit.ledger import CommitLedger, Decision
 from pipeline.batch.commit.manifest import (
     PROTOCOL,
@@ -58,12 +58,9 @@ from pipeline.batch.commit.stats import RowStats, SpecCounts
 from pipeline.batch.shards import ShardPlan
 from pipeline.batch.units import PartWritten
 from pipeline.spec import JobSpec
-from pipeline.storage import OutputDir
+from pipeline.storage import OutputDir, PreconditionFailed
 
 logger = logging.getLogger(__name__)
-
-# Files `--fresh` deletes besides the parts (the report is rewritten by every run anyway).
-JOB_FILES = (MANIFEST_NAME, SUCCESS_NAME)
 
 
 class ResumeRefused(RuntimeError):
@@ -114,9 +111,25 @@ class Committer:
     # --- open --------------------------------------------------------------------------------
 
     def clear(self) -> None:
-        """--fresh: delete this job's parts, manifest and marker; other files stay."""
+        """--fresh: delete this job's manifest, parts and marker; other files stay.
+
+        The manifest goes first, by a conditional delete of the version read before the
+        lease was checked: a run that took the output over has rewritten it since, and then
+        nothing is deleted (LeaseLost); a run taking over later finds parts without a
+        manifest and refuses to touch them."""
+        current = self.out.read_versioned(MANIFEST_NAME)
         self.lease.verify()  # LeaseLost: another run took the output over meanwhile
-        for name in [*list_part_names(self.out), *JOB_FILES]:
+        if current is not None:
+            try:
+                if self.lease.conditional_deletes:
+                    self.out.delete_if(MANIFEST_NAME, current.version)
+                else:
+                    self.out.delete(MANIFEST_NAME)
+            except PreconditionFailed:
+                reason = f"{self.out.uri}: another run wrote the manifest while --fresh cleared it"
+                self.lease.mark_lost(reason)
+                raise LeaseLost(reason) from None
+        for name in [*list_part_names(self.out), SUCCESS_NAME]:
             self.out.delete(name)
 
     def open(self) -> OpenedOutput:
