@@ -9,9 +9,9 @@ itself with SIGSTOP, every thread at once, as a long GC pause, a stopped contain
 node would stop it, until the test sends SIGCONT. Tests of the commit protocol stop a driver at
 the worst moment this way.
 
-TOKENMILL_TEST_PROMPT_EXIT_ON: a prompt actor that renders a row whose prompt contains this
-text exits at once (os._exit), as a tokenizer that segfaults or runs out of memory on one
-input would.
+TOKENMILL_TEST_PROMPT_EXIT_ON: a prompt actor asked to tokenize a shard with a row whose prompt
+contains this text exits at once (os._exit), as a tokenizer that segfaults or runs out of
+memory on one input would.
 
 The batch driver passes these variables on to its engine and prompt actors
 (pipeline.batch.cluster), so they reach actors on a cluster the driver joined too.
