@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from pathlib import Path
@@ -81,9 +82,12 @@ def _run_bounded(spec: JobSpec) -> RunResult | BaseException:
     return results[0]
 
 
-@pytest.mark.xfail(strict=True, reason="prompt-actor deaths are not counted: the shard loops")
 def test_a_shard_that_kills_the_prompt_actor_every_time_becomes_error_rows(
-    ray_local: Any, tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ray_local: Any,
+    tiny_model_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     monkeypatch.setenv(testhooks.HOOKS_ENV, "1")
     monkeypatch.setenv(testhooks.PROMPT_EXIT_ENV, POISON)
@@ -91,7 +95,8 @@ def test_a_shard_that_kills_the_prompt_actor_every_time_becomes_error_rows(
     lines[30]["p"] = f"Count the {POISON} rivers"  # a row in the middle shard
     spec = _job(tmp_path, tiny_model_dir, lines, max_task_retries=1)
     started = time.monotonic()
-    result = _run_bounded(spec)
+    with caplog.at_level("WARNING", logger="pipeline.batch.scheduler"):
+        result = _run_bounded(spec)
     assert not isinstance(result, BaseException), result
     assert result.status == "complete", result.message
     out = tmp_path / "out"
@@ -116,12 +121,14 @@ def test_a_shard_that_kills_the_prompt_actor_every_time_becomes_error_rows(
         error = errors.pop()
         assert "prompt actor" in error and "died 2 times" in error, error
         assert f"shard {shard}" in error and "resources.max_task_retries" in error, error
+    # Only the shard that kills the actor is ever blamed for a death.
+    blamed = re.findall(r"prompt actor died preparing shard (\d+)", caplog.text)
+    assert blamed and set(blamed) == {str(poisoned[0])}, blamed
     manifest = json.loads((out / "_manifest.json").read_text())
     assert manifest["totals"]["rows_error"] == by_shard[poisoned[0]].num_rows
     print(f"ended in {time.monotonic() - started:.1f}s")
 
 
-@pytest.mark.xfail(strict=True, reason="only engine actors have a start-up timeout")
 def test_prompt_actors_the_cluster_cannot_place_fail_the_job_naming_them(
     ray_local: Any, tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
