@@ -12,12 +12,11 @@ Failures:
 - an engine actor dies (its process, or its node): every shard it was running goes back to
   the queue with the rows committed so far skipped; Ray restarts the actor where resources
   allow, and it gets work again once it answers `ready`; the others go on meanwhile;
-- a prompt actor dies: the shard it was preparing counts a failure and is prepared again
-  (after the others); shards merely queued on it go back to the front uncounted. A shard that
-  killed a prompt actor more than `resources.max_task_retries` times is read once more
-  without tokenizing, and its rows become error rows naming the cause, so a row that crashes
-  the tokenizer costs its shard, not the job; if even that read kills the actor, the job
-  fails naming the shard;
+- a prompt actor dies: the shard it was preparing (its one call, PREPARES_PER_PROMPTER)
+  counts a failure and is prepared again after the others. A shard that killed a prompt
+  actor more than `resources.max_task_retries` times is read once more without tokenizing,
+  and its rows become error rows naming the cause, so a row that crashes the tokenizer costs
+  its shard, not the job; if even that read kills the actor, the job fails naming the shard;
 - a shard whose work fails otherwise (its input unreadable, a part write failing past the
   storage retries) counts towards the same cap, then the job fails naming the shard and the
   error;
