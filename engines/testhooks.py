@@ -1,4 +1,4 @@
-"""Test hooks of the engines, off unless the process runs with TOKENMILL_TEST_HOOKS=1.
+"""Test hooks, off unless the process runs with TOKENMILL_TEST_HOOKS=1.
 
 TOKENMILL_TEST_STEP_DELAY_S: the reference engine sleeps this long after every step. Tests that
 kill or stop a run midway need a midway on any machine; without it a fast machine finishes
@@ -8,18 +8,32 @@ TOKENMILL_TEST_ONEDNN_REFUSES: dtype names (comma-separated, e.g. `bfloat16`) th
 engine's oneDNN linears take as refused by the CPU, as on one without the instructions (bf16
 needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT): the fallback to nn.Linear runs on any machine.
 
-The batch driver passes these variables on to its engine actors (pipeline.batch.cluster), so
-they reach actors on a cluster the driver joined too.
+TOKENMILL_TEST_PAUSE_AT: the name of a pause point (`pause_point`); a process reaching it stops
+itself with SIGSTOP, every thread at once, as a long GC pause, a stopped container or a slow
+node would stop it, until the test sends SIGCONT. Tests of the commit protocol stop a driver at
+the worst moment this way.
+
+TOKENMILL_TEST_PROMPT_EXIT_ON: a prompt actor asked to tokenize a shard with a row whose prompt
+contains this text exits at once (os._exit), as a tokenizer that segfaults or runs out of
+memory on one input would.
+
+The batch driver passes these variables on to its engine and prompt actors
+(pipeline.batch.cluster), so they reach actors on a cluster the driver joined too.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 
 HOOKS_ENV = "TOKENMILL_TEST_HOOKS"
 STEP_DELAY_ENV = "TOKENMILL_TEST_STEP_DELAY_S"
 ONEDNN_REFUSES_ENV = "TOKENMILL_TEST_ONEDNN_REFUSES"
-_FORWARDED = (HOOKS_ENV, STEP_DELAY_ENV, ONEDNN_REFUSES_ENV)
+PAUSE_AT_ENV = "TOKENMILL_TEST_PAUSE_AT"
+PROMPT_EXIT_ENV = "TOKENMILL_TEST_PROMPT_EXIT_ON"
+_FORWARDED = (HOOKS_ENV, STEP_DELAY_ENV, ONEDNN_REFUSES_ENV, PAUSE_AT_ENV, PROMPT_EXIT_ENV)
+# Exit status of a prompt actor the hook kills (EX_SOFTWARE), to tell it apart in logs.
+PROMPT_EXIT_STATUS = 70
 
 
 def enabled() -> bool:
@@ -37,6 +51,22 @@ def onednn_refused_dtypes() -> frozenset[str]:
         return frozenset()
     names = os.environ.get(ONEDNN_REFUSES_ENV, "").split(",")
     return frozenset(name.strip() for name in names if name.strip())
+
+
+def pause_point(name: str) -> None:
+    """Stop this process (SIGSTOP) if the hooks are on and TOKENMILL_TEST_PAUSE_AT names
+    `name`; it goes on where it stopped once it gets SIGCONT."""
+    if enabled() and os.environ.get(PAUSE_AT_ENV) == name:
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def prompt_exit_marker() -> str | None:
+    """The text that makes a prompt actor exit (None unless the hooks are on and it is set)."""
+    return (os.environ.get(PROMPT_EXIT_ENV) or None) if enabled() else None
+
+
+def exit_prompt_actor() -> None:
+    os._exit(PROMPT_EXIT_STATUS)
 
 
 def forwarded_env() -> dict[str, str]:

@@ -499,8 +499,11 @@ class ResourcesSpec(_Strict):
     max_task_retries: int = Field(
         3,
         ge=0,
-        description="Times one shard is handed out again after its actor died or its work "
-        "failed (its committed rows are kept) before the job fails.",
+        description="Times one shard is tried again after its work failed (an unreadable "
+        "input, a write failing past storage.retry_s) or a prompt actor died tokenizing it. "
+        "Past this, a shard that kills prompt actors becomes error rows naming the cause; "
+        "other failures fail the job. A shard whose engine actor died is handed out again "
+        "with its committed rows kept (the actor restarts up to max_restarts).",
     )
 
     @property
@@ -555,7 +558,8 @@ class OutputSpec(_Strict):
         120.0,
         ge=5,
         description="A run holds a lease on its output prefix (_lease.json) and renews it every "
-        "third of this; another run takes the lease over only after this long without renewal.",
+        "third of this; another run takes the lease over only after this long without renewal. "
+        "A renewal the store keeps refusing is retried for a sixth of this, then the run stops.",
     )
 
 

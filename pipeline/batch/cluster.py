@@ -133,7 +133,11 @@ def start_prompters(spec: JobSpec, passthrough: list[pa.Field]) -> Pool:
     takes CPU from them."""
     import ray
 
+    hooks = testhooks.forwarded_env()  # empty outside tests
     actor = ray.remote(PromptWorker).options(
-        num_cpus=PROMPT_STAGE_CPUS, max_restarts=-1, max_task_retries=0
+        num_cpus=PROMPT_STAGE_CPUS,
+        max_restarts=-1,
+        max_task_retries=0,
+        runtime_env={"env_vars": hooks} if hooks else None,
     )
     return Pool([actor.remote((spec, passthrough)) for _ in range(prompt_pool_size(spec))])

@@ -307,7 +307,7 @@ class EngineWorker:
 
         current = self.out.read_versioned(LEASE_NAME)
         holder = LeaseHolder.parse(current.data) if current else None
-        if holder is None or holder.run_id != self.config.run_id:
+        if holder is None or holder.run_id != self.config.run_id or holder.released:
             who = holder.describe() if holder else "no run"
             raise Fenced(
                 f"{self.out.uri}: the lease is held by {who}, not by this actor's run; not writing"

@@ -14,7 +14,9 @@ file when it holds an error row (its record's `rows` and `errors` say which). Th
 pure function of the part's rows and the job's fingerprint (ids are digests, `created` is the
 row's finish time), so an export of the same committed parts writes the same bytes whoever
 runs it, the job before `_SUCCESS` or the Batch API after a job that was killed before it got
-there. Files of parts that are no longer committed (replaced by `--retry-errors`) are deleted.
+there. Files of parts that are no longer committed (replaced by `--retry-errors`) are deleted,
+by a run only after its manifest no longer lists those parts, and never those of a part
+written by a newer run (pipeline.batch.commit.committer says why).
 
 The response body is built by pipeline.serve.protocol's `choices_body`, so a batch answer
 has exactly the shape (and usage, with cached tokens and cost) of the Serve endpoint's; a
@@ -31,7 +33,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline.batch.commit.parts import PART_RE, PartRecord, read_part
+from pipeline.batch.commit.parts import PART_RE, PartName, PartRecord, read_part
 from pipeline.serve.protocol import Choice, ResponseIds, Usage, choices_body
 from pipeline.storage import OutputDir
 
@@ -191,17 +193,45 @@ def export_part(out: OutputDir, part_name: str, ctx: LineContext) -> list[str]:
 
 def export_committed(out: OutputDir, records: Iterable[PartRecord], ctx: LineContext) -> int:
     """Bring the export files in line with the committed parts: write those missing, delete
-    those of parts no longer committed. Returns the number of parts exported now."""
-    present = {n for n in out.names("openai-") if part_of_export(n) is not None}
-    wanted: set[str] = set()
+    those of parts no longer committed (`prune_exports`). Returns the number of parts
+    exported now."""
+    records = list(records)
+    exported = write_exports(out, records, ctx)
+    prune_exports(out, records, max((r.run for r in records), default=0))
+    return exported
+
+
+def write_exports(out: OutputDir, records: Iterable[PartRecord], ctx: LineContext) -> int:
+    """Write the export files of the committed parts that lack them; returns how many parts
+    were exported now."""
+    present = _present(out)
     exported = 0
     for record in records:
         names = expected_exports(record.sums.rows, record.sums.errors, record.name)
-        wanted.update(names)
         # Written whole (one atomic put each) and deterministic: present means done.
         if not set(names) <= present:
             export_part(out, record.name, ctx)
             exported += 1
-    for name in sorted(present - wanted):
-        out.delete(name)
     return exported
+
+
+def prune_exports(out: OutputDir, records: Iterable[PartRecord], newest_run: int) -> list[str]:
+    """Delete the export files of parts that are not committed (replaced ones, mostly), except
+    those of parts written by a run numbered above `newest_run`: a run that took the output
+    over may have committed those. Returns the names deleted."""
+    wanted = {
+        name
+        for record in records
+        for name in expected_exports(record.sums.rows, record.sums.errors, record.name)
+    }
+    stale = []
+    for name in sorted(_present(out) - wanted):
+        part = PartName.parse(part_of_export(name) or "")
+        if part is not None and part.run <= newest_run:
+            out.delete(name)
+            stale.append(name)
+    return stale
+
+
+def _present(out: OutputDir) -> set[str]:
+    return {n for n in out.names("openai-") if part_of_export(n) is not None}

@@ -40,6 +40,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from engines import testhooks
 from pipeline.batch.read import ERROR, ID, MESSAGES, PROMPT, override_columns
 from pipeline.batch.shards import RowRanges, RowSelection
 from pipeline.batch.units import PreparedInfo, WorkUnit
@@ -486,7 +487,12 @@ class PromptWorker:
             selection = RowSelection(only=self._error_rows(unit))
         shard_rows = read_shard(self.spec, unit.shard, selection, self.passthrough)
         read_errors = shard_rows.table.num_rows - shard_rows.table.column(ERROR).null_count
-        table = self.stage(mark_duplicate_ids(shard_rows.table, unit.shard.describe()))
+        table = mark_duplicate_ids(shard_rows.table, unit.shard.describe())
+        if unit.failed is not None:  # the stage would kill this actor: no row is tokenized
+            table = _all_errors(table, unit.failed)
+        else:
+            _test_exit_hook(table)
+        table = self.stage(table)
         info = PreparedInfo(
             shard=unit.shard.index,
             num_rows=shard_rows.num_rows,
@@ -512,3 +518,22 @@ class PromptWorker:
             is_error = pc.fill_null(pc.equal(reasons, "error"), False).to_pylist()
             rows += [row for row, bad in zip(record.rows, is_error, strict=True) if bad]
         return RowRanges.from_indexes(rows)
+
+
+def _all_errors(table: pa.Table, message: str) -> pa.Table:
+    """Every row an error row: `message`, or the row's own error (a bad line, a duplicate id)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    errors = pc.fill_null(table.column(ERROR), message)
+    return table.set_column(table.column_names.index(ERROR), ERROR, errors.cast(pa.string()))
+
+
+def _test_exit_hook(table: pa.Table) -> None:
+    """Tests only (engines.testhooks): exit, as a crashing tokenizer would, on a shard holding
+    a prompt with the marker text."""
+    marker = testhooks.prompt_exit_marker()
+    if marker is None or PROMPT not in table.column_names:
+        return
+    if any(marker in str(p) for p in table.column(PROMPT).to_pylist()):
+        testhooks.exit_prompt_actor()

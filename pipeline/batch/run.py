@@ -253,7 +253,9 @@ def _run(
     opened = committer.open()  # ResumeRefused: another job's output
     previous = opened.previous
     if opened.already_complete and not retry_errors and previous is not None:
-        _export_openai_batch(spec, committer)  # when output.format changed since
+        if _export_openai_batch(spec, committer):  # when output.format changed since
+            newest = max((r.attempt for r in previous.runs), default=0)
+            _prune_openai_batch(spec, committer, newest)
         return _nothing_to_do(
             out,
             previous,
@@ -335,21 +337,39 @@ def _run(
         _check_duplicate_ids(spec, committer, schema, say)
     _export_openai_batch(spec, committer)  # before finish writes `_SUCCESS`
     manifest = committer.finish(
-        status, time.monotonic() - started, list(accounts.values()), events, budget_state
+        status,
+        time.monotonic() - started,
+        list(accounts.values()),
+        events,
+        budget_state,
+        prune=lambda: _prune_openai_batch(spec, committer, run.attempt),
     )
     _write_report(spec, out, say)
     return _result(spec, committer, manifest, status, limit, events)
 
 
-def _export_openai_batch(spec: JobSpec, committer: Committer) -> None:
+def _export_openai_batch(spec: JobSpec, committer: Committer) -> bool:
     """output.format openai_batch: OpenAI-format lines of exactly the committed parts
-    (pipeline.batch.openai_output); a stopped or incomplete run exports what it committed."""
+    (pipeline.batch.openai_output); a stopped or incomplete run exports what it committed.
+    Files of parts no longer committed go later (`_prune_openai_batch`), once the manifest
+    that drops those parts is written. Returns whether the job exports."""
+    if spec.output.format != "openai_batch":
+        return False
+    from pipeline.batch.openai_output import LineContext, write_exports
+
+    committer.lease.verify()  # LeaseLost if another run took the output over meanwhile
+    context = LineContext(committer.fingerprint.value, spec.cost.price_per_million is not None)
+    write_exports(committer.out, committer.ledger.records(), context)
+    return True
+
+
+def _prune_openai_batch(spec: JobSpec, committer: Committer, newest_run: int) -> None:
+    """Delete export files of parts no longer committed, up to this run's number."""
     if spec.output.format != "openai_batch":
         return
-    from pipeline.batch.openai_output import LineContext, export_committed
+    from pipeline.batch.openai_output import prune_exports
 
-    context = LineContext(committer.fingerprint.value, spec.cost.price_per_million is not None)
-    export_committed(committer.out, committer.ledger.records(), context)
+    prune_exports(committer.out, committer.ledger.records(), newest_run)
 
 
 def _ids_from_data(spec: JobSpec) -> bool:

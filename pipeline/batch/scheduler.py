@@ -12,10 +12,16 @@ Failures:
 - an engine actor dies (its process, or its node): every shard it was running goes back to
   the queue with the rows committed so far skipped; Ray restarts the actor where resources
   allow, and it gets work again once it answers `ready`; the others go on meanwhile;
-- a prompt actor dies: its shards are prepared again elsewhere;
+- a prompt actor dies: the shard it was preparing (its one call, PREPARES_PER_PROMPTER)
+  counts a failure and is prepared again after the others. A shard that killed a prompt
+  actor more than `resources.max_task_retries` times is read once more without tokenizing,
+  and its rows become error rows naming the cause, so a row that crashes the tokenizer costs
+  its shard, not the job; if even that read kills the actor, the job fails naming the shard;
 - a shard whose work fails otherwise (its input unreadable, a part write failing past the
-  storage retries) is retried up to `resources.max_task_retries` times, then the job fails
-  naming the shard and the error.
+  storage retries) counts towards the same cap, then the job fails naming the shard and the
+  error;
+- actors that never answer `ready`: the job fails after ACTOR_START_TIMEOUT_S without an
+  engine actor, or PROMPT_START_TIMEOUT_S without a prompt actor while shards wait.
 
 Stopping (SIGTERM, Ctrl-C, the budget, a lost lease): nothing new is handed out; engine
 actors are asked to stop, write what is finished and end their shards; the scheduler
@@ -24,6 +30,7 @@ returns once they have.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -39,10 +46,17 @@ from pipeline.batch.units import PartWritten, PreparedInfo, UnitEnd, WorkUnit
 logger = logging.getLogger(__name__)
 
 UNITS_PER_ACTOR = 2  # shards one engine actor works on at once
-PREPARES_PER_PROMPTER = 2  # prepare calls queued per prompt actor
+# One prepare call at a time per prompt actor: when one dies, the shard it was preparing is
+# known for certain (an actor that dies right after a call may take that call's answer with
+# it, so with two calls queued either could be the one that killed it). Tokenizing a shard
+# takes far less than generating it; the round trip between calls costs the engines nothing.
+PREPARES_PER_PROMPTER = 1
 WAIT_S = 0.5  # longest the loop sleeps without an event
 # Engine actors must answer `ready` within this (model download and load included).
 ACTOR_START_TIMEOUT_S = 1200.0
+# Without a prompt actor for this long while shards wait, the job fails (a tokenizer loads in
+# seconds; a pool the cluster cannot place never comes).
+PROMPT_START_TIMEOUT_S = 600.0
 # After asking actors to stop, give their shards this long to end.
 STOP_TIMEOUT_S = 60.0
 # Shards go to engine actors once all are up, or this long after the first one is: otherwise
@@ -155,6 +169,7 @@ class Scheduler:
         self.budget_closed = False
         self._stop_sent = False
         self._no_engine_since: float | None = time.monotonic()  # None while one is ready
+        self._no_prompter_since: float | None = time.monotonic()  # None: one is ready or idle
         self._first_ready: float | None = None  # when the first engine actor answered
         self._limitations_said: set[str] = set()  # engine limitations already logged
 
@@ -247,12 +262,14 @@ class Scheduler:
             left = tuple(p for p in unit.replace_parts if p in self.ledger.parts)
             if not left:
                 return None
-            again = WorkUnit(unit.shard, unit.run, self._next_dispatch(shard), selection, left)
         else:
             state = self.ledger.shards[shard]
             if state.is_complete:
                 return None
-            again = WorkUnit(unit.shard, unit.run, self._next_dispatch(shard), selection)
+            left = ()
+        again = dataclasses.replace(
+            unit, dispatch=self._next_dispatch(shard), selection=selection, replace_parts=left
+        )
         if front:
             self.queue.appendleft(again)
         else:
@@ -321,9 +338,8 @@ class Scheduler:
         call.slot.busy -= 1
         try:
             info: PreparedInfo = ray.get(call.info_ref)
-        except ray.exceptions.RayActorError:
-            self._lose(call.slot)
-            self.queue.appendleft(call.unit)
+        except ray.exceptions.RayActorError as exc:
+            self._lose_prompter(call, exc)
             return
         except Exception as exc:
             self._unit_failed(call.unit, exc)
@@ -332,6 +348,45 @@ class Scheduler:
         if info.num_selected == 0 and not call.unit.replace_parts:
             return  # nothing to generate in this shard (all committed, or empty)
         self.prepared.append((call.unit, info, call.rows_ref))
+
+    def _lose_prompter(self, failed: _Preparing, exc: Exception) -> None:
+        """A prompt actor died preparing `failed`'s shard (its only call: see
+        PREPARES_PER_PROMPTER): a failure of that shard."""
+        self._lose(failed.slot)
+        for ref, call in list(self.preparing.items()):  # none while one call is the limit
+            if call.slot is failed.slot:
+                del self.preparing[ref]
+                call.slot.busy -= 1
+                self.queue.appendleft(call.unit)
+        self._prepare_died(failed.unit, exc)
+
+    def _prepare_died(self, unit: WorkUnit, exc: Exception) -> None:
+        """The shard a prompt actor died preparing: a failure of the shard (see the module
+        docstring)."""
+        shard = unit.shard.index
+        self.failures[shard] = self.failures.get(shard, 0) + 1
+        count = self.failures[shard]
+        last = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc) else ''}"
+        if unit.failed is not None:
+            raise JobFailed(
+                f"{unit.shard.describe()} kills the prompt actor even when only read (no row "
+                f"tokenized), {count} deaths in all; check the input file there. Last: {last}"
+            ) from exc
+        if count <= self.max_unit_retries:
+            logger.warning(
+                "a prompt actor died preparing %s (%d time(s)); trying it again", unit.key, count
+            )
+            self.queue.append(unit)  # after the others
+            return
+        times = f"{count} time{'s' if count != 1 else ''}"
+        cause = (
+            f"not generated: the prompt actor (read + tokenize) died {times} preparing "
+            f"{unit.shard.describe()} (resources.max_task_retries {self.max_unit_retries}); a "
+            "row of this shard may crash the tokenizer or need more memory than a prompt actor "
+            f"has. Last: {last}"
+        )
+        logger.error("%s; its rows become error rows", cause)
+        self.queue.append(dataclasses.replace(unit, failed=cause))
 
     def _on_unit_event(self, running: _Running) -> None:
         ray = self._ray
@@ -367,17 +422,13 @@ class Scheduler:
         running.slot.busy -= 1
 
     def _lose(self, slot: _Slot) -> None:
-        """An actor died: hand its work out again and wait for it to come back."""
+        """An actor died: wait for it to come back; an engine actor's shards are handed out
+        again (a prompt actor's: `_lose_prompter`)."""
         if slot.ready:
             slot.ready = False
             slot.losses += 1
             slot.ping = slot.handle.ready.remote()
         if slot.kind != "engine":
-            for ref, call in list(self.preparing.items()):
-                if call.slot is slot:
-                    del self.preparing[ref]
-                    slot.busy -= 1
-                    self.queue.appendleft(call.unit)
             return
         lost_units = [r for r in self.running.values() if r.slot is slot]
         if not lost_units:
@@ -411,7 +462,8 @@ class Scheduler:
             self.accounts[key] = account
 
     def _check_start_timeout(self) -> None:
-        """Fail instead of waiting forever for an engine actor that cannot come (back)."""
+        """Fail instead of waiting forever for actors that cannot come (back)."""
+        self._check_prompters_start()
         if any(s.ready for s in self.engines):
             self._no_engine_since = None
             return
@@ -427,4 +479,20 @@ class Scheduler:
             raise JobFailed(
                 f"no engine actor was running for {ACTOR_START_TIMEOUT_S:.0f}s: the cluster "
                 "may lack the CPUs/GPUs/custom resources an actor asks for (resources.*)"
+            )
+
+    def _check_prompters_start(self) -> None:
+        waiting = bool(self.queue) and not self.stop.is_set()
+        if not waiting or any(s.ready for s in self.prompters):
+            self._no_prompter_since = None
+            return
+        now = time.monotonic()
+        if self._no_prompter_since is None:
+            self._no_prompter_since = now
+        elif now - self._no_prompter_since > PROMPT_START_TIMEOUT_S:
+            raise JobFailed(
+                f"no prompt actor (read + tokenize) was running for "
+                f"{PROMPT_START_TIMEOUT_S:.0f}s while shards waited: the cluster may lack the "
+                "CPUs or custom resources they ask for (resources.prompt_actors sets how many), "
+                "or their tokenizer does not load (model.tokenizer / model.path)"
             )

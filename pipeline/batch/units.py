@@ -25,6 +25,9 @@ class WorkUnit:
     dispatch: int  # 1.. : how often this run has handed the shard out
     selection: RowSelection  # the rows to generate
     replace_parts: tuple[str, ...] = ()  # --retry-errors: parts whose error rows are redone
+    # Set once preparing the shard killed prompt actors too often: its rows are read but not
+    # tokenized, each becomes an error row with this message (the scheduler says why).
+    failed: str | None = None
 
     @property
     def key(self) -> str:

@@ -3,16 +3,23 @@
     put(name, data)                 atomic: readers see the old object or the new one, never part
     create(name, data)              only if `name` does not exist        (S3: If-None-Match: *)
     replace(name, data, version)    only if `name` is still `version`    (S3: If-Match: <ETag>)
+    delete_if(name, version)        only if `name` is still `version`    (S3: If-Match on DELETE)
     read_versioned(name)            data, version and age by the store's own clock
 
 On S3 the conditions are the store's (one request each; a lost race is a 412). On a local
-filesystem, create is a hard link of a complete temp file (fails if the name exists) and
-replace runs under an flock on a hidden lock file beside the object, comparing the object's
-(inode, mtime, size) before an atomic rename; that fences processes on one host or one
-POSIX-locking filesystem.
+filesystem, create is a hard link of a complete temp file (fails if the name exists);
+replace and delete_if run under an flock on a hidden lock file beside the object, comparing
+the object's (inode, mtime, size) before an atomic rename or the unlink; that fences
+processes on one host or one POSIX-locking filesystem. Not every S3-compatible store honours
+If-Match on DELETE (some delete regardless): `supports_conditional_deletes` probes it.
 
 Every operation can be given a RetryPolicy (pipeline.storage.retry): transient failures are
-retried, a failed precondition never is.
+retried, a failed precondition never is. A conditional write whose first attempt landed but
+whose answer was lost (a dropped connection, a 503 after the write) is retried, by us or by the
+client library, and the retry finds the object changed: a 412 that is no lost race. So after a
+failed precondition the object is read back, and if it holds exactly the bytes written, the
+write is reported as done. That needs every write's bytes to be its own: the lease and the
+manifest carry a fresh write id.
 """
 
 from __future__ import annotations
@@ -147,13 +154,56 @@ class OutputDir:
         """Write `name` only if it does not exist; returns its version.
 
         Raises PreconditionFailed if it exists (another writer created it first)."""
-        return self._do(lambda: self._create(name, data), f"create {name}")
+        return self._conditional(lambda: self._create(name, data), name, data, "create")
 
     def replace(self, name: str, data: bytes, version: str) -> str:
         """Overwrite `name` only if its version is still `version`; returns the new version.
 
         Raises PreconditionFailed if it changed or vanished since `version` was read."""
-        return self._do(lambda: self._replace(name, data, version), f"replace {name}")
+        return self._conditional(lambda: self._replace(name, data, version), name, data, "replace")
+
+    def _conditional(self, write: Callable[[], str], name: str, data: bytes, what: str) -> str:
+        """`write()` (with retries); a failed precondition stands only if the object does not
+        hold `data`: else an earlier attempt of this very write landed (module docstring)."""
+        try:
+            return self._do(write, f"{what} {name}")
+        except PreconditionFailed:
+            current = self.read_versioned(name)
+            if current is not None and current.data == data:
+                return current.version
+            raise
+
+    def delete_if(self, name: str, version: str) -> bool:
+        """Delete `name` only if its version is still `version`; False if it was absent.
+
+        Raises PreconditionFailed if it changed since `version` was read. On a store that
+        ignores the condition (`supports_conditional_deletes`) this deletes in any case."""
+
+        def attempt() -> bool:
+            try:
+                self._delete_if(name, version)
+            except FileNotFoundError:
+                return False  # gone already (or a retry of a delete that landed)
+            return True
+
+        return self._do(attempt, f"delete {name}")
+
+    def supports_conditional_deletes(self) -> bool:
+        """Whether the store refuses a delete that names another version (probed with a
+        scratch object). Local filesystems always do."""
+        if not self.is_s3:
+            return True
+        probe = f"_probe-{uuid.uuid4().hex}"
+        self.create(probe, b"probe")
+        try:
+            self.delete_if(probe, '"00000000000000000000000000000000"')
+        except PreconditionFailed:
+            return True
+        except StorageError:
+            return False  # refused as unknown (e.g. 501 NotImplemented)
+        finally:
+            self.delete(probe)
+        return False
 
     def supports_conditional_writes(self) -> bool:
         """Whether the store refuses a second create of one name (probed with a scratch
@@ -225,6 +275,17 @@ class OutputDir:
         except Exception as exc:
             raise self._translate(exc, "replace", name) from exc
         return str(response.get("ETag", ""))
+
+    def _delete_if(self, name: str, version: str) -> None:
+        if not self.is_s3:
+            return self._local_delete_if(name, version)
+        bucket, key = self._bucket_key(name)
+        try:
+            self.fs.call_s3("delete_object", Bucket=bucket, Key=key, IfMatch=version)
+        except FileNotFoundError:
+            raise
+        except Exception as exc:
+            raise self._translate(exc, "delete", name) from exc
 
     def _translate(self, exc: Exception, what: str, name: str) -> Exception:
         """PreconditionFailed for a lost condition; transient errors as they are (they are
@@ -307,6 +368,16 @@ class OutputDir:
             if current != version:
                 raise PreconditionFailed(f"{target} changed since it was read")
             return self._local_put(name, data)
+
+    def _local_delete_if(self, name: str, version: str) -> None:
+        target = Path(self.path(name))
+        if not target.parent.exists():
+            raise FileNotFoundError(target)
+        with self._local_lock(target):  # the lock replace takes: no replace in between
+            current = _local_version(target.stat())  # FileNotFoundError: gone already
+            if current != version:
+                raise PreconditionFailed(f"{target} changed since it was read")
+            target.unlink()
 
     def remove_temp_files(self) -> None:
         """Temp files left by a process that died mid-write (local disks only)."""

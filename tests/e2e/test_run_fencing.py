@@ -5,6 +5,8 @@
 - a driver that hangs (SIGSTOP) stops renewing its lease: a second run takes the output over
   after the lease timeout, its late parts are never counted, and when the hung driver wakes
   up it exits 1 without committing anything;
+- a driver stopped inside its finish (a test hook stops it there with SIGSTOP), whose output
+  another run takes over and completes: when it wakes it deletes nothing and exits 1;
 - SIGTERM: the driver writes the rows that are finished, exits 1 (incomplete), and the rerun
   generates only the rest.
 Every output ends with each id exactly once.
@@ -22,11 +24,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
 
+from engines import testhooks
 from tests.e2e.test_run import cli_env, kill_tree, slow_engine_env
 from tests.integration.s3_server import S3Server, running_s3_server
 
@@ -192,6 +196,76 @@ def test_a_hung_driver_is_fenced_off_and_its_output_taken_over(
     assert on_disk == listed, "a part of the fenced-off run is in the output"
     ids_once([pq.read_table(out / n) for n in sorted(listed)], 240)
     assert [r["attempt"] for r in record["runs"]] == [1, 2] and record["status"] == "complete"
+
+
+# --- a driver stopped inside its finish ------------------------------------------------------
+
+
+# On the S3 server too, in the slow set: tests/integration/test_commit_takeover.py checks the
+# same stalls on S3 step by step, in seconds.
+@pytest.mark.parametrize("where", ["local", pytest.param("s3", marks=pytest.mark.slow)])
+def test_a_driver_stopped_inside_finish_wakes_after_a_takeover_and_deletes_nothing(
+    tmp_path: Path, model_dir: Path, where: str, request: pytest.FixtureRequest
+) -> None:
+    if where == "local":
+        uri, storage = str(tmp_path / "out"), None
+    else:
+        s3: S3Server = request.getfixturevalue("s3")
+        uri, storage = f"s3://{s3.make_bucket()}/out", {"endpoint_url": s3.endpoint_url}
+
+    def read(name: str) -> bytes:
+        return (Path(uri) / name).read_bytes() if where == "local" else s3.get(f"{uri}/{name}")
+
+    def part_names() -> list[str]:
+        if where == "local":
+            return sorted(p.name for p in Path(uri).glob("part-*.parquet"))
+        names = [u.rsplit("/", 1)[-1] for u in s3.list_uris(uri + "/")]
+        return [n for n in names if n.startswith("part-")]
+
+    rows = 60
+    path = job(
+        tmp_path,
+        model_dir,
+        rows,
+        uri,
+        storage=storage,
+        input={"shard_bytes": 1024},  # several shards, so the second run has some to do
+        output={"lease_timeout_s": 5},
+        sampling={"max_tokens": 16},
+    )
+    # The first driver is slow (so the stop comes midway) and stops itself, every thread at
+    # once, when it reaches Committer.finish: as a GC pause or a stopped container would.
+    env = {**slow_engine_env(0.02), testhooks.PAUSE_AT_ENV: "finish"}
+    first = start(path, env=env)
+    try:
+        wait_for(lambda: part_names(), 240, "the first driver's first part")
+        first.send_signal(signal.SIGTERM)  # it writes what is finished, then finishes
+        proc = psutil.Process(first.pid)
+        wait_for(
+            lambda: proc.status() == psutil.STATUS_STOPPED, 120, "the driver to stop in finish"
+        )
+        mine = part_names()
+        time.sleep(5 + 2)  # its lease expires (S3 dates tick in whole seconds)
+        taker = start(path)
+        out_text, err = taker.communicate(timeout=400)
+        assert taker.returncode == 0, out_text + err
+        assert "took over the lease" in err, err
+    finally:
+        os.kill(first.pid, signal.SIGCONT)
+    _, err = first.communicate(timeout=120)
+    kill_tree(first.pid)
+    assert first.returncode == 1, err  # woke up without its lease: it stops
+    assert "lease" in err, err
+    record = manifest(read)
+    assert record["status"] == "complete" and [r["attempt"] for r in record["runs"]] == [1, 2]
+    listed = {p["name"] for p in record["parts"]}
+    assert any(name.split("-")[2] == "00002" for name in listed), "the second run wrote nothing"
+    on_storage = set(part_names())
+    assert listed <= on_storage, f"committed parts were deleted: {sorted(listed - on_storage)}"
+    assert on_storage == listed, f"uncommitted parts left: {sorted(on_storage - listed)}"
+    ids_once([pq.read_table(pa.BufferReader(read(n))) for n in sorted(listed)], rows)
+    assert read("_SUCCESS") == b""
+    assert set(mine) & listed, "none of the first driver's parts was kept"
 
 
 # --- SIGTERM ---------------------------------------------------------------------------------

@@ -10,7 +10,9 @@ Two things sit between the client and moto (`S3Gate`):
   condition and then writes without a lock, where S3 does both atomically, so two racing
   conditional PUTs could both succeed on moto but never on S3;
 - injected failures: `s3.fail_next("PUT", "part-", times=2)` answers the next two matching
-  requests with 503 SlowDown, as a throttled S3 would.
+  requests with 503 SlowDown, as a throttled S3 would; `s3.fail_after("PUT", "_lease", 1)`
+  lets the next matching request through and then answers 503 all the same, as when a
+  response is lost on its way back: the write landed, and the client retries it.
 
     with running_s3_server() as s3:            # or the `s3_server` fixture in conftest.py
         bucket = s3.make_bucket()              # fresh, unique bucket per test
@@ -73,6 +75,7 @@ class _Fault:
     status: int
     code: str
     served: int = 0
+    after: bool = False  # let the request through first (it lands), then answer the error
 
 
 class S3Gate:
@@ -93,6 +96,12 @@ class S3Gate:
                     return fault
         return None
 
+    def _serve(self, environ: dict[str, Any], start_response: Any) -> Iterable[bytes]:
+        if environ.get("HTTP_IF_NONE_MATCH") or environ.get("HTTP_IF_MATCH"):
+            with self._conditional:
+                return list(self.app(environ, start_response))
+        return self.app(environ, start_response)
+
     def __call__(self, environ: dict[str, Any], start_response: Any) -> Iterable[bytes]:
         fault = self._fault_for(environ["REQUEST_METHOD"], environ.get("PATH_INFO", ""))
         if fault is not None:
@@ -100,16 +109,16 @@ class S3Gate:
                 f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{fault.code}</Code>'
                 f"<Message>injected by the test</Message></Error>"
             ).encode()
-            environ["wsgi.input"].read(int(environ.get("CONTENT_LENGTH") or 0))
+            if fault.after:  # the request lands; its answer is replaced below
+                list(self._serve(environ, lambda *args, **kwargs: None))
+            else:
+                environ["wsgi.input"].read(int(environ.get("CONTENT_LENGTH") or 0))
             start_response(
                 f"{fault.status} Injected",
                 [("Content-Type", "application/xml"), ("Content-Length", str(len(body)))],
             )
             return [body]
-        if environ.get("HTTP_IF_NONE_MATCH") or environ.get("HTTP_IF_MATCH"):
-            with self._conditional:
-                return list(self.app(environ, start_response))
-        return self.app(environ, start_response)
+        return self._serve(environ, start_response)
 
 
 @dataclass
@@ -124,8 +133,17 @@ class S3Server:
     ) -> _Fault:
         """Answer the next `times` requests of `method` whose path contains `key_contains` with
         an S3 error (503 SlowDown by default); returns the fault, whose `served` counts them."""
+        return self._arm(_Fault(method, key_contains, times, status, code))
+
+    def fail_after(
+        self, method: str, key_contains: str, times: int, status: int = 503, code: str = "SlowDown"
+    ) -> _Fault:
+        """Like `fail_next`, but each matching request is carried out first: the write lands,
+        the client sees the error (a response lost on its way back)."""
+        return self._arm(_Fault(method, key_contains, times, status, code, after=True))
+
+    def _arm(self, fault: _Fault) -> _Fault:
         assert self.gate is not None
-        fault = _Fault(method, key_contains, times, status, code)
         with self.gate._faults_lock:
             self.gate.faults.append(fault)
         return fault

@@ -10,13 +10,15 @@ from __future__ import annotations
 import datetime as dt
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pytest
 
 from pipeline.batch.commit.fingerprint import COMPONENTS, Fingerprint, job_fingerprint
-from pipeline.batch.commit.lease import Lease, LeaseHeld, LeaseLost
+from pipeline.batch.commit.lease import Lease, LeaseHeld, LeaseHolder, LeaseLost, new_holder
 from pipeline.batch.commit.manifest import (
     Manifest,
     ManifestConflict,
@@ -89,6 +91,7 @@ def out(request: pytest.FixtureRequest, tmp_path: Path) -> OutputDir:
 
 def test_create_is_create_only_and_replace_needs_the_current_version(out: OutputDir) -> None:
     assert out.supports_conditional_writes()
+    assert out.supports_conditional_deletes()  # moto honours If-Match on DELETE
     first = out.create("obj", b"one")
     with pytest.raises(PreconditionFailed):
         out.create("obj", b"two")
@@ -182,6 +185,75 @@ def test_a_lease_that_is_not_renewed_is_taken_over_and_the_old_holder_loses_it(
     taker.release()
 
 
+def _take_over_before(out: OutputDir, monkeypatch: pytest.MonkeyPatch, name: str) -> list[str]:
+    """Make another run take the lease over just before `out` next deletes or conditionally
+    writes `name`, whichever call it makes (the last moment a release can lose a race).
+    Returns [the new holder's run id] once that happened."""
+    other = OutputDir(out.uri, out.storage)
+    taker = new_holder(60)
+    taken: list[str] = []
+
+    def wrap(method: Callable[..., Any]) -> Callable[..., Any]:
+        def call(target: str, *args: Any, **kwargs: Any) -> Any:
+            if target == name and not taken:
+                current = other.read_versioned(LEASE_NAME)
+                assert current is not None
+                other.replace(LEASE_NAME, taker.to_bytes(), current.version)
+                taken.append(taker.run_id)
+            return method(target, *args, **kwargs)
+
+        return call
+
+    for attr in ("delete", "delete_if", "replace"):
+        if hasattr(out, attr):
+            monkeypatch.setattr(out, attr, wrap(getattr(out, attr)))
+    return taken
+
+
+def _holder_on_storage(out: OutputDir) -> LeaseHolder | None:
+    current = OutputDir(out.uri, out.storage).read_versioned(LEASE_NAME)
+    return None if current is None else LeaseHolder.parse(current.data)
+
+
+def _without_conditional_deletes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store that ignores If-Match on DELETE (it deletes whatever the object holds)."""
+    monkeypatch.setattr(
+        OutputDir, "supports_conditional_deletes", lambda self: False, raising=False
+    )
+
+
+@pytest.mark.parametrize("deletes", ["conditional", "unconditional"])
+def test_release_does_not_delete_a_lease_another_run_wrote_at_the_last_moment(
+    out: OutputDir, monkeypatch: pytest.MonkeyPatch, deletes: str
+) -> None:
+    if deletes == "unconditional":
+        _without_conditional_deletes(monkeypatch)
+    mine = OutputDir(out.uri, out.storage)
+    lease = Lease.acquire(mine, timeout_s=60)
+    taken = _take_over_before(mine, monkeypatch, LEASE_NAME)
+    lease.release()
+    assert taken, "the other run never took the lease over"
+    holder = _holder_on_storage(out)
+    assert holder is not None, "release deleted the lease the other run had just written"
+    assert holder.run_id == taken[0]
+
+
+def test_where_deletes_are_not_conditional_release_leaves_a_released_lease(
+    out: OutputDir, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _without_conditional_deletes(monkeypatch)
+    first = Lease.acquire(out, timeout_s=60)
+    first.release()
+    holder = _holder_on_storage(out)
+    assert holder is not None and holder.run_id == first.run_id and holder.released
+    second = Lease.acquire(out, timeout_s=60)  # a released lease is free at once
+    assert second.taken_over is not None and second.taken_over.run_id == first.run_id
+    with pytest.raises(LeaseLost):
+        first.verify()
+    second.verify()
+    second.release()
+
+
 def test_manifest_writes_are_compare_and_swap(out: OutputDir) -> None:
     manifest = Manifest(
         job="j",
@@ -225,6 +297,113 @@ def test_throttled_puts_are_retried_until_they_succeed(s3_server: S3Server, buck
     with pytest.raises(StorageError, match="PermissionError"):
         patient.put("_manifest.json", b"{}")
     assert denied.served == 1  # permanent: not retried
+
+
+def _land_then_fail(out: OutputDir, request: pytest.FixtureRequest) -> Callable[[str], Any]:
+    """`arm(name)`: the next conditional write of `name` lands, then its caller sees a
+    transient error (a connection reset, a 503 whose write went through) and retries it.
+    S3: the test server carries the PUT out and answers 503; local: the write is made and a
+    ConnectionResetError raised after it."""
+    if out.is_s3:
+        server: S3Server = request.getfixturevalue("s3_server")
+        return lambda name: server.fail_after("PUT", "/" + out.path(name), times=1)
+    monkeypatch: pytest.MonkeyPatch = request.getfixturevalue("monkeypatch")
+    armed: dict[str, list[int]] = {}
+
+    def flaky(method: Callable[..., str]) -> Callable[..., str]:
+        def write(self: OutputDir, name: str, *args: Any) -> str:
+            version = method(self, name, *args)
+            if name in armed and not armed[name]:
+                armed[name].append(1)
+                raise ConnectionResetError("injected: the connection dropped after the write")
+            return version
+
+        return write
+
+    monkeypatch.setattr(OutputDir, "_local_create", flaky(OutputDir._local_create))
+    monkeypatch.setattr(OutputDir, "_local_replace", flaky(OutputDir._local_replace))
+
+    def arm(name: str) -> list[int]:
+        armed[name] = []
+        return armed[name]
+
+    return arm
+
+
+def _served(fault: Any) -> bool:
+    return bool(fault.served) if hasattr(fault, "served") else bool(fault)
+
+
+def _manifest(run_id: str = "") -> Manifest:
+    return Manifest(
+        job="j",
+        status="running",
+        fingerprint={"value": "v", "components": {}},
+        spec={},
+        input_files=[],
+        schema=[],
+        shards=[],
+        runs=[RunRecord(attempt=1, started_at="t", mode="run", run_id=run_id)],
+    )
+
+
+def _patient(out: OutputDir) -> OutputDir:
+    return out.with_retries(RetryPolicy(total_s=30, first_delay_s=0.01))
+
+
+def test_acquire_whose_create_landed_before_a_transient_error_holds_the_lease(
+    out: OutputDir, request: pytest.FixtureRequest
+) -> None:
+    arm, patient = _land_then_fail(out, request), _patient(out)
+    fault = arm(LEASE_NAME)
+    lease = Lease.acquire(patient, timeout_s=60)  # not refused against its own lease
+    assert _served(fault), "the injected failure was not hit"
+    assert lease.version == patient.read_versioned(LEASE_NAME).version  # type: ignore[union-attr]
+    lease.renew()
+    lease.release()
+    assert not out.exists(LEASE_NAME)
+
+
+def test_a_renewal_that_landed_before_a_transient_error_keeps_the_lease(
+    out: OutputDir, request: pytest.FixtureRequest
+) -> None:
+    arm, patient = _land_then_fail(out, request), _patient(out)
+    lease = Lease.acquire(patient, timeout_s=60)
+    fault = arm(LEASE_NAME)
+    lease.renew()  # not LeaseLost
+    assert _served(fault), "the injected failure was not hit"
+    lease.renew()  # the version it holds is the one on storage
+    lease.verify()
+    lease.release()
+
+
+def test_a_manifest_write_that_landed_before_a_transient_error_is_no_conflict(
+    out: OutputDir, request: pytest.FixtureRequest
+) -> None:
+    arm, patient = _land_then_fail(out, request), _patient(out)
+    store, manifest = ManifestStore(patient), _manifest("run-1")
+    for what in ("create", "replace"):
+        fault = arm("_manifest.json")
+        manifest.status = "running" if what == "create" else "incomplete"
+        store.write(manifest)  # not ManifestConflict
+        assert _served(fault), f"the injected failure was not hit ({what})"
+    store.write(manifest)  # the version it holds is the one on storage
+    back = read_manifest(out)
+    assert back is not None and back.status == "incomplete"
+
+
+def test_a_conditional_write_that_did_not_land_still_loses(out: OutputDir) -> None:
+    patient = _patient(out)
+    mine, other = ManifestStore(patient), ManifestStore(patient)
+    mine.write(_manifest("run-1"))
+    other.read()
+    other.write(_manifest("run-2"))
+    with pytest.raises(ManifestConflict):
+        mine.write(_manifest("run-1"))
+    first = Lease.acquire(patient, timeout_s=60)
+    with pytest.raises(LeaseHeld):
+        Lease.acquire(patient, timeout_s=60)
+    first.release()
 
 
 # --- fingerprint and manifest ----------------------------------------------------------------

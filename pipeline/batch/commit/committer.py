@@ -4,13 +4,23 @@
             the parts a crashed run wrote but did not record, number this run, record it
     commit  every part an engine actor reports goes through the ledger; accepted parts are
             written into the manifest at least every `output.commit_interval_s`
-    finish  record the run, delete part files the manifest does not list (refused
-            duplicates, a crashed run's unreadable leftovers, a fenced-off run's late parts),
-            compute the totals from the manifest alone, write the status, then `_SUCCESS`
+    finish  record the run, the totals (from the manifest alone) and the status; then
+            delete the part files that manifest does not list (refused duplicates, replaced
+            parts, a crashed run's leftovers, a fenced-off run's late parts); `_SUCCESS` last,
             when every input row of every shard is committed
 
 Every manifest write is a compare-and-swap under the run's lease, so nothing here can commit
-after another run took the output over.
+after another run took the output over. Deleting cannot be made conditional on the lease (the
+lease is another object), and a driver can stall between any two requests (a GC pause, a
+stopped container) and wake after another run took the output over. So a run deletes only
+what no other run can hold committed:
+
+- it checks the lease before it deletes anything, and deletes files only after the manifest
+  write that settles them (the compare-and-swap fails if another run wrote since);
+- a run whose end is recorded (`finished_at`) has settled its parts and every earlier run's:
+  a part of such a run that the manifest does not list is garbage, and no later run adopts it;
+- it never deletes a part of a run numbered above its own (only a run that took over numbers
+  itself higher), nor, while adopting, a part of a run it does not know.
 """
 
 from __future__ import annotations
@@ -19,11 +29,13 @@ import dataclasses
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from engines import testhooks
 from pipeline.batch.commit.fingerprint import Fingerprint
-from pipeline.batch.commit.lease import Lease
+from pipeline.batch.commit.lease import Lease, LeaseLost
 from pipeline.batch.commit.ledger import CommitLedger, Decision
 from pipeline.batch.commit.manifest import (
     PROTOCOL,
@@ -46,12 +58,9 @@ from pipeline.batch.commit.stats import RowStats, SpecCounts
 from pipeline.batch.shards import ShardPlan
 from pipeline.batch.units import PartWritten
 from pipeline.spec import JobSpec
-from pipeline.storage import OutputDir
+from pipeline.storage import OutputDir, PreconditionFailed
 
 logger = logging.getLogger(__name__)
-
-# Files `--fresh` deletes besides the parts (the report is rewritten by every run anyway).
-JOB_FILES = (MANIFEST_NAME, SUCCESS_NAME)
 
 
 class ResumeRefused(RuntimeError):
@@ -102,8 +111,25 @@ class Committer:
     # --- open --------------------------------------------------------------------------------
 
     def clear(self) -> None:
-        """--fresh: delete this job's parts, manifest and marker; other files stay."""
-        for name in [*list_part_names(self.out), *JOB_FILES]:
+        """--fresh: delete this job's manifest, parts and marker; other files stay.
+
+        The manifest goes first, by a conditional delete of the version read before the
+        lease was checked: a run that took the output over has rewritten it since, and then
+        nothing is deleted (LeaseLost); a run taking over later finds parts without a
+        manifest and refuses to touch them."""
+        current = self.out.read_versioned(MANIFEST_NAME)
+        self.lease.verify()  # LeaseLost: another run took the output over meanwhile
+        if current is not None:
+            try:
+                if self.lease.conditional_deletes:
+                    self.out.delete_if(MANIFEST_NAME, current.version)
+                else:
+                    self.out.delete(MANIFEST_NAME)
+            except PreconditionFailed:
+                reason = f"{self.out.uri}: another run wrote the manifest while --fresh cleared it"
+                self.lease.mark_lost(reason)
+                raise LeaseLost(reason) from None
+        for name in [*list_part_names(self.out), SUCCESS_NAME]:
             self.out.delete(name)
 
     def open(self) -> OpenedOutput:
@@ -152,21 +178,31 @@ class Committer:
     def adopt_orphans(self) -> list[str]:
         """Record the parts an earlier run wrote but did not get into the manifest (its driver
         died between the two), from their footers; delete part files that cannot be adopted.
-        Called once, before this run writes any part."""
+        Called once, before this run writes any part.
+
+        Only parts of runs that did not record their end can be adopted: a finished run's
+        unlisted parts are garbage it may be deleting right now. Parts of a run the manifest
+        does not name belong to a run that started after it was read (one that took the
+        output over): they are left alone."""
+        runs = self.manifest.runs if self.manifest else []
         listed = set(self.ledger.parts)
-        earlier = {r.attempt for r in (self.manifest.runs if self.manifest else [])}
+        earlier = {r.attempt for r in runs}
+        settled = settled_attempt(runs)
+        self.lease.verify()  # LeaseLost before anything is deleted if the output was taken
         adopted = []
         for name in list_part_names(self.out):
             if name in listed:
                 continue
             part = PartName.parse(name)
+            if part is None or part.run > max(earlier, default=0):
+                continue  # a newer run's (see the docstring)
             record = read_part_record(self.out, name)
             ok = (
-                part is not None
-                and record is not None
+                record is not None
                 and record.name == name
                 and record.replaces is None
                 and part.run in earlier
+                and part.run > settled
             )
             if ok and record is not None:
                 size, version = self.out.stat(name)
@@ -203,8 +239,8 @@ class Committer:
             duplicate_ids=self.manifest.duplicate_ids if self.manifest else None,
             fenced=self.fenced,
         )
+        self.save(force=True)  # LeaseLost / ManifestConflict if another run took over
         self.out.delete(SUCCESS_NAME)  # the parts may change from here on
-        self.save(force=True)
         return self.run
 
     # --- commit ------------------------------------------------------------------------------
@@ -275,15 +311,15 @@ class Committer:
         accounts: list[dict[str, Any]],
         events: list[dict[str, Any]],
         budget: dict[str, Any] | None,
+        prune: Callable[[], None] | None = None,
     ) -> Manifest:
-        """Record the run's end and the totals; `_SUCCESS` last, when complete."""
+        """Record the run's end and the totals, delete what that record settles as garbage
+        (then `prune()`: other files derived from parts no longer committed); `_SUCCESS`
+        last, when complete."""
         assert self.manifest is not None and self.run is not None
-        for name in self.refused:
-            self.out.delete(name)
-        committed = set(self.ledger.parts)
-        for name in list_part_names(self.out):
-            if name not in committed:  # a fenced-off run's late part, or a leftover
-                self.out.delete(name)
+        testhooks.pause_point("finish")  # tests: a driver that stalls here
+        self.lease.verify()  # LeaseLost before anything changes if another run took over
+        stale = self._stale_parts()
         self.run.wall_s = wall_s
         self.run.finished_at = utc_now()
         self.run.actors = accounts
@@ -304,10 +340,31 @@ class Committer:
             }
         self.manifest.totals = compute_totals(self.ledger, self.manifest.runs, self.spec)
         self.lease.verify()
-        self.store.write(self.manifest)
+        self.store.write(self.manifest)  # ManifestConflict if another run wrote since
+        # From here the stale parts are garbage by this run's own record: no run adopts them.
+        for name in stale:
+            self.out.delete(name)
+        if prune is not None:
+            prune()
         if status == "complete":
             self.out.put(SUCCESS_NAME, b"")  # last: marks the output complete
         return self.manifest
+
+    def _stale_parts(self) -> list[str]:
+        """Part files this run's record will not list: refused and replaced parts, leftovers
+        of earlier runs. Never a part of a run numbered above this one (a run that took the
+        output over)."""
+        assert self.run is not None
+        committed = set(self.ledger.parts)
+        names = {*self.refused, *list_part_names(self.out)} - committed
+        parsed = ((n, PartName.parse(n)) for n in sorted(names))
+        return [n for n, part in parsed if part is not None and part.run <= self.run.attempt]
+
+
+def settled_attempt(runs: list[RunRecord]) -> int:
+    """The highest attempt that recorded its end (0: none): every part of it and of earlier
+    runs that the manifest does not list is garbage."""
+    return max((r.attempt for r in runs if r.finished_at is not None), default=0)
 
 
 def compute_totals(ledger: CommitLedger, runs: list[RunRecord], spec: JobSpec) -> dict[str, Any]:

@@ -13,7 +13,14 @@
   certain, and a rerun after a crash should not wait out the timeout.
 - renew: a conditional replace of the version this run wrote last, every third of the timeout.
   If it fails, another run took the lease over: `LeaseLost`, and this run must stop at once.
-- release: delete it, if it is still ours.
+  Transient failures are retried for a sixth of the timeout only (not `storage.retry_s`): a
+  renewal that cannot get through gives up, and the run stops, at most half a timeout after
+  the last renewal that did, well before another run may take the lease over.
+- release: delete it if it is still the version this run wrote last, in one conditional
+  request (S3 `If-Match` on DELETE; locally under the lock the compare-and-swap takes), so a
+  lease another run took over meanwhile stays. Where the store ignores If-Match on DELETE
+  (probed at acquire), release instead marks the lease released by a conditional replace, and
+  acquire takes a released lease over at once.
 
 The manifest is written the same way (compare-and-swap on its version), so a run that lost its
 lease can no longer record a part: its late parts are never counted.
@@ -24,6 +31,7 @@ Stores that ignore conditional writes cannot fence: `acquire` then works unfence
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -35,9 +43,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from pipeline.batch.commit.parts import LEASE_NAME
-from pipeline.storage import OutputDir, PreconditionFailed
+from pipeline.storage import OutputDir, PreconditionFailed, RetryPolicy
 
 logger = logging.getLogger(__name__)
+
+# Renewals are retried for this fraction of the lease timeout (see the module docstring).
+RENEW_RETRY_FRACTION = 1 / 6
 
 
 class LeaseHeld(RuntimeError):
@@ -85,6 +96,7 @@ class LeaseHolder:
     started_at: float  # epoch seconds
     timeout_s: float
     machine: str = ""  # _machine_id() of the holder ("" when unknown)
+    released: bool = False  # the run gave the lease up (stores without conditional deletes)
 
     def is_dead_here(self) -> bool:
         """The holder ran on this machine and its process is gone."""
@@ -92,7 +104,10 @@ class LeaseHolder:
         return bool(here) and self.machine == here and self.pid > 0 and _process_gone(self.pid)
 
     def to_bytes(self) -> bytes:
-        return json.dumps({**asdict(self), "renewed_at": time.time()}).encode()
+        """The lease's content for one write: `write_id` makes every write's bytes its own (a
+        retried write recognises them on storage: pipeline.storage.prefix)."""
+        fields = {**asdict(self), "renewed_at": time.time(), "write_id": uuid.uuid4().hex}
+        return json.dumps(fields).encode()
 
     @classmethod
     def parse(cls, data: bytes) -> LeaseHolder | None:
@@ -106,6 +121,7 @@ class LeaseHolder:
                 float(raw.get("started_at", 0.0)),
                 float(raw.get("timeout_s", 0.0)),
                 str(raw.get("machine", "")),
+                bool(raw.get("released", False)),
             )
         except (ValueError, KeyError, TypeError):
             return None
@@ -130,8 +146,22 @@ def new_holder(timeout_s: float) -> LeaseHolder:
 class Lease:
     """A held lease on one output prefix (see the module docstring)."""
 
-    def __init__(self, out: OutputDir, holder: LeaseHolder, version: str, fenced: bool):
+    def __init__(
+        self,
+        out: OutputDir,
+        holder: LeaseHolder,
+        version: str,
+        fenced: bool,
+        conditional_deletes: bool = True,
+    ):
         self.out = out
+        self.conditional_deletes = conditional_deletes  # the store honours If-Match on DELETE
+        bound = holder.timeout_s * RENEW_RETRY_FRACTION
+        self._renewing = out.with_retries(
+            RetryPolicy(min(out.retry.total_s, bound), first_delay_s=min(0.5, bound / 8))
+            if out.retry is not None
+            else None
+        )
         self.holder = holder
         self.version = version
         self.fenced = fenced
@@ -153,6 +183,7 @@ class Lease:
         """Take the output's lease or raise LeaseHeld (see the module docstring)."""
         holder = new_holder(timeout_s)
         fenced = out.supports_conditional_writes()
+        deletes = fenced and out.supports_conditional_deletes()
         if not fenced:
             logger.warning(
                 "%s: the store ignores conditional writes (If-None-Match), so two runs on this "
@@ -163,7 +194,7 @@ class Lease:
         for _ in range(3):  # a lease that vanishes or changes between our steps: look again
             try:
                 version = out.create(LEASE_NAME, holder.to_bytes())
-                return cls(out, holder, version, fenced)
+                return cls(out, holder, version, fenced, deletes)
             except PreconditionFailed:
                 pass
             current = out.read_versioned(LEASE_NAME)
@@ -172,7 +203,8 @@ class Lease:
             other = LeaseHolder.parse(current.data)
             timeout = max(timeout_s, other.timeout_s if other else 0.0)
             dead = other is not None and other.is_dead_here()
-            if current.age_s < timeout and not dead:
+            free = dead or (other is not None and other.released)
+            if current.age_s < timeout and not free:
                 who = other.describe() if other else "another run"
                 raise LeaseHeld(
                     f"{out.uri} is being written by {who}: it renewed its lease "
@@ -185,8 +217,11 @@ class Lease:
                 version = out.replace(LEASE_NAME, holder.to_bytes(), current.version)
             except PreconditionFailed:
                 continue  # someone renewed or took it over meanwhile: look again
-            lease = cls(out, holder, version, fenced)
+            lease = cls(out, holder, version, fenced, deletes)
             lease.taken_over = other
+            if other is not None and other.released:
+                logger.info("%s: took the lease %s had released", out.uri, other.describe())
+                return lease
             logger.warning(
                 "%s: took over the lease of %s, %s",
                 out.uri,
@@ -209,7 +244,9 @@ class Lease:
             if self._lost:
                 raise LeaseLost(self._lost)
             try:
-                self.version = self.out.replace(LEASE_NAME, self.holder.to_bytes(), self.version)
+                self.version = self._renewing.replace(
+                    LEASE_NAME, self.holder.to_bytes(), self.version
+                )
             except PreconditionFailed:
                 self._lost = (
                     f"{self.out.uri}: this run's lease was taken over by another run (it was not "
@@ -224,8 +261,8 @@ class Lease:
         it writes, not after."""
         current = self.out.read_versioned(LEASE_NAME)
         holder = LeaseHolder.parse(current.data) if current else None
-        if holder is None or holder.run_id != self.run_id:
-            who = holder.describe() if holder else "no run (it was released)"
+        if holder is None or holder.run_id != self.run_id or holder.released:
+            who = holder.describe() if holder and not holder.released else "no run (released)"
             self.mark_lost(f"{self.out.uri}: the lease is now held by {who}")
             raise LeaseLost(self._lost or "lease lost")
 
@@ -234,14 +271,23 @@ class Lease:
             self._lost = self._lost or reason
 
     def release(self) -> None:
-        """Give the lease up (only if it is still ours)."""
+        """Give the lease up, only if it is still ours (see the module docstring)."""
         with self._lock:
             if self._lost:
                 return
-            current = self.out.read_versioned(LEASE_NAME)
-            if current is not None and current.version == self.version:
-                self.out.delete(LEASE_NAME)
             self._lost = "released"
+            try:
+                if not self.fenced:  # nothing is conditional on this store
+                    current = self.out.read_versioned(LEASE_NAME)
+                    if current is not None and current.version == self.version:
+                        self.out.delete(LEASE_NAME)
+                elif self.conditional_deletes:
+                    self.out.delete_if(LEASE_NAME, self.version)
+                else:
+                    gone = dataclasses.replace(self.holder, released=True)
+                    self.out.replace(LEASE_NAME, gone.to_bytes(), self.version)
+            except PreconditionFailed:
+                logger.info("%s: the lease is another run's now; left as it is", self.out.uri)
 
 
 class LeaseKeeper:

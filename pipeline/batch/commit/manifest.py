@@ -21,6 +21,7 @@ import datetime as dt
 import json
 import platform
 import re
+import uuid
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from typing import Any, Literal
@@ -121,6 +122,9 @@ class Manifest:
     protocol: int = PROTOCOL
     versions: dict[str, str] = field(default_factory=versions)
     updated_at: str = field(default_factory=utc_now)
+    # Fresh on every write: a write retried after its answer was lost recognises its own
+    # bytes on storage (pipeline.storage.prefix), even if another write had the same content.
+    write_id: str = ""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"), default=str)
@@ -173,6 +177,7 @@ class ManifestStore:
         """Replace the manifest if it is still the version this store knows; raises
         ManifestConflict if another run wrote it since."""
         manifest.updated_at = utc_now()
+        manifest.write_id = uuid.uuid4().hex
         data = manifest.to_json().encode()
         try:
             if self.version is None:
