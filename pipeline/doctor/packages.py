@@ -15,7 +15,7 @@ from pipeline.doctor.findings import Finding, Status
 DIST = "tokenmill"
 # Reported by name even when fine: the versions that decide what runs.
 KEY_PACKAGES = ("torch", "transformers", "tokenizers", "xgrammar", "numpy", "ray", "pyarrow")
-# Imports each optional part needs at run time, by extra (pyproject's optional-dependencies).
+# What each extra (pyproject's optional-dependencies) makes possible, as the doctor names it.
 EXTRA_USES = {
     "serve": "tokenmill serve and the Batch API",
     "quantize": "tokenmill quantize and model.quantization",
