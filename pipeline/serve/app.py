@@ -833,7 +833,7 @@ def build_app(spec: ServeSpec, keys: KeyDigests) -> serve.Application:
     """The bound application: one ingress, one engine deployment per served model; with
     http.one_hop, one deployment that is both."""
     # The ingress refuses requests beyond http.max_concurrent_requests itself (429 in OpenAI's
-    # shape); Serve's cap sits above it so probes and those refusals still get in. The proxy's
+    # shape); Serve's cap sits above it so /metrics and those refusals still get in. The proxy's
     # queue of requests not yet assigned to an ingress replica is bounded too: a burst larger
     # than it gets Serve's own 429 (plain-text body) with Retry-After.
     bounds = {

@@ -12,12 +12,12 @@ engine replicas are doing:
 - /health (liveness): 200 `{"status": "ok"}` while the HTTP path and this replica answer. It
   says nothing about engines: a broken engine gets its replica replaced by Serve, never the
   pod restarted.
-- /ready (readiness): the readiness view (pipeline/serve/readiness.py), kept by two background
-  threads, one reading Serve's status every STATUS_REFRESH_S, one reading the replicas' reports
-  on the app's board every REPORTS_REFRESH_S, so a slow controller never delays the replicas'
-  news. 200 when every model has a replica that can serve, else 503; the body has counts and
-  the view's age, never model names (the probes need no key; the names of the models not
-  serving go to this replica's log).
+- /ready (readiness): the readiness view (pipeline/serve/readiness.py), refreshed by a
+  background thread that reads the app's board every REFRESH_S: the replicas' reports and
+  Serve's running replicas, which the board keeps (so neither a slow controller nor parsing
+  its status ever holds up this process). 200 when every model has a replica that can serve,
+  else 503; the body has counts and the view's age, never model names (the probes need no
+  key; the names of the models not serving go to this replica's log).
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ from ray import serve
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from pipeline.serve.board import STALE_AFTER_S, open_board
+from pipeline.serve.board import STALE_AFTER_S, Snapshot, open_board
 from pipeline.serve.protocol import ApiError
-from pipeline.serve.readiness import ReadinessView, running_replicas
+from pipeline.serve.readiness import ReadinessView
 from pipeline.serve.spec import ServeSpec, engine_deployments
 
 logger = logging.getLogger(__name__)
@@ -43,9 +43,7 @@ logger = logging.getLogger(__name__)
 READY_ROUTE = "/ready"
 HEALTH_ROUTE = "/health"
 # Replicas push a failure to the board at once; this is how soon /ready sees it.
-REPORTS_REFRESH_S = 0.2
-# How soon /ready sees a replica Serve has added or removed (one controller call each time).
-STATUS_REFRESH_S = 0.5
+REFRESH_S = 0.2
 BOARD_READ_TIMEOUT_S = 2.0
 # Probes are cheap: let many in at once rather than queue them behind Serve's default cap.
 PROBE_OPTIONS: dict[str, Any] = {
@@ -66,14 +64,11 @@ class ReadyProbe:
 
     def __init__(self, app_name: str, deployments: Mapping[str, str]) -> None:
         self._app_name = app_name
-        self._deployments = dict(deployments)  # model name -> its engine deployment
-        self._view = ReadinessView(list(deployments), STALE_AFTER_S)
+        self._view = ReadinessView(deployments, STALE_AFTER_S)
         self._board: Any = None
         self._logged: tuple[str, ...] | None = None  # the unserved models last logged
-        self._log_lock = threading.Lock()
         self._stop = threading.Event()
-        _every(STATUS_REFRESH_S, self._stop, self._read_status, "Serve's status")
-        _every(REPORTS_REFRESH_S, self._stop, self._read_reports, "the replicas' reports")
+        _every(REFRESH_S, self._stop, self._refresh, "the app's board")
 
     async def __call__(self, request: Request) -> JSONResponse:
         if not _is_the_probe(request):
@@ -81,33 +76,28 @@ class ReadyProbe:
         readiness = self._view.current(time.monotonic())
         return JSONResponse(readiness.body(), status_code=200 if readiness.ready else 503)
 
-    def _read_status(self) -> None:
-        status = serve.status()  # a controller round trip, however long it takes
-        self._view.set_running(
-            running_replicas(status, self._app_name, self._deployments), time.monotonic()
-        )
-        self._log_change()
-
-    def _read_reports(self) -> None:
+    def _refresh(self) -> None:
         if self._board is None:
             self._board = open_board(self._app_name)
         try:
-            reports = ray.get(self._board.reports.remote(), timeout=BOARD_READ_TIMEOUT_S)
+            snapshot: Snapshot = ray.get(
+                self._board.snapshot.remote(), timeout=BOARD_READ_TIMEOUT_S
+            )
         except Exception:
             self._board = None  # killed (its app was redeployed): open it again next time
             raise
-        self._view.set_reports(reports, time.monotonic())
-        self._log_change()
+        now = time.monotonic()
+        if snapshot.running is not None:
+            self._view.set_running(snapshot.running, at=now - snapshot.running_age_s)
+        self._view.set_reports(snapshot.reports, at=now)
+        self._log_change(now)
 
-    def _log_change(self) -> None:
+    def _log_change(self, now: float) -> None:
         """Log which models stopped or started serving (by name: the log is the operator's)."""
-        readiness = self._view.current(time.monotonic())
-        if readiness.age_s is None:
-            return  # not both sources read yet
-        with self._log_lock:
-            if readiness.unserved == self._logged:
-                return
-            self._logged = readiness.unserved
+        readiness = self._view.current(now)
+        if readiness.age_s is None or readiness.unserved == self._logged:
+            return
+        self._logged = readiness.unserved
         if readiness.unserved:
             logger.warning(
                 "app %s: no replica can serve %s", self._app_name, ", ".join(readiness.unserved)
@@ -194,10 +184,15 @@ def probe_targets(spec: ServeSpec, app_name: str, **run_options: Any) -> list[se
 def ready_app_builder(args: dict[str, str]) -> serve.Application:
     """Entry for KubeRay's serveConfigV2 (import_path + args): `config` is the serve file,
     `app` the name the main application runs under there (default: the file's `name`)."""
+    return ReadyProbe.bind(*ready_probe_args(args))
+
+
+def ready_probe_args(args: dict[str, str]) -> tuple[str, dict[str, str]]:
+    """The watched app's name and its models' engine deployments, from the builder's args."""
     from pipeline.serve.spec import load_serve_spec
 
     spec = load_serve_spec(args["config"])
-    return ReadyProbe.bind(args.get("app", spec.name), engine_deployments(spec))
+    return args.get("app", spec.name), engine_deployments(spec)
 
 
 def health_app_builder(args: dict[str, str]) -> serve.Application:

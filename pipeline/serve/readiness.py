@@ -1,7 +1,8 @@
 """Readiness: can every served model take a request now? Pure logic, testable without Ray.
 
-The ready probe (pipeline/serve/probes.py) keeps a view built from two sources, each read in
-the background, never on a probe's request path:
+The ready probe (pipeline/serve/probes.py) keeps a view built from two sources, both read in
+the background by the app's board (pipeline/serve/board.py) and from it by the probe, never on
+a probe's request path:
 
 - Serve's status (the controller): how many replicas of each model's engine deployment are
   RUNNING. It sees a replica whose process died, and says when a new one can be routed to.
@@ -54,34 +55,34 @@ class Readiness:
         }
 
 
-def running_replicas(status: Any, app_name: str, deployments: Mapping[str, str]) -> dict[str, int]:
-    """Per model (of `deployments`: model name -> engine deployment name), the replicas Serve's
-    status (`serve.status()`) lists as RUNNING; 0 for a deployment or app it does not list."""
+def running_by_deployment(status: Any, app_name: str) -> dict[str, int]:
+    """Per deployment of the app, the replicas Serve's status (`serve.status()`) lists as
+    RUNNING; empty when it does not list the app."""
     app = status.applications.get(app_name)
-    running = {}
-    for model, deployment in deployments.items():
-        overview = app.deployments.get(deployment) if app is not None else None
-        running[model] = overview.replica_states.get("RUNNING", 0) if overview is not None else 0
-    return running
+    if app is None:
+        return {}
+    return {name: d.replica_states.get("RUNNING", 0) for name, d in app.deployments.items()}
 
 
 class ReadinessView:
     """The latest read of each source, stamped with the (monotonic) time it was read.
 
-    Each source is written by its own thread and read by the request path: every update
-    replaces one tuple whole, so a reader never sees half of one."""
+    Written by a refresh thread, read by the request path: every update replaces one tuple
+    whole, so a reader never sees half of one."""
 
-    def __init__(self, models: Sequence[str], stale_after_s: float) -> None:
-        self._models = tuple(sorted(models))
+    def __init__(self, deployments: Mapping[str, str], stale_after_s: float) -> None:
+        self._deployments = dict(sorted(deployments.items()))  # model -> its engine deployment
+        self._models = tuple(self._deployments)
         self._stale_after_s = stale_after_s
         self._running: tuple[float, Mapping[str, int]] | None = None
         self._reports: tuple[float, Sequence[ReplicaReport]] | None = None
 
-    def set_running(self, running: Mapping[str, int], now: float) -> None:
-        self._running = (now, dict(running))
+    def set_running(self, running: Mapping[str, int], at: float) -> None:
+        """RUNNING replicas per deployment (running_by_deployment), as Serve said at `at`."""
+        self._running = (at, dict(running))
 
-    def set_reports(self, reports: Sequence[ReplicaReport], now: float) -> None:
-        self._reports = (now, tuple(reports))
+    def set_reports(self, reports: Sequence[ReplicaReport], at: float) -> None:
+        self._reports = (at, tuple(reports))
 
     def current(self, now: float) -> Readiness:
         running, reports = self._running, self._reports
@@ -94,7 +95,9 @@ class ReadinessView:
             for r in posted
             if r.failure is None and r.age_s + since_read < self._stale_after_s
         }
-        unserved = tuple(m for m in self._models if counts.get(m, 0) < 1 or m not in healthy)
+        unserved = tuple(
+            m for m, d in self._deployments.items() if counts.get(d, 0) < 1 or m not in healthy
+        )
         return Readiness(
             models=len(self._models),
             models_serving=len(self._models) - len(unserved),

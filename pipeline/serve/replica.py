@@ -5,8 +5,9 @@ actors make, so a served model runs the engine, settings and code a nightly job 
 replica adds what Serve needs around the engine: cancellation when the caller goes away, and a
 per-request device-seconds figure (its share of engine time) for the response's cost, and
 honest health (pipeline/serve/health.py): Serve's `check_health` fails once the engine is dead
-or its step loop has stalled, and requests in flight on such a replica fail at once with
-ReplicaUnhealthyError (the ingress answers 503) instead of waiting for a step that never comes.
+or its step loop has stalled, requests in flight on such a replica fail at once with
+ReplicaUnhealthyError (the ingress answers 503) instead of waiting for a step that never comes,
+and the verdict goes to the app's board at once, where /ready reads it (pipeline/serve/probes.py).
 """
 
 from __future__ import annotations

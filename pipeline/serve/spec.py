@@ -128,7 +128,8 @@ class HealthSpec(_Strict):
         10,
         gt=0,
         description="Seconds between Serve's health checks of each engine replica (Serve's "
-        "health_check_period_s). Serve replaces a replica after 3 failed checks in a row.",
+        "health_check_period_s; with http.one_hop, of the ingress replicas, which hold the "
+        "engine). Serve replaces a replica after 3 failed checks in a row.",
     )
     check_timeout_s: float = Field(
         60,

@@ -9,10 +9,11 @@ from types import SimpleNamespace
 import pytest
 
 from pipeline.serve.board import STALE_AFTER_S, ReplicaBoard
-from pipeline.serve.readiness import ReadinessView, ReplicaReport, running_replicas
+from pipeline.serve.readiness import ReadinessView, ReplicaReport, running_by_deployment
 from pipeline.serve.spec import INGRESS_DEPLOYMENT, ServeSpec, engine_deployments
 
 STALE = 30.0
+TWO = {"a": "engine-a", "b": "engine-b"}  # model -> its engine deployment
 
 
 def healthy(model: str, replica: str = "r1", age_s: float = 0.5) -> ReplicaReport:
@@ -23,19 +24,24 @@ def failed(model: str, replica: str = "r1", age_s: float = 0.1) -> ReplicaReport
     return ReplicaReport(model, replica, age_s, "engine dead: step loop crashed")
 
 
+def deployments(*models: str) -> dict[str, str]:
+    return {m: f"engine-{m}" for m in models}
+
+
 def view_of(running: dict[str, int], reports: list[ReplicaReport], models=("a", "b")):
-    view = ReadinessView(list(models), STALE)
-    view.set_running(running, now=100.0)
-    view.set_reports(reports, now=100.0)
+    """A view read at t=100; `running` per model, as Serve counts its deployment's replicas."""
+    view = ReadinessView(deployments(*models), STALE)
+    view.set_running({f"engine-{m}": n for m, n in running.items()}, at=100.0)
+    view.set_reports(reports, at=100.0)
     return view
 
 
 def test_nothing_is_ready_before_both_sources_were_read() -> None:
-    view = ReadinessView(["a"], STALE)
+    view = ReadinessView(deployments("a"), STALE)
     assert not view.current(0.0).ready and view.current(0.0).age_s is None
-    view.set_running({"a": 1}, now=1.0)
+    view.set_running({"engine-a": 1}, at=1.0)
     assert not view.current(1.0).ready  # no report read yet
-    view.set_reports([healthy("a")], now=1.2)
+    view.set_reports([healthy("a")], at=1.2)
     readiness = view.current(1.5)
     assert readiness.ready and readiness.age_s == pytest.approx(0.5)  # the older source
 
@@ -77,9 +83,9 @@ def test_reports_go_stale_counting_the_time_since_they_were_read() -> None:
 def test_a_new_read_replaces_the_old_one_whole() -> None:
     view = view_of({"a": 1}, [failed("a")], models=("a",))
     assert not view.current(100.1).ready
-    view.set_reports([failed("a", "old"), healthy("a", "new")], now=101.0)
+    view.set_reports([failed("a", "old"), healthy("a", "new")], at=101.0)
     assert view.current(101.1).ready
-    view.set_running({"a": 0}, now=102.0)
+    view.set_running({"engine-a": 0}, at=102.0)
     assert not view.current(102.1).ready
 
 
@@ -91,7 +97,7 @@ def test_the_bodies_carry_counts_and_age_never_model_names() -> None:
     assert body == {"status": "unavailable", "models": 2, "models_serving": 1, "age_s": 0.25}
     assert not any(name in json.dumps(body) for name in names)
     assert readiness.unserved == ("internal-finetune",)  # for the probe's log only
-    assert ReadinessView(list(names), STALE).current(0.0).body() == {
+    assert ReadinessView(deployments(*names), STALE).current(0.0).body() == {
         "status": "unavailable",
         "models": 2,
         "models_serving": 0,
@@ -107,15 +113,18 @@ def serve_status(app: str, replica_states: dict[str, dict[str, int]]) -> SimpleN
     return SimpleNamespace(applications={app: SimpleNamespace(deployments=deployments)})
 
 
-def test_running_replicas_are_read_per_model_from_serve_status() -> None:
-    names = {"a": "engine-a", "b": "engine-b"}
+def test_running_replicas_are_read_per_deployment_from_serve_status() -> None:
     status = serve_status("app", {"engine-a": {"RUNNING": 1}, "engine-b": {"RUNNING": 2}})
-    assert running_replicas(status, "app", names) == {"a": 1, "b": 2}
+    assert running_by_deployment(status, "app") == {"engine-a": 1, "engine-b": 2}
     replacing = serve_status(
         "app", {"engine-a": {"STOPPING": 1, "STARTING": 1}, "engine-b": {"RUNNING": 1}}
     )
-    assert running_replicas(replacing, "app", names) == {"a": 0, "b": 1}
-    assert running_replicas(serve_status("other", {}), "app", names) == {"a": 0, "b": 0}
+    assert running_by_deployment(replacing, "app") == {"engine-a": 0, "engine-b": 1}
+    assert running_by_deployment(serve_status("other", {}), "app") == {}
+    view = ReadinessView(TWO, STALE)
+    view.set_running(running_by_deployment(replacing, "app"), at=0.0)
+    view.set_reports([healthy("a"), healthy("b")], at=0.0)
+    assert view.current(0.1).unserved == ("a",)
 
 
 def test_the_engine_deployment_of_each_model() -> None:
@@ -130,7 +139,7 @@ def test_the_engine_deployment_of_each_model() -> None:
 
 
 def board():
-    return ReplicaBoard.__ray_actor_class__()
+    return ReplicaBoard.__ray_actor_class__("app")
 
 
 def test_the_board_keeps_a_failure_whatever_the_replica_posts_later() -> None:
