@@ -16,11 +16,14 @@ repeats both five times and prints the numbers (docs/serve.md, Probes).
 from __future__ import annotations
 
 import itertools
+import multiprocessing
 import statistics
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from multiprocessing.synchronize import Event
 from pathlib import Path
 
 import httpx
@@ -45,6 +48,7 @@ CHAT = [{"role": "user", "content": "Tell me about the river and the bridge."}]
 # What a kubelet does by default: a new connection per probe, 1 s to answer.
 PROBE_TIMEOUT_S = 1.0
 PROBE_INTERVAL_S = 0.05
+PROBER_START_S = 60  # a hang guard for the prober's own process (it imports httpx)
 # The targets: probes answered from memory, a crash seen by /ready at once.
 PROBE_P99_TARGET_S = 0.1
 READY_503_AFTER_CRASH_S = 2.0
@@ -128,48 +132,61 @@ def wait_ready(server: Server, timeout_s: float) -> None:
 @dataclass(frozen=True)
 class Probe:
     path: str
-    sent: float  # monotonic
+    sent: float  # monotonic (system-wide: comparable across processes)
     latency_s: float
-    status: int | None  # None: no answer within PROBE_TIMEOUT_S (or the connection failed)
+    status: int | None  # None: no answer (timed out, or the connection failed)
     body: dict | None
+
+    @property
+    def answered(self) -> bool:
+        """As a kubelet counts it: an answer, all of it within PROBE_TIMEOUT_S."""
+        return self.status is not None and self.latency_s <= PROBE_TIMEOUT_S
+
+
+def probe_until(base_url: str, started: Event, stop: Event, out: Connection) -> None:
+    """The prober process: /ready and /health in turn until `stop`, then every probe to `out`.
+    A new connection per probe, as a kubelet makes."""
+    probes: list[Probe] = []
+    limits = httpx.Limits(max_keepalive_connections=0)
+    with httpx.Client(timeout=PROBE_TIMEOUT_S, limits=limits) as http:
+        started.set()
+        while not stop.is_set():
+            for path in ("/ready", "/health"):
+                sent = time.monotonic()
+                try:
+                    response = http.get(base_url + path)
+                except httpx.HTTPError:
+                    probes.append(Probe(path, sent, time.monotonic() - sent, None, None))
+                    continue
+                latency = time.monotonic() - sent
+                probes.append(Probe(path, sent, latency, response.status_code, response.json()))
+            stop.wait(PROBE_INTERVAL_S)
+    out.send(probes)
 
 
 @dataclass
 class Prober:
-    """Probes /ready and /health in turn from a thread until stopped."""
+    """Probes /ready and /health from a process of its own while the block runs (as a
+    kubelet does: the test's own threads never hold a probe up)."""
 
     base_url: str
     probes: list[Probe] = field(default_factory=list)
-    _stop: threading.Event = field(default_factory=threading.Event)
-    _thread: threading.Thread | None = None
 
     def __enter__(self) -> Prober:
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
+        context = multiprocessing.get_context("spawn")
+        self._started, self._stop = context.Event(), context.Event()
+        self._results, sender = context.Pipe(duplex=False)
+        args = (self.base_url, self._started, self._stop, sender)
+        self._process = context.Process(target=probe_until, args=args, daemon=True)
+        self._process.start()
+        assert self._started.wait(PROBER_START_S), f"the prober did not start in {PROBER_START_S} s"
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
-        assert self._thread is not None
-        self._thread.join(timeout=10 * PROBE_TIMEOUT_S)
-        assert not self._thread.is_alive(), "the prober hung"
-
-    def _run(self) -> None:
-        # No keep-alive: a new connection per probe, as a kubelet makes.
-        limits = httpx.Limits(max_keepalive_connections=0)
-        with httpx.Client(timeout=PROBE_TIMEOUT_S, limits=limits) as http:
-            while not self._stop.is_set():
-                for path in ("/ready", "/health"):
-                    self.probes.append(self._probe(http, path))
-                self._stop.wait(PROBE_INTERVAL_S)
-
-    def _probe(self, http: httpx.Client, path: str) -> Probe:
-        sent = time.monotonic()
-        try:
-            response = http.get(self.base_url + path)
-        except httpx.HTTPError:
-            return Probe(path, sent, time.monotonic() - sent, None, None)
-        return Probe(path, sent, time.monotonic() - sent, response.status_code, response.json())
+        assert self._results.poll(PROBER_START_S), "the prober sent no results"
+        self.probes = self._results.recv()
+        self._process.join(timeout=PROBER_START_S)
 
     def ready_statuses(self, since: float) -> list[tuple[float, int | None]]:
         return [(p.sent, p.status) for p in self.probes if p.path == "/ready" and p.sent >= since]
@@ -182,9 +199,8 @@ def p99(values: list[float]) -> float:
 def baseline_probe_p99(server: Server, seconds: float = 2.0) -> float:
     with Prober(server.base_url) as prober:
         time.sleep(seconds)
-    answered = [p.latency_s for p in prober.probes if p.status is not None]
-    assert len(answered) == len(prober.probes), "a probe went unanswered before any break"
-    return p99(answered)
+    assert all(p.answered for p in prober.probes), "a probe went unanswered before any break"
+    return p99([p.latency_s for p in prober.probes])
 
 
 # --- breaking a replica ----------------------------------------------------------------------
@@ -270,6 +286,7 @@ class Outcome:
     ready_again_s: float  # /ready 200 again
     probes: int
     latencies_s: list[float]
+    slowest_at_s: float  # when the slowest probe was sent
 
     def line(self) -> str:
         ms = sorted(1000 * s for s in self.latencies_s)
@@ -277,7 +294,8 @@ class Outcome:
             f"{self.mode}: /ready 503 after {self.ready_503_s:.2f} s, first 200 from a new "
             f"replica after {self.new_replica_s:.1f} s, /ready 200 again after "
             f"{self.ready_again_s:.1f} s; {self.probes} probes, latency p50 "
-            f"{statistics.median(ms):.1f} ms, p99 {p99(ms):.1f} ms, max {ms[-1]:.1f} ms"
+            f"{statistics.median(ms):.1f} ms, p99 {p99(ms):.1f} ms, max {ms[-1]:.1f} ms "
+            f"(sent at +{self.slowest_at_s:.1f} s)"
         )
 
 
@@ -311,7 +329,7 @@ def break_and_replace(server: Server, mode: str, p99_bound_s: float) -> Outcome:
         time.sleep(0.5)  # a few probes after
 
     probes = [p for p in prober.probes if p.sent >= broken_at]
-    unanswered = [p for p in probes if p.status is None]
+    unanswered = [p for p in probes if not p.answered]
     assert not unanswered, (
         f"{len(unanswered)} of {len(probes)} probes got no answer within {PROBE_TIMEOUT_S} s, "
         f"first: {unanswered[0].path} at +{unanswered[0].sent - broken_at:.2f} s"
@@ -339,7 +357,16 @@ def break_and_replace(server: Server, mode: str, p99_bound_s: float) -> Outcome:
     after = [status for t, status in ready if t - broken_at >= first_503]
     flips = sum(1 for a, b in itertools.pairwise(after) if a != b)
     assert flips == 1 and after[-1] == 200, f"/ready after the first 503: {after}"
-    return Outcome(mode, first_503, new_replica_s, ready_again_s, len(probes), latencies)
+    slowest = max(probes, key=lambda p: p.latency_s)
+    return Outcome(
+        mode,
+        first_503,
+        new_replica_s,
+        ready_again_s,
+        len(probes),
+        latencies,
+        slowest.sent - broken_at,
+    )
 
 
 @pytest.mark.parametrize("mode", ["crash", "stall"])
@@ -364,14 +391,16 @@ def test_five_breaks_of_each_kind(server: Server) -> None:
         print(Outcome(f"{mode} x{len(runs)}", *summary(runs)).line())
 
 
-def summary(runs: list[Outcome]) -> tuple[float, float, float, int, list[float]]:
+def summary(runs: list[Outcome]) -> tuple[float, float, float, int, list[float], float]:
     """The worst of each measure over `runs`, and every probe's latency."""
+    slowest = max(runs, key=lambda o: max(o.latencies_s))
     return (
         max(o.ready_503_s for o in runs),
         max(o.new_replica_s for o in runs),
         max(o.ready_again_s for o in runs),
         sum(o.probes for o in runs),
         [s for o in runs for s in o.latencies_s],
+        slowest.slowest_at_s,
     )
 
 
