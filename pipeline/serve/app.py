@@ -41,7 +41,6 @@ from engines.api import (
 from pipeline.serve import batch_routes
 from pipeline.serve.auth import KeyDigests
 from pipeline.serve.board import open_board
-from pipeline.serve.health import unready_models
 from pipeline.serve.httpio import HeldStreamingResponse, read_body
 from pipeline.serve.keys import ApiKey, KeyFileWatcher
 from pipeline.serve.limits import (
@@ -80,6 +79,7 @@ from pipeline.serve.requests import (
 )
 from pipeline.serve.shared_limits import admission_for
 from pipeline.serve.spec import (
+    INGRESS_DEPLOYMENT,
     ServedModelSpec,
     ServeSpec,
     engine_deployment_options,
@@ -92,12 +92,9 @@ from pipeline.serve.usage import CLIENT_CLOSED, UsageAccounting, UsageLog, sink_
 logger = logging.getLogger(__name__)
 
 REPLICA_HEADER = "x-tokenmill-replica"  # which engine replica served a response
-READY_CACHE_S = 1.0  # probes more frequent than this share one Serve status call
-# Serve's own cap on the ingress sits this far above http.max_concurrent_requests, so probes,
-# /metrics and the ingress's own 429s still get in when every request slot is taken.
+# Serve's own cap on the ingress sits this far above http.max_concurrent_requests, so /metrics
+# and the ingress's own 429s still get in when every request slot is taken.
 INGRESS_HEADROOM = 64
-# The ingress deployment's name in Serve (its class name): with http.one_hop it holds the engine.
-INGRESS_DEPLOYMENT = "OpenAIIngress"
 
 fastapi_app = FastAPI(title="tokenmill", docs_url=None, redoc_url=None, openapi_url=None)
 fastapi_app.include_router(batch_routes.router)  # /v1/files, /v1/batches (serve file batch_api)
@@ -222,13 +219,7 @@ class OpenAIIngress:
         self._metrics = ServeMetrics()
         self._created = int(time.time())
         self._app_name = _app_name(spec.name)
-        self._deployments = {m.name: engine_deployment_options(m)["name"] for m in spec.models}
-        if self._local is not None:  # readiness is this deployment's own
-            self._deployments = {spec.models[0].name: INGRESS_DEPLOYMENT}
         self._board = open_board(self._app_name)
-        self._ready_lock = asyncio.Lock()
-        self._ready_at = -READY_CACHE_S
-        self._unready: list[str] | None = None  # None: Serve's status could not be read
         # Named keys: this replica reads (and re-reads) the keys file itself.
         self._key_watcher = KeyFileWatcher(keys, spec.auth.keys_file, spec.auth.reload_interval_s)
         self._key_watcher.start()
@@ -276,23 +267,6 @@ class OpenAIIngress:
             usage.log.close()
 
     # --- routes --------------------------------------------------------------------------
-
-    @fastapi_app.get("/health")
-    async def health(self) -> JSONResponse:
-        """Liveness: this ingress answers. Calls no engine (a busy or broken engine is the
-        readiness probe's business, and must not get the ingress restarted)."""
-        return JSONResponse({"status": "ok", "models": sorted(self._engines)})
-
-    @fastapi_app.get("/ready")
-    async def ready(self) -> JSONResponse:
-        """Readiness: every model has a replica Serve reports RUNNING (healthy). Reads Serve's
-        status, cached for READY_CACHE_S; never an engine call or a request slot."""
-        unready = await self._unready_models()
-        if unready is None:
-            return JSONResponse({"status": "unavailable"}, status_code=503)
-        if unready:
-            return JSONResponse({"status": "unavailable", "models": unready}, status_code=503)
-        return JSONResponse({"status": "ready", "models": sorted(self._engines)})
 
     @fastapi_app.get("/metrics")
     async def metrics(self, request: Request) -> Response:
@@ -513,28 +487,14 @@ class OpenAIIngress:
             )
         return served
 
-    async def _unready_models(self) -> list[str] | None:
-        """Models without a running replica; None when Serve's status is unreadable."""
-        async with self._ready_lock:
-            if time.monotonic() - self._ready_at >= READY_CACHE_S:
-                try:
-                    # serve.status() blocks on a controller call: off the event loop.
-                    status = await asyncio.wait_for(asyncio.to_thread(serve.status), timeout=10)
-                    self._unready = unready_models(status, self._app_name, self._deployments)
-                except Exception:
-                    logger.exception("reading Serve's status for /ready failed")
-                    self._unready = None
-                self._ready_at = time.monotonic()
-            return self._unready
-
     async def _engine_stats(self) -> dict[str, EngineStats]:
         try:
             return await asyncio.wait_for(self._board.latest.remote(), timeout=5)
         except Exception:
-            # The board died with the ingress replica that created it: make a new one; the
-            # replicas find it at their next post. This scrape goes without engine gauges.
-            logger.warning("engine stats board unreachable; re-creating it", exc_info=True)
-            self._board = open_board(self._app_name)
+            # Killed (its app was deleted and redeployed on a shared cluster): open it again;
+            # the replicas find it at their next post. This scrape goes without engine gauges.
+            logger.warning("the app's board is unreachable; opening it again", exc_info=True)
+            self._board = await asyncio.to_thread(open_board, self._app_name)
             return {}
 
     def _model_card(self, name: str) -> dict[str, Any]:
@@ -873,7 +833,7 @@ def build_app(spec: ServeSpec, keys: KeyDigests) -> serve.Application:
     """The bound application: one ingress, one engine deployment per served model; with
     http.one_hop, one deployment that is both."""
     # The ingress refuses requests beyond http.max_concurrent_requests itself (429 in OpenAI's
-    # shape); Serve's cap sits above it so probes and those refusals still get in. The proxy's
+    # shape); Serve's cap sits above it so /metrics and those refusals still get in. The proxy's
     # queue of requests not yet assigned to an ingress replica is bounded too: a burst larger
     # than it gets Serve's own 429 (plain-text body) with Retry-After.
     bounds = {
@@ -883,14 +843,14 @@ def build_app(spec: ServeSpec, keys: KeyDigests) -> serve.Application:
     }
     if spec.one_hop:
         # The engine's own bounds give way to the ingress's: its gate holds the requests.
-        return OpenAIIngress.options(**{**one_hop_deployment_options(spec), **bounds}).bind(
-            spec, None, keys
-        )
+        options = {**one_hop_deployment_options(spec), **bounds}
+        return OpenAIIngress.options(name=INGRESS_DEPLOYMENT, **options).bind(spec, None, keys)
     engines = {
         m.name: EngineReplica.options(**engine_deployment_options(m)).bind(m, spec.storage)
         for m in spec.models
     }
     ingress = OpenAIIngress.options(
+        name=INGRESS_DEPLOYMENT,
         num_replicas=spec.http.ingress_replicas,
         ray_actor_options={"num_cpus": spec.http.cpus_per_ingress},
         **bounds,

@@ -17,7 +17,6 @@ serve the next request.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from engines.api import EngineStats
 
@@ -77,16 +76,3 @@ class ReplicaHealth:
     def raise_if_failed(self) -> None:
         if self.failure is not None:
             raise ReplicaUnhealthyError(self.failure)
-
-
-def unready_models(status: Any, app_name: str, deployments: dict[str, str]) -> list[str]:
-    """Models (of `deployments`: model name -> engine deployment name) without a RUNNING
-    replica in Serve's status (`serve.status()`), i.e. none that could take a request now."""
-    app = status.applications.get(app_name)
-    missing = []
-    for model, deployment in sorted(deployments.items()):
-        overview = app.deployments.get(deployment) if app is not None else None
-        running = overview.replica_states.get("RUNNING", 0) if overview is not None else 0
-        if running < 1:
-            missing.append(model)
-    return missing

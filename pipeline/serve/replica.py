@@ -5,8 +5,9 @@ actors make, so a served model runs the engine, settings and code a nightly job 
 replica adds what Serve needs around the engine: cancellation when the caller goes away, and a
 per-request device-seconds figure (its share of engine time) for the response's cost, and
 honest health (pipeline/serve/health.py): Serve's `check_health` fails once the engine is dead
-or its step loop has stalled, and requests in flight on such a replica fail at once with
-ReplicaUnhealthyError (the ingress answers 503) instead of waiting for a step that never comes.
+or its step loop has stalled, requests in flight on such a replica fail at once with
+ReplicaUnhealthyError (the ingress answers 503) instead of waiting for a step that never comes,
+and the verdict goes to the app's board at once, where /ready reads it (pipeline/serve/probes.py).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from engines.api import (
     StreamDelta,
 )
 from pipeline.cost import CostMeter
-from pipeline.serve.board import POST_INTERVAL_S, find_board
+from pipeline.serve.board import POST_INTERVAL_S, open_board
 from pipeline.serve.coalesce import coalesce
 from pipeline.serve.cost import EqualShareMeter
 from pipeline.serve.health import ReplicaHealth, StallWatch
@@ -43,7 +44,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 # Idle stats do not change; posting them this often anyway keeps the board from dropping the
-# replica as stopped (board.STALE_AFTER_S).
+# replica as stopped (board.STALE_AFTER_S), and so /ready from counting it out.
 HEARTBEAT_S = 10.0
 # A request entering or leaving wakes the poster, which posts after this pause (the request
 # has reached, or left, the engine by then). It also spaces posts out under load.
@@ -152,6 +153,9 @@ class EngineReplica:
         future = self._failure_future()
         if not future.done():
             future.set_result(None)
+            # Posted at once: /ready turns 503 now, not after Serve's 3 failed health checks.
+            self._ensure_poster()
+            self._stats_changed.set()
 
     async def _unless_failed(self, awaitable: Awaitable[T]) -> T:
         """Await an engine call, unless the replica turns unhealthy first: a stalled step loop
@@ -176,6 +180,7 @@ class EngineReplica:
 
     def _ensure_poster(self) -> None:
         if self._poster is None or self._poster.done():
+            self._stats_changed.set()  # its first post goes at once
             self._poster = asyncio.get_running_loop().create_task(self._post_stats())
 
     def _post_now(self) -> None:
@@ -192,19 +197,21 @@ class EngineReplica:
         if busy == self._posted_busy:
             return
         try:
-            self._board.post.remote(self._model, self._replica_id, stats)
+            self._board.post.remote(self._model, self._replica_id, stats, self._health.failure)
         except Exception:
             self._board = None
             return
         self._posted_busy = busy
 
     async def _post_stats(self) -> None:
-        """Post engine stats to the app's board for /metrics (pipeline/serve/board.py)."""
-        last: EngineStats | None = None
+        """Post the engine's stats and this replica's health verdict to the app's board
+        (pipeline/serve/board.py), for /metrics and /ready: at once when the poster starts
+        (the first health check, before Serve routes to the replica) and when the replica
+        fails, soon after requests come and go, every POST_INTERVAL_S while steps run, and
+        every HEARTBEAT_S when nothing changes."""
+        last: tuple[EngineStats | None, str | None] | None = None
         last_post = 0.0
         while True:
-            # Soon after requests come and go (so /metrics sees an idle engine as idle right
-            # away), and every POST_INTERVAL_S while steps run.
             # asyncio.wait, not wait_for: wait_for (before 3.12) can swallow a cancellation
             # that lands as the event fires, and this loop would then outlive its replica.
             changed = asyncio.ensure_future(self._stats_changed.wait())
@@ -215,25 +222,25 @@ class EngineReplica:
             self._stats_changed.clear()
             await asyncio.sleep(SETTLE_S)
             try:
-                stats = self._engine.stats()
+                stats: EngineStats | None = self._engine.stats()
             except Exception:
-                continue  # the health check reports it
+                stats = None  # the health check says why
+            posted = (stats, self._health.failure)
             now = time.monotonic()
-            if self._board is not None and stats == last and now - last_post < HEARTBEAT_S:
+            if self._board is not None and posted == last and now - last_post < HEARTBEAT_S:
                 continue
             if self._board is None:
-                self._board = await asyncio.to_thread(find_board, self._app_name)
+                self._board = await asyncio.to_thread(_open_board, self._app_name)
                 if self._board is None:
-                    continue  # no ingress yet
+                    continue  # not in Ray, or the GCS did not answer: next round
             try:
-                await asyncio.wait_for(
-                    self._board.post.remote(self._model, self._replica_id, stats), timeout=5
-                )
+                await _within(self._board.post.remote(self._model, self._replica_id, *posted), 5)
             except Exception:
-                self._board = None  # gone (its ingress replica stopped): look it up again
+                self._board = None  # killed (its app was deleted and redeployed): open again
                 continue
-            last, last_post = stats, now
-            self._posted_busy = stats.num_running + stats.num_waiting > 0
+            last, last_post = posted, now
+            if stats is not None:
+                self._posted_busy = stats.num_running + stats.num_waiting > 0
 
     def _enter(self, request: GenerationRequest) -> None:
         self._ensure_poster()
@@ -350,10 +357,33 @@ class EngineReplica:
             engine.shutdown()
 
 
+async def _within(awaitable: Awaitable[T], timeout_s: float) -> T:
+    """Await with a timeout (TimeoutError). Unlike wait_for before Python 3.12, it never
+    swallows a cancellation that lands as the awaited call completes."""
+    future = asyncio.ensure_future(awaitable)
+    done, _ = await asyncio.wait((future,), timeout=timeout_s)
+    if not done:
+        future.cancel()
+        raise TimeoutError(f"no answer within {timeout_s} s")
+    return future.result()
+
+
 async def _cancel(task: asyncio.Future) -> None:
     task.cancel()
     # Bounded: the engine call's cancellation cleanup only enqueues an abort.
     await asyncio.wait((task,), timeout=5)
+
+
+def _open_board(app_name: str) -> ray.actor.ActorHandle | None:
+    """The app's board; None for a replica built outside Ray (unit tests) or when the GCS
+    cannot be reached now."""
+    if not ray.is_initialized():
+        return None
+    try:
+        return open_board(app_name)
+    except Exception:
+        logger.warning("cannot open the board of app %s", app_name, exc_info=True)
+        return None
 
 
 def _replica_identity() -> tuple[str, str]:

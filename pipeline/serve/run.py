@@ -1,9 +1,10 @@
 """Run the Serve application on Ray until told to stop: what `tokenmill serve` does.
 
 Starts (or joins, with RAY_ADDRESS) a Ray cluster, starts Serve's HTTP proxy on the given
-host and port, deploys the app, and blocks until Ctrl-C or SIGTERM, then deletes the app and
-its limits coordinator (or stops Serve, when the cluster is this process's own) so replicas
-release their engines before the process exits.
+host and port, deploys the app with its two probe apps (/ready, /health: pipeline/serve/probes.py),
+and blocks until Ctrl-C or SIGTERM, then deletes the apps, the limits coordinator and the board
+(or stops Serve, when the cluster is this process's own) so replicas release their engines
+before the process exits.
 """
 
 from __future__ import annotations
@@ -75,9 +76,13 @@ def _serve_until_stopped(
     from ray import serve
 
     from pipeline.serve.app import build_app
+    from pipeline.serve.board import kill_board
     from pipeline.serve.limit_coordinator import kill_coordinator
+    from pipeline.serve.probes import probe_targets
 
     stop = threading.Event()
+    logging_config = {"enable_access_log": spec.http.access_log}
+    probes = probe_targets(spec, spec.name, logging_config=logging_config)
     own_cluster = start_ray(options)
     # After ray.init, which installs a SIGTERM handler of its own that would kill the driver
     # without letting Serve stop its replicas.
@@ -88,12 +93,11 @@ def _serve_until_stopped(
         serve.start(
             http_options={"host": options.host, "port": options.port}, proxy_location="HeadOnly"
         )
-        serve.run(
-            build_app(spec, keys),
-            name=spec.name,
-            route_prefix="/",
-            logging_config={"enable_access_log": spec.http.access_log},
+        main = serve.RunTarget(
+            build_app(spec, keys), name=spec.name, route_prefix="/", logging_config=logging_config
         )
+        # Together: the probes answer (503 at first) while the engines load.
+        serve.run_many([*probes, main])
         on_ready(f"http://{options.host}:{options.port}/v1")
         while not stop.wait(timeout=1.0):
             pass
@@ -101,12 +105,14 @@ def _serve_until_stopped(
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         try:
-            # On a shared cluster only this app goes (with its limits coordinator, which is
-            # detached so that it outlives ingress replicas); other Serve apps keep running.
+            # On a shared cluster only this app and its probes go (with its limits coordinator
+            # and board, detached so that they outlive replicas); other Serve apps keep running.
             if own_cluster:
                 serve.shutdown()
             else:
-                serve.delete(spec.name)
+                for name in [spec.name, *(target.name for target in probes)]:
+                    serve.delete(name)
                 kill_coordinator(spec.name)
+                kill_board(spec.name)
         finally:
             ray.shutdown()

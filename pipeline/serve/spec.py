@@ -128,7 +128,8 @@ class HealthSpec(_Strict):
         10,
         gt=0,
         description="Seconds between Serve's health checks of each engine replica (Serve's "
-        "health_check_period_s). Serve replaces a replica after 3 failed checks in a row.",
+        "health_check_period_s; with http.one_hop, of the ingress replicas, which hold the "
+        "engine). Serve replaces a replica after 3 failed checks in a row.",
     )
     check_timeout_s: float = Field(
         60,
@@ -491,6 +492,20 @@ class ServeSpec(_Strict):
 
 # --- Serve options ---------------------------------------------------------------------------
 
+# The ingress deployment's name in Serve (its class name): with http.one_hop it holds the engine.
+INGRESS_DEPLOYMENT = "OpenAIIngress"
+
+
+def engine_deployments(spec: ServeSpec) -> dict[str, str]:
+    """Model name -> the Serve deployment whose replicas hold its engine."""
+    if spec.one_hop:
+        return {spec.models[0].name: INGRESS_DEPLOYMENT}
+    return {m.name: engine_deployment_name(m) for m in spec.models}
+
+
+def engine_deployment_name(served: ServedModelSpec) -> str:
+    return f"engine-{served.name}"
+
 
 def one_hop_deployment_options(spec: ServeSpec) -> dict[str, Any]:
     """Options of the ingress deployment when it holds the model's engine (http.one_hop): the
@@ -510,7 +525,7 @@ def engine_deployment_options(served: ServedModelSpec) -> dict[str, Any]:
     """Serve deployment options (`Deployment.options(**...)`) for a model's engine replicas."""
     replicas = served.replicas
     options: dict[str, Any] = {
-        "name": f"engine-{served.name}",
+        "name": engine_deployment_name(served),
         "max_ongoing_requests": replicas.max_ongoing_requests,
         "max_queued_requests": replicas.max_queued_requests,
         "ray_actor_options": {

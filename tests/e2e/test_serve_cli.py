@@ -92,6 +92,24 @@ def test_rayservice_builder_makes_the_same_app(monkeypatch: pytest.MonkeyPatch) 
     assert isinstance(app_builder({"config": config}), Application)
 
 
+def test_rayservice_probe_builders_make_the_probe_apps() -> None:
+    """serveConfigV2's /ready and /health applications (infra/terraform/workloads)."""
+    from ray.serve import Application
+
+    from pipeline.serve.probes import health_app_builder, ready_app_builder, ready_probe_args
+
+    config = str(Path(__file__).resolve().parents[2] / "jobs" / "serve.yaml")
+    assert isinstance(ready_app_builder({"config": config, "app": "tokenmill"}), Application)
+    assert isinstance(health_app_builder({}), Application)
+    # Which app /ready watches (the file's name unless told), and the deployment holding
+    # each model's engine (one model: the ingress, http.one_hop).
+    assert ready_probe_args({"config": config, "app": "prod"}) == (
+        "prod",
+        {"tiny-llama": "OpenAIIngress"},
+    )
+    assert ready_probe_args({"config": config})[0] == "tokenmill"
+
+
 def test_a_broken_keys_file_is_named_before_ray_starts(tmp_path: Path) -> None:
     keys = tmp_path / "keys.yaml"
     keys.write_text(yaml.safe_dump({"keys": [{"name": "team-a", "sha256": "sk-" + "b" * 20}]}))

@@ -43,6 +43,7 @@ CHAT = [
     {"role": "user", "content": "Tell me about the river and the bridge."},
 ]
 PROMPT = "Please explain why the cluster reads every file"
+READY_WITHIN_S = 30  # a hang guard: the view is refreshed every second or so
 
 
 # --- helpers ---------------------------------------------------------------------------------
@@ -113,7 +114,16 @@ def test_models_and_health(server: ServerProcess, client: openai.OpenAI) -> None
     assert sorted(m.id for m in client.models.list()) == ["narrow", "tiny"]
     assert client.models.retrieve("tiny").id == "tiny"
     health = httpx.get(server.base_url + "/health", timeout=30)
-    assert health.status_code == 200 and health.json()["status"] == "ok"
+    assert health.status_code == 200 and health.json() == {"status": "ok"}
+    # Two models on engine deployments of their own (not one hop): /ready counts both and
+    # names neither. Its view is refreshed in the background, within seconds of the start.
+    deadline = time.monotonic() + READY_WITHIN_S
+    while (ready := httpx.get(server.base_url + "/ready", timeout=30)).status_code != 200:
+        assert time.monotonic() < deadline, f"/ready {ready.status_code} for {READY_WITHIN_S} s"
+        time.sleep(0.2)
+    assert ready.json()["status"] == "ready"
+    assert (ready.json()["models"], ready.json()["models_serving"]) == (2, 2)
+    assert "tiny" not in ready.text and "narrow" not in ready.text
     # Either configured key works.
     other = openai.OpenAI(base_url=server.api_url, api_key=OTHER_KEY, max_retries=0)
     assert len(other.models.list().data) == 2

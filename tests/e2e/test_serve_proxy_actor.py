@@ -5,6 +5,7 @@ client leaving a whole-answer request cancels it on this path too."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from tests.e2e.serve_fixtures import (
     serve_config,
     start_server,
 )
-from tests.e2e.test_serve_openai import check_whole_response_disconnect_cancels
+from tests.e2e.test_serve_openai import READY_WITHIN_S, check_whole_response_disconnect_cancels
 
 serve_model_dir = serve_fixtures.serve_model_dir
 
@@ -70,8 +71,14 @@ def test_the_endpoint_behaves_the_same(server: ServerProcess, serve_model_dir: P
     assert texts == {0: expected.text, 1: expected.text}
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server.api_url, api_key="wrong", max_retries=0).models.list()
+    # The probe apps, routed by Serve's proxy on this path.
     health = httpx.get(server.base_url + "/health", timeout=30)
-    assert health.status_code == 200
+    assert health.status_code == 200 and health.json() == {"status": "ok"}
+    deadline = time.monotonic() + READY_WITHIN_S
+    while (ready := httpx.get(server.base_url + "/ready", timeout=30)).status_code != 200:
+        assert time.monotonic() < deadline, f"/ready {ready.status_code} for {READY_WITHIN_S} s"
+        time.sleep(0.2)
+    assert ready.json()["models_serving"] == 1
 
 
 def test_client_leaving_a_whole_answer_cancels_it(server: ServerProcess) -> None:

@@ -1,10 +1,12 @@
-"""Replica health without Ray: stall detection, the sticky verdict, readiness from Serve's
-status, the graceful-shutdown default, and a replica failing its in-flight calls once its
-engine stalls (the replica class run directly on an event loop, with a fake engine)."""
+"""Replica health without Ray: stall detection, the sticky verdict, the graceful-shutdown
+default, Serve's health options (one-hop included), and a replica failing its in-flight calls
+and posting its failure at once when its engine stalls or dies (the replica class run directly
+on an event loop, with a fake engine and a fake board)."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -18,13 +20,14 @@ from engines.api import (
     GenerationResult,
 )
 from pipeline.serve.app import result_error
-from pipeline.serve.health import (
-    ReplicaHealth,
-    ReplicaUnhealthyError,
-    StallWatch,
-    unready_models,
+from pipeline.serve.health import ReplicaHealth, ReplicaUnhealthyError, StallWatch
+from pipeline.serve.spec import (
+    HealthSpec,
+    ServedModelSpec,
+    ServeSpec,
+    engine_deployment_options,
+    one_hop_deployment_options,
 )
-from pipeline.serve.spec import HealthSpec, ServedModelSpec, engine_deployment_options
 
 
 def stats(steps: int, running: int = 0, waiting: int = 0) -> EngineStats:
@@ -79,25 +82,6 @@ def test_unreadable_stats_mean_unhealthy() -> None:
         health.raise_if_failed()
 
 
-# --- readiness -------------------------------------------------------------------------------
-
-
-def serve_status(app: str, replica_states: dict[str, dict[str, int]]) -> SimpleNamespace:
-    deployments = {d: SimpleNamespace(replica_states=s) for d, s in replica_states.items()}
-    return SimpleNamespace(applications={app: SimpleNamespace(deployments=deployments)})
-
-
-def test_ready_needs_a_running_replica_per_model() -> None:
-    names = {"a": "engine-a", "b": "engine-b"}
-    status = serve_status("app", {"engine-a": {"RUNNING": 1}, "engine-b": {"RUNNING": 2}})
-    assert unready_models(status, "app", names) == []
-    replacing = serve_status(
-        "app", {"engine-a": {"STOPPING": 1, "STARTING": 1}, "engine-b": {"RUNNING": 1}}
-    )
-    assert unready_models(replacing, "app", names) == ["a"]
-    assert unready_models(serve_status("other", {}), "app", names) == ["a", "b"]
-
-
 # --- graceful shutdown and Serve options ------------------------------------------------------
 
 
@@ -124,6 +108,24 @@ def test_health_settings_become_serve_options() -> None:
     assert options["health_check_period_s"] == 2
     assert options["health_check_timeout_s"] == 5
     assert options["graceful_shutdown_timeout_s"] == pytest.approx(4000 / 10 + 30)
+
+
+def test_one_hop_takes_its_health_checks_from_the_model_s_health_section() -> None:
+    # With one_hop the ingress deployment holds the engine: its checks are the engine's.
+    spec = ServeSpec.model_validate(
+        {
+            "models": [
+                {
+                    "name": "m",
+                    "model": {"path": "/x"},
+                    "health": {"check_period_s": 1, "check_timeout_s": 4},
+                }
+            ]
+        }
+    )
+    assert spec.one_hop
+    options = one_hop_deployment_options(spec)
+    assert (options["health_check_period_s"], options["health_check_timeout_s"]) == (1, 4)
 
 
 def test_health_section_is_strict() -> None:
@@ -185,7 +187,26 @@ class FakeEngine:
         pass
 
 
-def make_replica(monkeypatch: pytest.MonkeyPatch, engine: FakeEngine):
+class FakeBoard:
+    """Records what the replica posts: (monotonic time, failure)."""
+
+    def __init__(self) -> None:
+        self.posts: list[tuple[float, str | None]] = []
+        self.post = SimpleNamespace(remote=self._post)
+
+    def _post(self, model: str, replica: str, stats, failure: str | None = None):
+        self.posts.append((time.monotonic(), failure))
+        done = asyncio.get_running_loop().create_future()
+        done.set_result(None)
+        return done
+
+    def failures(self) -> list[float]:
+        return [at for at, failure in self.posts if failure is not None]
+
+
+def make_replica(
+    monkeypatch: pytest.MonkeyPatch, engine: FakeEngine, board: FakeBoard | None = None
+):
     import pipeline.engine_setup
     from pipeline.serve.replica import EngineReplica
     from pipeline.spec import StorageSpec
@@ -195,7 +216,9 @@ def make_replica(monkeypatch: pytest.MonkeyPatch, engine: FakeEngine):
         {"name": "m", "model": {"path": "/x"}, "health": {"stall_timeout_s": 0.2}}
     )
     # The class under Serve's decorator, run directly: no Ray.
-    return EngineReplica.func_or_class(served, StorageSpec())
+    replica = EngineReplica.func_or_class(served, StorageSpec())
+    replica._board = board  # what the poster would have opened in Ray
+    return replica
 
 
 async def stop_poster(replica) -> None:
@@ -241,6 +264,40 @@ def test_a_dead_engine_seen_by_a_request_makes_the_replica_unhealthy(
             await replica.generate(GenerationRequest(prompt_token_ids=[1]))
         with pytest.raises(ReplicaUnhealthyError, match="engine dead"):
             await replica.check_health()
+        await stop_poster(replica)
+
+    asyncio.run(scenario())
+
+
+def test_a_replica_posts_healthy_at_its_first_check_and_a_failure_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from pipeline.serve.replica import HEARTBEAT_S, SETTLE_S
+
+    engine, board = FakeEngine(), FakeBoard()
+    replica = make_replica(monkeypatch, engine, board)
+
+    async def until(condition, what: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            assert time.monotonic() < deadline, f"{what} within {timeout} s"
+            await asyncio.sleep(0.01)
+
+    async def scenario() -> None:
+        # Serve's first health check runs before the replica is routed to: it posts then.
+        await replica.check_health()
+        await until(lambda: board.posts, "the first post", timeout=HEARTBEAT_S / 2)
+        assert board.posts[0][1] is None
+        # A request meets a dead engine: the failure goes out now, not at the next heartbeat
+        # nor after Serve's health checks.
+        engine.dead = True
+        seen = time.monotonic()
+        with pytest.raises(EngineDeadError):
+            await replica.generate(GenerationRequest(prompt_token_ids=[1]))
+        await until(board.failures, "the failure's post", timeout=HEARTBEAT_S / 2)
+        # The settle pause plus scheduling: far below a heartbeat (the bound is the contract,
+        # the settle pause what the poster waits on purpose).
+        assert board.failures()[0] - seen < SETTLE_S + 1.0
         await stop_poster(replica)
 
     asyncio.run(scenario())

@@ -282,7 +282,18 @@ def test_ray_service_serves_the_serve_yaml(workloads: dict[str, Any]) -> None:
     assert manifest["kind"] == "RayService"
     assert manifest["spec"]["serveConfigV2"] == "${local.serve_config_v2}"
     serve_config = workloads["locals"]["serve_config_v2"]
-    import_path = re.search(r'import_path\s*=\s*"([^"]+)"', serve_config).group(1)
+    apps = re.findall(
+        r'\{name = ([^,]+), import_path = "([^"]+)", route_prefix = "([^"]+)"', serve_config
+    )
+    # The app at / and its two probe apps (pipeline/serve/probes.py): /ready watches the app
+    # named in its args.
+    main = "local.serve_app_name"
+    assert [(n, r) for n, _, r in apps] == [
+        (main, "/"),
+        ('"${local.serve_app_name}-ready"', "/ready"),
+        ('"${local.serve_app_name}-health"', "/health"),
+    ], apps
+    assert f"args = {{config = local.serve_config_path, app = {main}}}" in serve_config
     assert "local.serve_config_path" in serve_config
     module_dir = TF_ROOT / "workloads"
     serve_path = resolve(workloads, workloads["locals"]["serve_config_path"], module_dir)
@@ -297,10 +308,11 @@ def test_ray_service_serves_the_serve_yaml(workloads: dict[str, Any]) -> None:
     source = Path(resolve(workloads, workloads["locals"]["serve_config_file"], module_dir))
     assert source.resolve() == REPO / "jobs" / "serve-gpu.yaml"
     assert load_serve_spec(source, env={}).models
-    # The import path names a builder that exists (checked without importing Ray Serve).
-    module_name, func = import_path.split(":")
-    tree = ast.parse((REPO / Path(*module_name.split("."))).with_suffix(".py").read_text())
-    assert func in {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+    # Each import path names a builder that exists (checked without importing Ray Serve).
+    for _, import_path, _ in apps:
+        module_name, func = import_path.split(":")
+        tree = ast.parse((REPO / Path(*module_name.split("."))).with_suffix(".py").read_text())
+        assert func in {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
     # Serve pods receive the accepted API keys from a secret.
     env = workloads["locals"]["serve_keys_env"]
     assert env["name"] == "TOKENMILL_API_KEYS"

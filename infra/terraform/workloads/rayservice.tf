@@ -1,15 +1,31 @@
 # The long-running OpenAI-compatible endpoint: Ray Serve runs tokenmill's Serve application
 # (what `tokenmill serve SERVE.yaml` runs locally) from the serve YAML mounted at
 # local.serve_config_path. Editing jobs/serve.yaml and applying rolls the app in place.
+# /ready and /health are two small applications of their own (pipeline/serve/probes.py), so
+# they answer while the main app's only replica is replaced; `app` names the app /ready watches.
 locals {
+  serve_app_name = "tokenmill"
   serve_config_v2 = yamlencode({
     http_options = { host = "0.0.0.0", port = 8000 }
-    applications = [{
-      name         = "tokenmill"
-      import_path  = "pipeline.serve.app:app_builder"
-      route_prefix = "/"
-      args         = { config = local.serve_config_path }
-    }]
+    applications = [
+      {
+        name         = local.serve_app_name
+        import_path  = "pipeline.serve.app:app_builder"
+        route_prefix = "/"
+        args         = { config = local.serve_config_path }
+      },
+      {
+        name         = "${local.serve_app_name}-ready"
+        import_path  = "pipeline.serve.probes:ready_app_builder"
+        route_prefix = "/ready"
+        args         = { config = local.serve_config_path, app = local.serve_app_name }
+      },
+      {
+        name         = "${local.serve_app_name}-health"
+        import_path  = "pipeline.serve.probes:health_app_builder"
+        route_prefix = "/health"
+      },
+    ]
   })
 
   # Serve pods additionally get the accepted API keys from their secret and, with
