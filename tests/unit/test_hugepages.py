@@ -22,16 +22,22 @@ def _thp_mode() -> str | None:
     return match.group(1) if match else None
 
 
-def _anon_huge_kb(address: int) -> int:
-    """AnonHugePages of the mapping that holds `address`, from /proc/self/smaps."""
+def _smaps_field(address: int, field: str) -> str:
+    """A field of the mapping that holds `address`, from /proc/self/smaps ("" if absent)."""
     inside = False
     for line in Path("/proc/self/smaps").read_text().splitlines():
         head = re.match(r"^([0-9a-f]+)-([0-9a-f]+) ", line)
         if head:
             inside = int(head.group(1), 16) <= address < int(head.group(2), 16)
-        elif inside and line.startswith("AnonHugePages:"):
-            return int(line.split()[1])
-    return 0
+        elif inside and line.startswith(f"{field}:"):
+            return line.split(":", 1)[1].strip()
+    return ""
+
+
+def _anon_huge_kb(address: int) -> int:
+    """AnonHugePages of the mapping that holds `address`."""
+    value = _smaps_field(address, "AnonHugePages")
+    return int(value.split()[0]) if value else 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -53,4 +59,10 @@ def test_a_tensor_smaller_than_a_huge_page_is_left_alone() -> None:
 )
 def test_the_pool_sits_on_huge_pages_where_linux_offers_them() -> None:
     pool = hugepages.zeros((64 << 20) // 4, torch.float32, torch.device("cpu"))  # 64 MB
-    assert _anon_huge_kb(pool.data_ptr() + (32 << 20)) >= 2048
+    middle = pool.data_ptr() + (32 << 20)
+    # What the pool controls: its range asked for huge pages (VmFlags "hg", MADV_HUGEPAGE).
+    assert "hg" in _smaps_field(middle, "VmFlags").split()
+    # Whether the kernel found free 2 MB pages to give depends on how fragmented memory is
+    # after what else ran (seen: none at all late in a long suite): checked where it could.
+    if _anon_huge_kb(middle) < 2048:
+        pytest.skip("asked for huge pages, but the kernel had no free 2 MB page to give now")
