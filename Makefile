@@ -80,9 +80,11 @@ test: setup-dev lint
 	$(MAKE) test-trtllm-pins
 
 # The tests marked vllm (they skip in .venv): the engine contract, greedy parity with the
-# reference engine, a pipeline job and the Serve endpoint on engine.kind vllm.
+# reference engine, a pipeline job and the Serve endpoint on engine.kind vllm. Those also
+# marked slow (the bench, parity on the other model families, n-gram speculation) run with
+# `$(VLLM_VENV)/bin/pytest -m "vllm and slow" tests/vllm`.
 test-vllm: setup-vllm
-	$(VLLM_VENV)/bin/pytest -m vllm tests/contract tests/vllm
+	$(VLLM_VENV)/bin/pytest -m "vllm and not slow" tests/contract tests/vllm
 
 # Our code under TensorRT-LLM 1.2's pure-Python pins (.venv-trtllm): the suites that meet
 # transformers, tokenizers, xgrammar, numpy, pyarrow and fsspec/s3fs: the unit tests (Serve's

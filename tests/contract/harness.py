@@ -9,6 +9,7 @@ same way, so every kind is driven identically.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import os
 import signal
@@ -82,8 +83,14 @@ class EngineHarness:
             import psutil
 
             for child in psutil.Process().children(recursive=True):
-                if "EngineCore" in " ".join(child.cmdline()) or child.name().startswith("VLLM"):
-                    os.kill(child.pid, signal.SIGKILL)
+                try:
+                    engine_core = "EngineCore" in " ".join(child.cmdline())
+                    engine_core = engine_core or child.name().startswith("VLLM")
+                except (psutil.NoSuchProcess, psutil.ZombieProcess):
+                    continue  # a helper that already exited and is not reaped yet: not the engine
+                if engine_core:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(child.pid, signal.SIGKILL)
         else:
             self.engine._llm.kill_executor()  # the stand-in's hook: its executor dies
 

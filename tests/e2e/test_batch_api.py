@@ -77,8 +77,9 @@ def start_batch_server(
 @pytest.fixture(scope="module", autouse=True)
 def slow_engine() -> Iterator[None]:
     # Autouse, so the head starts with it: 10 ms after every engine step of the batch jobs
-    # (the cancel tests' 700-1500 requests then take 5-11 s or more on any machine, so a cancel
-    # after the first part lands mid-run; the short batches barely notice).
+    # (with at most 8 requests in flight, the cancel tests' 300-1500 requests then take 37 s or
+    # more on any machine, so a cancel after the first part lands mid-run; the short batches
+    # barely notice).
     with engine_step_delay(0.01):
         yield
 
@@ -213,6 +214,9 @@ def test_batch_end_to_end(server: ServerProcess) -> None:
     assert [b.id for b in client.batches.list()] == [batch.id]
 
 
+# In the slow set: test_cancel_then_resume_or_resubmit_loses_nothing below cancels a batch
+# mid-run the same way and checks what it kept before resuming it.
+@pytest.mark.slow
 def test_cancel_mid_run_keeps_what_finished(server: ServerProcess) -> None:
     client = openai.OpenAI(api_key=API_KEY, base_url=server.api_url, max_retries=0, timeout=60)
     # Long enough that the cancel lands while most requests are still to run.
@@ -299,13 +303,22 @@ def _ids(client: openai.OpenAI, batch: Batch) -> tuple[list[dict], list[str]]:
 
 def test_cancel_then_resume_or_resubmit_loses_nothing(server: ServerProcess) -> None:
     client = client_of(server)
-    # Long enough (~20 s of generation) that the cancel lands mid-run.
-    requests = [request_line(i, f"Write a story about lake {i}.", 100) for i in range(700)]
+    # Long enough that the cancel lands mid-run: at most 8 requests in flight and 10 ms after
+    # every step make a whole run take 300 / 8 * 100 steps, over 37 s on any machine, while the
+    # first part is committed after the 10 s flush interval.
+    requests = [request_line(i, f"Write a story about lake {i}.", 100) for i in range(300)]
     every = sorted(r["custom_id"] for r in requests)
     file_id = _upload(client, requests)
     cancelled = _cancel_after_first_part(client, _create(client, file_id))
     first_output, first_ids = _ids(client, cancelled)
-    assert 0 < len(first_ids) < len(requests)
+    assert 0 < len(first_ids) < len(requests), "it kept what finished, and stopped the rest"
+    counts = cancelled.request_counts
+    assert counts is not None
+    assert (counts.completed, counts.failed) == (
+        len(first_output),
+        len(first_ids) - len(first_output),
+    )
+    assert all(x["response"]["body"]["usage"]["completion_tokens"] > 0 for x in first_output)
 
     # Both at once: one resumes the cancelled batch, one starts the same file afresh.
     resumed = _create(client, file_id, metadata={RESUME_KEY: cancelled.id})

@@ -98,6 +98,10 @@ def test_batch_on_s3(server: ServerProcess, s3: S3Server, bucket: str) -> None:
     assert "_manifest.json" in names and any(n.startswith("openai-output-") for n in names)
 
 
+# In the slow set (a minute here): a batch's window is checked against the Batch API in
+# tests/unit/test_batch_api.py, and a job that stops itself at stop_at with what finished in
+# tests/integration/test_pipeline.py.
+@pytest.mark.slow
 def test_expired_batch_keeps_what_finished(server: ServerProcess) -> None:
     client = client_of(server)
     # Far more than the window allows (the cancel test's load).

@@ -143,6 +143,9 @@ def test_two_drivers_on_a_local_output_exactly_one_runs(tmp_path: Path, model_di
     assert (out / "_SUCCESS").exists() and not (out / "_lease.json").exists()
 
 
+# In the slow set: tests/integration/test_commit.py refuses a second run on the S3 server in
+# seconds (test_second_run_is_refused_naming_the_first[s3]); the local race above runs here.
+@pytest.mark.slow
 def test_two_drivers_on_an_s3_output_exactly_one_runs(
     tmp_path: Path, model_dir: Path, s3: S3Server
 ) -> None:
@@ -164,22 +167,28 @@ def test_a_hung_driver_is_fenced_off_and_its_output_taken_over(
     tmp_path: Path, model_dir: Path
 ) -> None:
     out = tmp_path / "out"
+    # The lease outlives the second run's start-up by far on a loaded machine: renewed every
+    # 10 s, it is fresh for at least 20 s after the hang, while `tokenmill run` reaches its
+    # lease check in a few seconds (7 s with a CPU hog on one core).
+    lease_timeout_s = 30
     path = job(
         tmp_path,
         model_dir,
         240,
         str(out),
-        output={"lease_timeout_s": 6},
+        output={"lease_timeout_s": lease_timeout_s},
         sampling={"max_tokens": 48},  # long enough that the run is still going when it hangs
     )
-    hung = start(path)
+    # 10 ms after every engine step: still going at the hang on any machine.
+    hung = start(path, env=slow_engine_env(0.01))
     wait_for(lambda: len(list(out.glob("part-*.parquet"))) >= 2, 240, "parts of the first run")
     os.kill(hung.pid, signal.SIGSTOP)  # the driver hangs; its engine actor goes on for now
+    hung_at = time.monotonic()
     try:
         early = start(path)
         _, err = early.communicate(timeout=120)
         assert early.returncode == 1 and "is being written by attempt 1" in err, err
-        time.sleep(7)  # past the lease timeout
+        time.sleep(max(0.0, hung_at + lease_timeout_s + 1 - time.monotonic()))  # lease expired
         taker = start(path)
         out_text, err = taker.communicate(timeout=400)
         assert taker.returncode == 0, out_text + err

@@ -27,7 +27,7 @@ from tests.e2e.test_run import slow_engine_env
 
 pytestmark = pytest.mark.timeout(600)
 REPO = Path(__file__).resolve().parents[2]
-ROWS = 1200
+ROWS = 480
 
 
 @pytest.fixture

@@ -15,6 +15,9 @@ from pipeline.cli import app
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
 
+# A benchmark, in the slow set (two minutes here): `tokenmill bench` itself runs in the
+# default suite on the reference engine (tests/integration/test_reference_bench.py).
+@pytest.mark.slow
 def test_bench_runs_the_reference_engine_and_vllm_side_by_side(tmp_path: Path) -> None:
     from engines.tiny import make_tiny_model
 

@@ -31,7 +31,17 @@ def text_prompts(model: Path, count: int) -> list[list[int]]:
     return [tokenizer.encode(t) for t in texts]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+# Llama in the default run; the other families (a minute each here) in the slow set. Each
+# family's reference engine is checked against transformers in the default suite
+# (tests/integration/test_reference_models.py).
+@pytest.mark.parametrize(
+    "arch",
+    [
+        "llama",
+        pytest.param("qwen2", marks=pytest.mark.slow),
+        pytest.param("qwen3", marks=pytest.mark.slow),
+    ],
+)
 def test_greedy_ids_and_texts_equal_the_reference_engines(arch: str) -> None:
     from engines.tiny import make_tiny_model
 

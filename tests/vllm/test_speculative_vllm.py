@@ -30,6 +30,9 @@ def test_speculative_config_dicts() -> None:
     assert draft == {"method": "draft_model", "model": "/d", "num_speculative_tokens": 2}
 
 
+# In the slow set (two vLLM engines, a minute and a half here): the settings translation is
+# checked above, and speculation itself on the reference engine in the default suite.
+@pytest.mark.slow
 def test_greedy_ids_equal_with_ngram_speculation() -> None:
     from engines.tiny import make_tiny_model
 
