@@ -444,14 +444,7 @@ class OpenAIIngress:
         )
 
     def _busy(self, code: str, what: str) -> ApiError:
-        retry = self._spec.http.retry_after_s
-        return ApiError(
-            429,
-            f"Server busy: {what}; retry after {retry} s",
-            type="rate_limit_error",
-            code=code,
-            headers={"Retry-After": str(retry)},
-        )
+        return ApiError.busy(code, what, self._spec.http.retry_after_s)
 
     async def _read_body(self, request: Request) -> bytes:
         limit = self._spec.http.max_body_bytes

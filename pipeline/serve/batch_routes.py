@@ -139,14 +139,7 @@ async def _admitted(request: Request, upload: bool = False) -> AsyncIterator[_Ca
 
 
 def _busy(code: str, what: str) -> ApiError:
-    retry = _installed_or_404().spec.http.retry_after_s
-    return ApiError(
-        429,
-        f"Server busy: {what}; retry after {retry} s",
-        type="rate_limit_error",
-        code=code,
-        headers={"Retry-After": str(retry)},
-    )
+    return ApiError.busy(code, what, _installed_or_404().spec.http.retry_after_s)
 
 
 def _too_large(limit: int) -> ApiError:

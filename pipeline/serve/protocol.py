@@ -61,6 +61,17 @@ class ApiError(Exception):
         """Short label for the errors-by-kind metric."""
         return self.code or self.type
 
+    @classmethod
+    def busy(cls, code: str, what: str, retry_after_s: int) -> ApiError:
+        """429: the server has no room for this request now (`what`); try again later."""
+        return cls(
+            429,
+            f"Server busy: {what}; retry after {retry_after_s} s",
+            type="rate_limit_error",
+            code=code,
+            headers={"Retry-After": str(retry_after_s)},
+        )
+
 
 # --- requests --------------------------------------------------------------------------------
 
