@@ -31,7 +31,11 @@ from tests.integration.s3_server import S3Server, running_s3_server
 serve_model_dir = serve_fixtures.serve_model_dir
 __all__ = ["ray_head", "serve_model_dir"]  # fixtures used from the other modules
 
-pytestmark = pytest.mark.timeout(600)
+# In the slow set (its own head and server: two minutes and more on a slow machine): the Batch
+# API's flow runs in the default suite on local storage (test_batch_api.py), uploads to the S3
+# server in tests/integration/test_batch_uploads_s3.py, and an OpenAI batch job reading and
+# writing the S3 server in tests/integration/test_pipeline.py.
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
 # Long enough for a small batch to complete (~20 s on two idle cores), short enough that a
 # long one expires within the test.

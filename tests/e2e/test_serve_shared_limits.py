@@ -19,7 +19,10 @@ from tests.e2e.serve_fixtures import ServerProcess, serve_config, start_server
 
 serve_model_dir = serve_fixtures.serve_model_dir
 
-pytestmark = pytest.mark.timeout(300)
+# In the slow set (a server with two ingress replicas: about a minute and a half): the shared
+# ledger and its coordinator are checked in tests/unit/test_serve_shared_limits.py, one
+# replica's limits end to end in test_serve_keys.py.
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 BUDGET = 4  # requests per minute of the limited key: one more every 15 s
 KEYS = {
