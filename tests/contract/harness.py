@@ -83,12 +83,7 @@ class EngineHarness:
             import psutil
 
             for child in psutil.Process().children(recursive=True):
-                try:
-                    engine_core = "EngineCore" in " ".join(child.cmdline())
-                    engine_core = engine_core or child.name().startswith("VLLM")
-                except (psutil.NoSuchProcess, psutil.ZombieProcess):
-                    continue  # a helper that already exited and is not reaped yet: not the engine
-                if engine_core:
+                if _is_vllm_engine_core(child):
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(child.pid, signal.SIGKILL)
         else:
@@ -100,6 +95,17 @@ class EngineHarness:
         finally:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout=30)
+
+
+def _is_vllm_engine_core(process: Any) -> bool:
+    """Whether a child process is vLLM's engine core (a psutil.Process)."""
+    import psutil
+
+    try:
+        command = " ".join(process.cmdline())
+        return "EngineCore" in command or process.name().startswith("VLLM")
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        return False  # a helper that already exited and is not reaped yet: not the engine
 
 
 def _shutdown(engine: Engine) -> Callable[[], Coroutine[Any, Any, None]]:
