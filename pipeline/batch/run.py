@@ -327,14 +327,15 @@ def _run(
 
                 budget_state = ray.get(budget.state.remote()).to_dict()
                 budget_closed = budget_closed or bool(budget_state["is_closed"])
+            # In the job's own Ray session: a second ray.init costs a small job seconds.
+            _check_duplicate_ids_if_due(spec, committer, schema, say)
     if keeper.failure and lease.lost:
         raise LeaseLost(lease.lost)
     missing = committer.ledger.missing_rows()
     status: Status = "complete" if missing == 0 else "incomplete"
     if missing and budget_closed:
         status = "stopped_at_budget"
-    if status == "complete" and _ids_from_data(spec) and committer.needs_duplicate_check():
-        _check_duplicate_ids(spec, committer, schema, say)
+    _check_duplicate_ids_if_due(spec, committer, schema, say)  # a resume with nothing to run
     _export_openai_batch(spec, committer)  # before finish writes `_SUCCESS`
     manifest = committer.finish(
         status,
@@ -377,16 +378,28 @@ def _ids_from_data(spec: JobSpec) -> bool:
     return spec.input.id_column is not None or spec.input.format == "openai_batch"
 
 
-def _check_duplicate_ids(
+def _check_duplicate_ids_if_due(
     spec: JobSpec, committer: Committer, schema: pa.Schema, say: Callable[[str], None]
 ) -> None:
-    """The cross-shard duplicate-id pass (pipeline.batch.commit.duplicates); repeats become
-    error rows naming the first occurrence."""
+    """The cross-shard duplicate-id pass (pipeline.batch.commit.duplicates), once every row is
+    committed and only where it can find something: ids from the data, parts changed since the
+    last check, and rows of more than one shard (within a shard, the prompt actor marks repeats
+    while it reads). Repeats become error rows naming the first occurrence."""
+    if committer.duplicate_ids is not None:  # done earlier in this run
+        return
+    if not _ids_from_data(spec) or committer.ledger.missing_rows() != 0:
+        return
+    if not committer.needs_duplicate_check():
+        return
+    records = committer.ledger.records()
+    if len({r.shard for r in records}) <= 1:
+        committer.duplicate_ids = {"num_duplicates": 0, "examples": [], "skipped": "one shard"}
+        return
     from pipeline.batch.commit.duplicates import find_duplicate_ids, mark_duplicates
 
     assert committer.run is not None
-    records = committer.ledger.records()
-    with ray_session():
+    committer.lease.verify()  # LeaseLost before writing marks if another run took over
+    with ray_session():  # the job's, when it still runs; its own for a resume with no units
         report = find_duplicate_ids(spec.output.uri, spec.storage, records)
         if report.marks:
             by_name = {r.name: r for r in records}

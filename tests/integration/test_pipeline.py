@@ -7,8 +7,10 @@ to the rows, error rows with messages, resume and refusal behaviour.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +76,28 @@ def read_output(server: S3Server, prefix: str) -> tuple[pa.Table, list[str]]:
     parts = [u for u in uris if u.rsplit("/", 1)[-1].startswith("part-")]
     tables = [pq.read_table(io.BytesIO(server.get(u))) for u in parts]
     return pa.concat_tables(tables), [u.rsplit("/", 1)[-1] for u in uris]
+
+
+def count_ray_sessions(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count the Ray sessions a job opens: outermost entries of pipeline.batch.run.ray_session
+    (one entered inside another reuses it)."""
+    import pipeline.batch.run as run_module
+
+    opened, depth = [0], [0]
+    real = run_module.ray_session
+
+    @contextlib.contextmanager
+    def counted() -> Iterator[None]:
+        opened[0] += depth[0] == 0
+        depth[0] += 1
+        try:
+            with real():
+                yield
+        finally:
+            depth[0] -= 1
+
+    monkeypatch.setattr(run_module, "ray_session", counted)
+    return opened
 
 
 def manifest_of(server: S3Server, prefix: str) -> dict[str, Any]:
@@ -373,13 +397,18 @@ def test_openai_batch_on_s3(ray_local: Any, s3_server: S3Server, tiny_model_dir:
 
 
 def test_duplicate_ids_in_a_shard_become_error_rows(
-    ray_local: Any, s3_server: S3Server, tiny_model_dir: Path
+    ray_local: Any, s3_server: S3Server, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     lines = [{"id": f"d{i % 4}", "text": f"Count {i} boats."} for i in range(6)]
     spec = s3_jsonl_job(
         "dup-job", lines, s3_server, tiny_model_dir, limits={"max_error_fraction": 0.5}
     )
+    sessions = count_ray_sessions(monkeypatch)
     result = run_job(spec)
+    # One shard: the prompt actor marked the repeats while reading; the cross-shard pass
+    # cannot find more and is not run.
+    assert sessions[0] == 1
+    assert manifest_of(s3_server, spec.output.uri)["duplicate_ids"]["skipped"] == "one shard"
     assert result.status == "complete"
     table, _ = read_output(s3_server, spec.output.uri)
     assert table.num_rows == 6, "every input row is in the output once"
@@ -449,7 +478,7 @@ def test_mixed_passthrough_types_make_error_rows_not_a_crash(
 
 
 def test_duplicate_ids_across_shards_become_error_rows_naming_the_first(
-    ray_local: Any, tmp_path: Path, tiny_model_dir: Path
+    ray_local: Any, tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     for name, ids in (("a", ["x1", "x2", "x3"]), ("b", ["x4", "x2", "x5", "x3"])):
         (tmp_path / f"{name}.jsonl").write_text(
@@ -473,8 +502,10 @@ def test_duplicate_ids_across_shards_become_error_rows_naming_the_first(
             "limits": {"max_error_fraction": 0.5},
         }
     )
+    sessions = count_ray_sessions(monkeypatch)
     result = run_job(spec)
     assert result.status == "complete"
+    assert sessions[0] == 1, "the cross-shard pass runs in the job's own Ray session"
     table = pa.concat_tables(pq.read_table(p) for p in sorted(out.glob("part-*.parquet")))
     assert table.num_rows == 7  # every input row, once
     errors = [r for r in table.to_pylist() if r["finish_reason"] == "error"]
