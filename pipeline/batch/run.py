@@ -32,10 +32,10 @@ from pipeline.batch.cluster import (
 from pipeline.batch.commit.committer import Committer, ResumeRefused
 from pipeline.batch.commit.fingerprint import input_listing, job_fingerprint
 from pipeline.batch.commit.lease import Lease, LeaseHeld, LeaseKeeper, LeaseLost
-from pipeline.batch.commit.manifest import Manifest, ManifestConflict, Status
+from pipeline.batch.commit.manifest import Manifest, ManifestConflict, ManifestStore, Status
 from pipeline.batch.progress import Progress, ProgressPrinter
 from pipeline.batch.read import sample_values
-from pipeline.batch.scheduler import JobFailed, JobFenced, Scheduler
+from pipeline.batch.scheduler import UNITS_PER_ACTOR, JobFailed, JobFenced, Scheduler
 from pipeline.batch.schema import (
     INFER_SAMPLE_ROWS,
     has_samples,
@@ -100,13 +100,27 @@ class RunResult:
 # --- planning ----------------------------------------------------------------------------------
 
 
-def plan_input(spec: JobSpec, files: list[InputFile]) -> tuple[ShardPlan, list[pa.Field]]:
-    """The job's shards and the passthrough columns' fixed types."""
-    plan = plan_shards(spec, files)
+def plan_input(
+    spec: JobSpec, files: list[InputFile], slots: int | None = None
+) -> tuple[ShardPlan, list[pa.Field]]:
+    """The job's shards (sized for `slots` engine slots) and the passthrough columns' fixed
+    types."""
+    plan = plan_shards(spec, files, slots)
     samples = None
     if spec.input.format != "parquet" and spec.input.passthrough_columns:
         samples = sample_values(spec, plan, spec.input.passthrough_columns, INFER_SAMPLE_ROWS)
     return plan, passthrough_fields(spec, plan.parquet_schemas, samples)
+
+
+def _shard_slots(spec: JobSpec, out: OutputDir, fresh: bool) -> int | None:
+    """The engine slots to size the shard plan for: this job's pool, or for a resume, what the
+    first run planned for (its manifest says; a different pool must not cut other shards).
+    A manifest from before plans recorded it: None, the plan it made then."""
+    if not fresh:
+        previous = ManifestStore(out).read()
+        if previous is not None:
+            return previous.shard_slots
+    return spec.resources.peak_actors * UNITS_PER_ACTOR
 
 
 def _units(committer: Committer, run: int, retry_errors: bool) -> list[WorkUnit]:
@@ -175,7 +189,8 @@ def run_job(
     stop = stop or threading.Event()
     files = _preflight(spec)  # fails here, before any actor, on bad input or storage
     check_cpu_headroom(spec, known_cluster_cpus())
-    plan, passthrough = plan_input(spec, files)
+    out = OutputDir(spec.output.uri, spec.storage, RetryPolicy(spec.storage.retry_s))
+    plan, passthrough = plan_input(spec, files, _shard_slots(spec, out, fresh))
     schema = output_schema(
         passthrough,
         spec.output.include_token_ids,
@@ -188,7 +203,6 @@ def run_job(
     fingerprint = job_fingerprint(
         spec, files, shard_plan=plan.digest, schema=schema_to_json(schema)
     )
-    out = OutputDir(spec.output.uri, spec.storage, RetryPolicy(spec.storage.retry_s))
     lease = Lease.acquire(out, spec.output.lease_timeout_s)  # LeaseHeld: another run writes
     committer = Committer(
         out, spec, plan, fingerprint, schema_to_json(schema), input_listing(files), lease

@@ -15,12 +15,17 @@ job fingerprint. Within a shard, rows are numbered 0.. in file order (`row index
 rows are tracked per shard as `RowRanges` of those indexes, never as ids.
 
 `input.shard_rows` / `input.shard_bytes` set the target size; left null, the size is chosen so
-that a job has about TARGET_SHARDS shards (many more shards than actors, so every actor has
-work until the end), within [MIN, MAX] bounds that keep each shard's prepared rows small.
+that every engine slot (actors x shards each works on at once, the autoscaling maximum where
+the pool scales) gets SHARDS_PER_SLOT shards, and a job at least TARGET_SHARDS: many more
+shards than slots, so every slot has work until the end. [MIN, MAX] bounds keep each shard's
+prepared rows small. The slots a plan was made for are kept in the manifest, and a resume plans
+for the same number whatever its own pool, so it derives the same shards. What is still
+unbalanced at the very end, the scheduler evens out by splitting the tail (scheduler.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -34,7 +39,8 @@ import pyarrow as pa
 from pipeline.spec import JobSpec
 from pipeline.storage import InputFile, StorageError, filesystem_for
 
-TARGET_SHARDS = 256
+TARGET_SHARDS = 256  # the fewest shards a job aims for (enough for a small pool's tail)
+SHARDS_PER_SLOT = 4  # and at least this many per engine slot
 MIN_SHARD_ROWS = 64
 MAX_SHARD_ROWS = 20_000
 MIN_SHARD_BYTES = 16 * 1024
@@ -199,6 +205,7 @@ class ShardPlan:
     shards: tuple[Shard, ...]
     target: int  # rows (Parquet) or bytes (JSONL) per shard the plan aimed for
     parquet_schemas: tuple[pa.Schema, ...] | None = None  # every input file's (Parquet)
+    slots: int | None = None  # engine slots it was sized for (None: TARGET_SHARDS alone)
 
     @property
     def digest(self) -> str:
@@ -217,6 +224,11 @@ class ShardPlan:
 
 def clamp(value: float, low: int, high: int) -> int:
     return int(min(max(math.ceil(value), low), high))
+
+
+def target_shards(slots: int | None) -> int:
+    """How many shards a plan for `slots` engine slots aims for."""
+    return max(TARGET_SHARDS, SHARDS_PER_SLOT * (slots or 0))
 
 
 # --- Parquet -----------------------------------------------------------------------------------
@@ -241,14 +253,15 @@ def parquet_footer(spec: JobSpec, file: InputFile) -> tuple[list[int], pa.Schema
         ) from exc
 
 
-def _parquet_plan(spec: JobSpec, files: list[InputFile]) -> ShardPlan:
+def _parquet_plan(spec: JobSpec, files: list[InputFile], slots: int | None) -> ShardPlan:
     with ThreadPoolExecutor(FOOTER_THREADS, thread_name_prefix="parquet-footer") as pool:
         footers = list(pool.map(lambda f: parquet_footer(spec, f), files))
     groups = [sizes for sizes, _ in footers]
     limit = spec.input.limit
     total = sum(sum(g) for g in groups)
     total = total if limit is None else min(total, limit)
-    target = spec.input.shard_rows or clamp(total / TARGET_SHARDS, MIN_SHARD_ROWS, MAX_SHARD_ROWS)
+    aim = target_shards(slots)
+    target = spec.input.shard_rows or clamp(total / aim, MIN_SHARD_ROWS, MAX_SHARD_ROWS)
     shards: list[Shard] = []
     left = total  # rows still to plan (input.limit cuts the input in input order)
 
@@ -319,7 +332,7 @@ def _jsonl_limit_end(spec: JobSpec, file: InputFile, rows: int) -> tuple[int, in
     return found, offset
 
 
-def _jsonl_plan(spec: JobSpec, files: list[InputFile]) -> ShardPlan:
+def _jsonl_plan(spec: JobSpec, files: list[InputFile], slots: int | None) -> ShardPlan:
     limit = spec.input.limit
     spans: list[tuple[InputFile, int, int | None]] = []  # (file, end byte, row cap)
     left = limit
@@ -341,7 +354,7 @@ def _jsonl_plan(spec: JobSpec, files: list[InputFile]) -> ShardPlan:
     else:
         per_line = bytes_per_line(spec, spans[0][0]) if spans else 1.0
         target = clamp(
-            max(total_bytes / TARGET_SHARDS, MIN_SHARD_ROWS * per_line),
+            max(total_bytes / target_shards(slots), MIN_SHARD_ROWS * per_line),
             MIN_SHARD_BYTES,
             int(min(MAX_SHARD_BYTES, MAX_SHARD_ROWS * per_line)) or MIN_SHARD_BYTES,
         )
@@ -376,8 +389,11 @@ def count_lines(spec: JobSpec, file: InputFile) -> int:
         return sum(1 for line in handle if line.strip())
 
 
-def plan_shards(spec: JobSpec, files: list[InputFile]) -> ShardPlan:
-    """The job's shards, in listing order (see the module docstring)."""
+def plan_shards(spec: JobSpec, files: list[InputFile], slots: int | None = None) -> ShardPlan:
+    """The job's shards, in listing order, sized for `slots` engine slots (see the module
+    docstring; None: TARGET_SHARDS alone, as plans made before slots were recorded)."""
     if spec.input.format == "parquet":
-        return _parquet_plan(spec, files)
-    return _jsonl_plan(spec, files)
+        plan = _parquet_plan(spec, files, slots)
+    else:
+        plan = _jsonl_plan(spec, files, slots)
+    return dataclasses.replace(plan, slots=slots)

@@ -17,6 +17,8 @@ from pipeline.batch.read import read_shard
 from pipeline.batch.shards import (
     MAX_SHARD_ROWS,
     MIN_SHARD_ROWS,
+    SHARDS_PER_SLOT,
+    TARGET_SHARDS,
     RowRanges,
     RowSelection,
     plan_shards,
@@ -131,6 +133,36 @@ def test_auto_shard_size_aims_for_many_shards_within_bounds(tmp_path: Path) -> N
     assert MIN_SHARD_ROWS <= plan.target <= MAX_SHARD_ROWS and len(plan) == 60
 
 
+def test_a_fleet_gets_several_shards_per_slot(tmp_path: Path) -> None:
+    # 1,000 actors x 2 shards in flight: 256 shards would leave most slots without work.
+    path = tmp_path / "fleet.parquet"
+    pq.write_table(pa.table({"q": ["x"] * 1_000_000}), path, row_group_size=100)
+    spec = _spec(path, "parquet")
+    files = list_input_files(spec)
+    slots = 2_000
+    plan = plan_shards(spec, files, slots)
+    assert plan.slots == slots
+    assert len(plan) >= SHARDS_PER_SLOT * slots, "every slot gets several shards"
+    assert MIN_SHARD_ROWS <= plan.target <= 1_000_000 // (SHARDS_PER_SLOT * slots)
+    assert sum(s.num_rows or 0 for s in plan.shards) == 1_000_000
+    # A small pool keeps the plan it always had (and with it, older outputs' fingerprints).
+    assert plan_shards(spec, files, 4).digest == plan_shards(spec, files).digest
+    assert TARGET_SHARDS // 2 <= len(plan_shards(spec, files, 4)) <= 2 * TARGET_SHARDS
+
+
+def test_a_fleet_sized_jsonl_plan_cuts_byte_ranges_per_slot(tmp_path: Path) -> None:
+    path = tmp_path / "fleet.jsonl"  # 100,000 lines of ~200 bytes
+    line = "question {:06d} " + "x" * 176
+    path.write_text("".join(json.dumps({"q": line.format(i)}) + "\n" for i in range(100_000)))
+    spec = _spec(path)
+    files = list_input_files(spec)
+    assert len(plan_shards(spec, files)) <= 2 * TARGET_SHARDS
+    plan = plan_shards(spec, files, 250)
+    assert len(plan) >= SHARDS_PER_SLOT * 250
+    assert plan.shards[0].start == 0 and plan.shards[-1].end == path.stat().st_size
+    assert all(a.end == b.start for a, b in zip(plan.shards, plan.shards[1:], strict=False))
+
+
 def test_compressed_jsonl_is_one_shard(tmp_path: Path) -> None:
     import gzip
 
@@ -140,3 +172,34 @@ def test_compressed_jsonl_is_one_shard(tmp_path: Path) -> None:
     plan = plan_shards(spec, list_input_files(spec))
     assert [s.kind for s in plan.shards] == ["whole_file"]
     assert read_shard(spec, plan.shards[0]).num_rows == 50
+
+
+def test_a_resume_plans_for_the_slots_its_first_run_planned_for(tmp_path: Path) -> None:
+    from pipeline.batch.commit.manifest import Manifest
+    from pipeline.batch.commit.parts import MANIFEST_NAME
+    from pipeline.batch.run import _shard_slots
+    from pipeline.batch.scheduler import UNITS_PER_ACTOR
+    from pipeline.storage import OutputDir
+
+    spec = parse_job_spec(
+        {
+            "name": "slots",
+            "input": {"uri": str(tmp_path / "in.jsonl"), "prompt_column": "q"},
+            "model": {"path": "/unused"},
+            "resources": {"num_actors": None, "min_actors": 2, "max_actors": 300},
+            "output": {"uri": str(tmp_path / "out")},
+        }
+    )
+    out = OutputDir(spec.output.uri, spec.storage)
+    pool = 300 * UNITS_PER_ACTOR  # the autoscaling maximum's slots
+    assert _shard_slots(spec, out, fresh=False) == pool  # nothing committed yet
+
+    def manifest(slots: int | None) -> None:
+        first = Manifest("slots", "incomplete", {}, {}, [], [], [], [], shard_slots=slots)
+        out.put(MANIFEST_NAME, first.to_json().encode())
+
+    manifest(64)  # the first run had a smaller pool
+    assert _shard_slots(spec, out, fresh=False) == 64, "the same shards as the first run"
+    assert _shard_slots(spec, out, fresh=True) == pool, "--fresh plans for this pool"
+    manifest(None)  # written before plans recorded their slots
+    assert _shard_slots(spec, out, fresh=False) is None

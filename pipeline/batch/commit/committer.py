@@ -234,6 +234,7 @@ class Committer:
             input_files=self.input_files,
             schema=self.schema,
             shards=[],
+            shard_slots=self.plan.slots,
             runs=runs,
             budget=self.manifest.budget if self.manifest else None,
             duplicate_ids=self.manifest.duplicate_ids if self.manifest else None,
