@@ -33,6 +33,7 @@ from pipeline.batch.commit.committer import Committer, ResumeRefused
 from pipeline.batch.commit.fingerprint import input_listing, job_fingerprint
 from pipeline.batch.commit.lease import Lease, LeaseHeld, LeaseKeeper, LeaseLost
 from pipeline.batch.commit.manifest import Manifest, ManifestConflict, ManifestStore, Status
+from pipeline.batch.commit.parts import PartName, PartRecord
 from pipeline.batch.progress import Progress, ProgressPrinter
 from pipeline.batch.read import sample_values
 from pipeline.batch.scheduler import UNITS_PER_ACTOR, JobFailed, JobFenced, Scheduler
@@ -406,7 +407,7 @@ def _check_duplicate_ids_if_due(
     if not committer.needs_duplicate_check():
         return
     records = committer.ledger.records()
-    if len({r.shard for r in records}) <= 1:
+    if _read_in_one_go(records):
         committer.duplicate_ids = {"num_duplicates": 0, "examples": [], "skipped": "one shard"}
         return
     from pipeline.batch.commit.duplicates import find_duplicate_ids, mark_duplicates
@@ -428,6 +429,16 @@ def _check_duplicate_ids_if_due(
             f"{report.num_duplicates} row(s) repeat an id of an earlier row in another shard "
             f"(e.g. {examples}); they are error rows now: fix input.id_column's values"
         )
+
+
+def _read_in_one_go(records: list[PartRecord]) -> bool:
+    """Whether every committed row came from one hand-out of one shard: the prompt actor that
+    read it marked each repeated id then. Rows of one shard read in several hand-outs (a
+    resume, a lost actor's shard handed out again, a split tail, --retry-errors) were not
+    compared with each other."""
+    names = [PartName.parse(r.name) for r in records]
+    reads = {(n.shard, n.run, n.dispatch) if n else None for n in names}
+    return len(reads) <= 1 and None not in reads
 
 
 def _unit_rows(unit: WorkUnit) -> int:

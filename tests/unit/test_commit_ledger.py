@@ -231,3 +231,20 @@ def test_speculative_counts_add_up_and_give_rates() -> None:
     assert plain.spec == SpecCounts(1, 1, 0) and plain.spec.accepted_per_verification is None
     assert SpecCounts().acceptance_rate is None
     assert RowStats.from_json({}).spec == SpecCounts()  # manifests written before these counts
+
+
+def test_the_duplicate_pass_is_skipped_only_for_rows_read_in_one_hand_out() -> None:
+    from types import SimpleNamespace
+
+    from pipeline.batch.commit.parts import PartName
+    from pipeline.batch.run import _read_in_one_go
+
+    def parts(*names: tuple[int, int, int, int]) -> list:
+        return [SimpleNamespace(name=PartName(*n).name) for n in names]
+
+    assert _read_in_one_go(parts((0, 1, 1, 0), (0, 1, 1, 1)))  # one prepare marked every repeat
+    assert _read_in_one_go([])
+    assert not _read_in_one_go(parts((0, 1, 1, 0), (1, 1, 1, 0))), "two shards"
+    assert not _read_in_one_go(parts((0, 1, 1, 0), (0, 1, 2, 0))), "handed out again or split"
+    assert not _read_in_one_go(parts((0, 1, 1, 0), (0, 2, 1, 0))), "a resume read the rest"
+    assert not _read_in_one_go([SimpleNamespace(name="part-odd.parquet")])
