@@ -505,6 +505,14 @@ class ResourcesSpec(_Strict):
         "other failures fail the job. A shard whose engine actor died is handed out again "
         "with its committed rows kept (the actor restarts up to max_restarts).",
     )
+    tail_split: bool = Field(
+        True,
+        description="At the end of a job, when no shard is left to hand out and an engine "
+        "actor has nothing to do, split the running shard with the most rows left: the rows "
+        "its actor has not yet taken go to the idle one, so the night does not end waiting for "
+        "one actor. Every row is still generated and committed once; the manifest lists each "
+        "split (events: tail_split). false: each shard runs on one actor to its end.",
+    )
 
     @property
     def peak_actors(self) -> int:

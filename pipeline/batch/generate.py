@@ -11,6 +11,11 @@ written as a part (pipeline.batch.commit.parts) every `output.rows_per_file` row
 `output.flush_interval_s` seconds, at the end of the shard, and at once when the driver asks
 the actor to stop. Each part's record streams back to the driver, which commits it.
 
+At the tail of a job the driver may ask for part of a unit back (`release`): the rows not yet
+taken into the engine (nor asked of the budget) are cut off the unit's end and handed to an
+idle actor as a unit of their own; this one finishes the rest. The cut and the feeding of rows
+both run on the actor's event loop, so a row is either fed here or released, never both.
+
 Per row: SamplingParams from the row's columns (set by the prompt stage) and the job's stop
 settings; a row that already carries an `error` (bad input, too long) skips the engine; an
 exception while serving one row becomes that row's error, never a failed shard. Only a dead
@@ -51,6 +56,17 @@ logger = logging.getLogger(__name__)
 
 # After the driver asks an actor to stop, rows already in its engine get this long to finish.
 STOP_GRACE_S = 10.0
+# A unit gives rows back (`release`) only when at least this many are still to be fed, and
+# at least two batches: fewer finish sooner here than a new hand-out could start elsewhere.
+MIN_RELEASE_ROWS = 32
+
+
+@dataclass
+class _Feed:
+    """How far one running unit has fed its prepared rows into the engine."""
+
+    limit: int  # positions [0, limit) of the prepared table are this unit's to generate
+    taken: int = 0  # positions [0, taken) were fed or asked of the budget: never released
 
 
 # --- the actor -------------------------------------------------------------------------------
@@ -94,6 +110,7 @@ class EngineWorker:
         self._slots: asyncio.Semaphore | None = None
         self._finished: asyncio.Condition | None = None
         self._stopping: asyncio.Event | None = None
+        self._feeds: dict[tuple[int, int], tuple[_Feed, pa.Table]] = {}  # (shard, dispatch)
 
     def _loop_state(self) -> tuple[asyncio.Semaphore, asyncio.Condition, asyncio.Event]:
         if self._slots is None:
@@ -121,6 +138,24 @@ class EngineWorker:
         """Stop taking rows; write what is finished; end every unit soon (see run_unit)."""
         self._loop_state()[2].set()
 
+    async def release(self, shard: int, dispatch: int) -> list[list[int]]:
+        """Give back the second half of a running unit's rows not yet fed: their shard row
+        indexes as [start, end) spans (empty when the unit is not here, is stopping, or has
+        fewer than MIN_RELEASE_ROWS left). Async, so it runs between two steps of `feed`."""
+        entry = self._feeds.get((shard, dispatch))
+        if entry is None or self._loop_state()[2].is_set():
+            return []
+        feed, rows = entry
+        left = feed.limit - feed.taken
+        if left < max(MIN_RELEASE_ROWS, 2 * self.config.batch_size):
+            return []
+        cut = feed.taken + (left + 1) // 2  # this actor keeps the first half
+        released = rows.column(ROW).slice(cut, feed.limit - cut).to_pylist()
+        feed.limit = cut
+        from pipeline.batch.shards import RowRanges
+
+        return [list(span) for span in RowRanges.from_indexes(released).spans]
+
     def account(self) -> dict[str, Any]:
         account = self.meter.account(time.monotonic())
         account.actor_id = self.actor_id
@@ -134,6 +169,10 @@ class EngineWorker:
         finished: asyncio.Queue[_Finished] = asyncio.Queue()
         in_flight: set[asyncio.Task[None]] = set()
         records = rows.to_pylist()
+        feed_state = _Feed(limit=len(records))
+        key = (unit.shard.index, unit.dispatch)
+        if not unit.replace_parts:  # replacement work is all or nothing per part
+            self._feeds[key] = (feed_state, rows)
         refused = 0
         flushed: list[PartRecord] = []
         buffer: list[_Finished] = []  # finished rows waiting for their part
@@ -152,11 +191,13 @@ class EngineWorker:
         async def feed() -> None:
             nonlocal refused
             size = self.config.batch_size
-            for start in range(0, len(records), size):
-                chunk = list(range(start, min(start + size, len(records))))
+            start = 0
+            while start < feed_state.limit:  # `release` may lower the limit meanwhile
+                chunk = list(range(start, min(start + size, feed_state.limit)))
                 if stopping.is_set():
-                    refused += len(records) - start
+                    refused += feed_state.limit - start
                     return
+                feed_state.taken = chunk[-1] + 1  # from here on these rows stay here
                 admitted = await self._admit([records[i] for i in chunk])
                 for position, ok in zip(chunk, admitted, strict=True):
                     if not ok:
@@ -165,14 +206,15 @@ class EngineWorker:
                     await slots.acquire()
                     if stopping.is_set():  # asked to stop while waiting for a slot
                         slots.release()
-                        refused += len(records) - position
+                        refused += feed_state.limit - position
                         return
                     task = asyncio.ensure_future(serve(position, records[position]))
                     in_flight.add(task)
                     task.add_done_callback(in_flight.discard)
                 if not all(admitted):  # the budget closed: nothing more from this shard
-                    refused += len(records) - chunk[-1] - 1
+                    refused += feed_state.limit - chunk[-1] - 1
                     return
+                start = chunk[-1] + 1
 
         feeder = asyncio.ensure_future(feed())
         stop_deadline: float | None = None  # when rows still in the engine are left
@@ -237,6 +279,7 @@ class EngineWorker:
                 account=self.account(),
             )
         finally:
+            self._feeds.pop(key, None)
             feeder.cancel()
             for task in in_flight:
                 task.cancel()

@@ -323,6 +323,7 @@ def _run(
                 on_tick=committer.save,
                 stop=stop,
                 max_unit_retries=spec.resources.max_task_retries,
+                tail_split=spec.resources.tail_split,
             )
             try:
                 with ProgressPrinter(progress, say, progress_interval_s):
@@ -336,6 +337,7 @@ def _run(
                 raise LeaseLost(lease.lost)
             accounts = outcome.accounts
             events += [loss.to_json() for loss in outcome.losses]
+            events += [split.to_json() for split in outcome.splits]
             budget_closed = outcome.budget_closed
             if budget is not None:
                 import ray

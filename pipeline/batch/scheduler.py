@@ -26,6 +26,14 @@ Failures:
 Stopping (SIGTERM, Ctrl-C, the budget, a lost lease): nothing new is handed out; engine
 actors are asked to stop, write what is finished and end their shards; the scheduler
 returns once they have.
+
+The tail (`resources.tail_split`): once no shard waits and an engine actor has nothing to do,
+the running unit with the most rows left (on another actor) is asked to release the second
+half of the rows it has not yet fed (pipeline.batch.generate `release`). Those rows become a
+unit of their own, a new hand-out of the same shard (`only` those rows), prepared and run by
+the free actor; the unit they came from keeps the rest. The ledger commits row ranges, so the
+two commit side by side; a loss of either hands out again only that unit's own rows. Each
+split is an event in the manifest.
 """
 
 from __future__ import annotations
@@ -40,7 +48,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline.batch.commit.ledger import CommitLedger
-from pipeline.batch.generate import Fenced
+from pipeline.batch.generate import MIN_RELEASE_ROWS, Fenced
+from pipeline.batch.shards import RowRanges, RowSelection
 from pipeline.batch.units import PartWritten, PreparedInfo, UnitEnd, WorkUnit
 
 logger = logging.getLogger(__name__)
@@ -89,9 +98,33 @@ class _Slot:
 
 @dataclass
 class _Running:
-    unit: WorkUnit
+    unit: WorkUnit  # its selection shrinks when part of it is released to another actor
     slot: _Slot
     generator: Any  # ObjectRefGenerator of run_unit
+    selected: int = 0  # rows it was handed (less what it released)
+    written: int = 0  # rows of the parts it wrote so far
+    splittable: bool = True  # False once it had too few rows left to give any back
+
+
+@dataclass
+class TailSplit:
+    """Rows of a running unit handed to an idle actor at the tail (for the manifest)."""
+
+    shard: int
+    from_actor: str
+    rows: int
+    dispatch: int  # the new hand-out's number (its parts' names carry it)
+    at: float  # epoch seconds
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "event": "tail_split",
+            "shard": self.shard,
+            "from_actor": self.from_actor,
+            "rows": self.rows,
+            "dispatch": self.dispatch,
+            "at": round(self.at, 3),
+        }
 
 
 @dataclass
@@ -128,6 +161,7 @@ class SchedulerResult:
     accounts: dict[str, dict[str, Any]]  # "<actor id>/<incarnation>" -> latest cost account
     budget_closed: bool  # an engine actor left rows out because the budget refused them
     losses: list[ActorLoss]
+    splits: list[TailSplit] = field(default_factory=list)
 
 
 class Scheduler:
@@ -144,6 +178,7 @@ class Scheduler:
         on_tick: Callable[[], None],
         stop: threading.Event,
         max_unit_retries: int,
+        tail_split: bool = True,
     ):
         import ray
 
@@ -172,6 +207,9 @@ class Scheduler:
         self._no_prompter_since: float | None = time.monotonic()  # None: one is ready or idle
         self._first_ready: float | None = None  # when the first engine actor answered
         self._limitations_said: set[str] = set()  # engine limitations already logged
+        self.tail_split = tail_split
+        self.splits: list[TailSplit] = []
+        self._releasing: dict[Any, _Running] = {}  # pending `release` call -> its unit
 
     # --- the loop ------------------------------------------------------------------------------
 
@@ -183,6 +221,7 @@ class Scheduler:
                 self._stop_all()
             if not self.stop.is_set() and not self.budget_closed:
                 self._dispatch()
+                self._split_tail()
             if self._finished():
                 break
             if stop_deadline is not None and time.monotonic() > stop_deadline:
@@ -192,6 +231,7 @@ class Scheduler:
             waiting = [
                 *self.preparing,
                 *self.running,
+                *self._releasing,
                 *(s.ping for s in [*self.engines, *self.prompters] if s.ping is not None),
             ]
             ready = self._ray.wait(waiting, num_returns=1, timeout=WAIT_S)[0] if waiting else []
@@ -211,6 +251,7 @@ class Scheduler:
             accounts=self.accounts,
             budget_closed=self.budget_closed,
             losses=self.losses,
+            splits=self.splits,
         )
 
     def _finished(self) -> bool:
@@ -241,12 +282,84 @@ class Scheduler:
             engine = self._least_busy(self.engines, UNITS_PER_ACTOR)
             if engine is None:
                 break
-            unit, _, rows_ref = self.prepared.popleft()
+            unit, info, rows_ref = self.prepared.popleft()
             generator = engine.handle.run_unit.options(num_returns="streaming").remote(
                 unit, rows_ref
             )
             engine.busy += 1
-            self.running[generator] = _Running(unit, engine, generator)
+            self.running[generator] = _Running(unit, engine, generator, info.num_selected)
+
+    # --- the tail ------------------------------------------------------------------------------
+
+    def _split_tail(self) -> None:
+        """With nothing left to hand out and an engine slot free, ask the running unit with the
+        most rows left (on another actor) to give half of its unfed rows back."""
+        if not self.tail_split or self._releasing or self.queue or self.prepared:
+            return
+        if self.preparing:
+            return
+        # Free: an actor with no unit at all. One with a unit still fills its engine from it.
+        free = [s for s in self.engines if s.ready and s.busy == 0]
+        if not free:
+            return
+        candidates = [
+            r
+            for r in self.running.values()
+            if r.splittable
+            and not r.unit.replace_parts
+            and r.unit.failed is None
+            and any(f is not r.slot for f in free)
+            and r.selected - r.written >= MIN_RELEASE_ROWS
+        ]
+        if not candidates:
+            return
+        running = max(candidates, key=lambda r: r.selected - r.written)
+        unit = running.unit
+        ref = running.slot.handle.release.remote(unit.shard.index, unit.dispatch)
+        self._releasing[ref] = running
+
+    def _on_released(self, ref: Any, running: _Running) -> None:
+        ray = self._ray
+        try:
+            spans = ray.get(ref)
+        except Exception as exc:  # the actor died meanwhile: its loss requeues the unit
+            logger.info("no rows released by %s: %s", running.slot.name, exc)
+            return
+        if running.generator not in self.running:  # ended (or lost) while it was asked
+            spans = []
+        if not spans:
+            running.splittable = False
+            return
+        released = RowRanges.of(spans)
+        unit, shard = running.unit, running.unit.shard.index
+        num_rows = self.ledger.shards[shard].num_rows or 0  # known: the shard was read
+        kept = (unit.selection.only or RowRanges.full(num_rows)).difference(released)
+        running.unit = dataclasses.replace(
+            unit, selection=RowSelection(skip=unit.selection.skip, only=kept)
+        )
+        running.selected -= len(released)
+        piece = WorkUnit(
+            unit.shard,
+            unit.run,
+            self._next_dispatch(shard),
+            RowSelection(skip=self.ledger.selection(shard).skip, only=released),
+        )
+        self.queue.appendleft(piece)
+        split = TailSplit(
+            shard,
+            running.slot.info.get("actor_id", running.slot.name),
+            len(released),
+            piece.dispatch,
+            time.time(),
+        )
+        self.splits.append(split)
+        logger.info(
+            "tail: %d row(s) of shard %d handed from %s to a free actor (dispatch %d)",
+            split.rows,
+            shard,
+            running.slot.name,
+            piece.dispatch,
+        )
 
     @staticmethod
     def _least_busy(slots: list[_Slot], limit: int) -> _Slot | None:
@@ -254,9 +367,10 @@ class Scheduler:
         return min(free, key=lambda s: s.busy) if free else None
 
     def _requeue(self, unit: WorkUnit, front: bool = True) -> WorkUnit | None:
-        """The shard again with the rows committed so far skipped (None: nothing left)."""
+        """The unit's rows again, those committed so far skipped (None: nothing left). A unit
+        that is a split piece of its shard, or gave rows to one, keeps to its own rows."""
         shard = unit.shard.index
-        selection = self.ledger.selection(shard)
+        selection = RowSelection(self.ledger.selection(shard).skip, unit.selection.only)
         if unit.replace_parts:
             # Replacement work is all or nothing per part: redo the parts not yet replaced.
             left = tuple(p for p in unit.replace_parts if p in self.ledger.parts)
@@ -297,6 +411,8 @@ class Scheduler:
     def _handle(self, ref: Any) -> None:
         if ref in self.preparing:
             self._on_prepared(self.preparing.pop(ref))
+        elif ref in self._releasing:
+            self._on_released(ref, self._releasing.pop(ref))
         elif ref in self.running:
             self._on_unit_event(self.running[ref])
         else:
@@ -409,6 +525,7 @@ class Scheduler:
         if isinstance(event, PartWritten):
             self._take_account(event.account)
             self.on_part(event)
+            running.written += event.record.sums.rows
             loss = self._awaiting_recovery.pop(running.unit.shard.index, None)
             if loss is not None and loss.recovered_after_s is None:
                 loss.recovered_after_s = time.time() - loss.at
