@@ -182,7 +182,7 @@ def shard_counts(scheduler: Any) -> ShardCounts:
 
 class JobMetrics:
     """The driver's metrics of one run. Call `on_part` for each committed part, `on_tick`
-    after each manifest save check, and `finish` once the last manifest is written."""
+    after each manifest save check, and `finish` when the scheduler is done."""
 
     def __init__(self, job: str, run_id: str, clock: Callable[[], float] = time.time):
         self.tags = {"job": job, "run_id": run_id}
@@ -217,29 +217,28 @@ class JobMetrics:
         self._guard(record_sums)
         self._unsaved.append(record.written_at)
 
-    def on_tick(self, counts: ShardCounts, saved: bool) -> None:
-        """`saved`: no committed part is waiting for a manifest write any more."""
+    def on_tick(self, counts: Callable[[], ShardCounts], saved: bool) -> None:
+        """`counts`: asked only when due. `saved`: no committed part is waiting for a manifest
+        write any more."""
         now = self.clock()
         # The scheduler ticks on every event; Ray exports every few seconds anyway.
         if now - self._shards_set_at >= SHARDS_EVERY_S:
             self._shards_set_at = now
-            self._set_shards(counts)
+            self._guard(lambda: self._set_shards(counts()))
         if saved:
             self._saved()
 
-    def finish(self, counts: ShardCounts) -> None:
+    def finish(self, counts: Callable[[], ShardCounts]) -> None:
         """The scheduler is done; the final manifest follows at once: the last shard counts,
         and whatever waited for a manifest counts as committed now."""
-        self._set_shards(counts)
+        self._guard(lambda: self._set_shards(counts()))
         self._saved()
 
     def _set_shards(self, counts: ShardCounts) -> None:
-        def record() -> None:
-            gauge = self._metrics["tokenmill_batch_shards"]
-            for state in SHARD_STATES:
-                gauge.set(getattr(counts, state), tags={**self.tags, "state": state})
-
-        self._guard(record)
+        """Called through the guard (reading the counts may fail too)."""
+        gauge = self._metrics["tokenmill_batch_shards"]
+        for state in SHARD_STATES:
+            gauge.set(getattr(counts, state), tags={**self.tags, "state": state})
 
     def _saved(self) -> None:
         if not self._unsaved:

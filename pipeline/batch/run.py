@@ -312,7 +312,8 @@ def _run(
 
             def on_tick() -> None:
                 committer.save()
-                metrics.on_tick(shard_counts(scheduler), saved=committer.ledger.changes == 0)
+                saved = committer.ledger.changes == 0
+                metrics.on_tick(lambda: shard_counts(scheduler), saved=saved)
 
             scheduler = Scheduler(
                 engines=engines.handles,
@@ -328,7 +329,7 @@ def _run(
                 with ProgressPrinter(progress, say, progress_interval_s):
                     outcome = scheduler.run()
                 # The final manifest follows at once; Ray (and so the metrics) may not outlast it.
-                metrics.finish(shard_counts(scheduler))
+                metrics.finish(lambda: shard_counts(scheduler))
             except (ManifestConflict, JobFenced) as exc:  # another run took the output
                 raise LeaseLost(str(exc)) from exc
             finally:

@@ -126,3 +126,15 @@ def test_a_failing_metric_is_logged_once_and_ignored(caplog: pytest.LogCaptureFi
         "batch job metrics: ValueError: value must be >0, got 0 (ignored: the job goes on; "
         "later metric errors are not logged)"
     ) == 1
+
+
+def test_driver_metrics_never_raise_into_the_job() -> None:
+    from pipeline.batch.metrics import JobMetrics, ShardCounts
+
+    def scheduler_changed() -> ShardCounts:
+        raise AttributeError("'Scheduler' object has no attribute 'prepared'")
+
+    metrics = JobMetrics("job", "run", clock=lambda: 100.0)
+    metrics.on_tick(scheduler_changed, saved=False)
+    metrics.finish(scheduler_changed)
+    assert metrics._guard.failed
