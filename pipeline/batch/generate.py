@@ -40,6 +40,7 @@ import pyarrow as pa
 from engines.api import EngineDeadError, GenerationRequest, GenerationResult
 from engines.samples import fan_out
 from pipeline.batch.commit.parts import REPLACEMENT_DISPATCH, PartName, PartRecord, write_part
+from pipeline.batch.metrics import BusyReporter
 from pipeline.batch.read import ROW
 from pipeline.batch.rows import (
     GenerateConfig,
@@ -105,6 +106,8 @@ class EngineWorker:
         self.actor_id = _actor_id()
         self.incarnation = uuid.uuid4().hex[:12]  # a restarted actor keeps its actor id
         self.out = OutputDir(config.output_uri, config.storage, RetryPolicy(config.storage.retry_s))
+        self.busy = BusyReporter(config.job_name, config.run_id or "", self.actor_id)
+        self._busy_task: asyncio.Task[None] | None = None
         # asyncio primitives bind to the loop that first uses them: made on first use, on the
         # actor's event loop.
         self._slots: asyncio.Semaphore | None = None
@@ -161,11 +164,22 @@ class EngineWorker:
         account.actor_id = self.actor_id
         return {**account.to_dict(), "incarnation": self.incarnation}
 
+    async def _report_busy(self) -> None:
+        """The busy-fraction gauge, refreshed while the actor lives (idle time included)."""
+        while True:
+            try:
+                self.busy.update(self.meter.account(time.monotonic()))
+            except Exception as exc:  # metrics never stop the actor's work
+                logger.debug("busy fraction not reported: %s", exc)
+            await asyncio.sleep(1.0)
+
     async def run_unit(self, unit: WorkUnit, rows: pa.Table) -> AsyncIterator[Any]:
         """Generate the prepared rows of one shard; yields PartWritten per part, then UnitEnd.
 
         Call with `.options(num_returns="streaming")`."""
         slots, _, stopping = self._loop_state()
+        if self._busy_task is None:  # on the actor's event loop, which outlives this call
+            self._busy_task = asyncio.ensure_future(self._report_busy())
         finished: asyncio.Queue[_Finished] = asyncio.Queue()
         in_flight: set[asyncio.Task[None]] = set()
         records = rows.to_pylist()

@@ -42,6 +42,7 @@ class GenerateConfig:
     devices: float  # devices per actor (0: a CPU actor)
     budget: Any = None  # pipeline.batch.budget actor shared by the run's actors; None: no budget
     run_id: str | None = None  # the lease this run holds; None: not a fenced run (tools, tests)
+    job_name: str = ""  # spec.name: the `job` tag of the actor's metrics (pipeline.batch.metrics)
 
     @classmethod
     def from_spec(cls, spec: JobSpec, schema: pa.Schema) -> GenerateConfig:
@@ -67,6 +68,7 @@ class GenerateConfig:
             rows_per_file=spec.output.rows_per_file,
             flush_interval_s=spec.output.flush_interval_s,
             devices=spec.resources.devices_per_actor,
+            job_name=spec.name,
         )
 
 

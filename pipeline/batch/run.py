@@ -34,7 +34,14 @@ from pipeline.batch.commit.fingerprint import input_listing, job_fingerprint
 from pipeline.batch.commit.lease import Lease, LeaseHeld, LeaseKeeper, LeaseLost
 from pipeline.batch.commit.manifest import Manifest, ManifestConflict, ManifestStore, Status
 from pipeline.batch.commit.parts import PartName, PartRecord
-from pipeline.batch.progress import Progress, ProgressPrinter
+from pipeline.batch.metrics import JobMetrics, shard_counts
+from pipeline.batch.progress import (
+    Progress,
+    ProgressPrinter,
+    RowTotal,
+    estimate_total,
+    sample_bytes_per_line,
+)
 from pipeline.batch.read import sample_values
 from pipeline.batch.scheduler import UNITS_PER_ACTOR, JobFailed, JobFenced, Scheduler
 from pipeline.batch.schema import (
@@ -308,11 +315,20 @@ def _run(
             budget = _start_budget(spec, previous)
             engines = start_engines(spec, schema, budget, lease.run_id)
             prompters = start_prompters(spec, passthrough)
-            progress = Progress(total=sum(_unit_rows(u) for u in units))
+            progress = Progress(total=_row_total(spec, committer, units))
+            metrics = JobMetrics(spec.name, lease.run_id)
 
             def on_part(event: PartWritten) -> None:
+                before = committer.parts_committed
                 committer.on_part(event)
                 progress.add(event.record)
+                if committer.parts_committed > before:  # not a refused part
+                    metrics.on_part(event.record)
+
+            def on_tick() -> None:
+                committer.save()
+                saved = committer.ledger.changes == 0
+                metrics.on_tick(lambda: shard_counts(scheduler), saved=saved)
 
             scheduler = Scheduler(
                 engines=engines.handles,
@@ -320,7 +336,7 @@ def _run(
                 units=units,
                 ledger=committer.ledger,
                 on_part=on_part,
-                on_tick=committer.save,
+                on_tick=on_tick,
                 stop=stop,
                 max_unit_retries=spec.resources.max_task_retries,
                 tail_split=spec.resources.tail_split,
@@ -328,6 +344,8 @@ def _run(
             try:
                 with ProgressPrinter(progress, say, progress_interval_s):
                     outcome = scheduler.run()
+                # The final manifest follows at once; Ray (and so the metrics) may not outlast it.
+                metrics.finish(lambda: shard_counts(scheduler))
             except (ManifestConflict, JobFenced) as exc:  # another run took the output
                 raise LeaseLost(str(exc)) from exc
             finally:
@@ -443,11 +461,18 @@ def _read_in_one_go(records: list[PartRecord]) -> bool:
     return len(reads) <= 1 and None not in reads
 
 
-def _unit_rows(unit: WorkUnit) -> int:
-    rows = unit.shard.num_rows
-    if rows is None:
-        return 0
-    return rows - len(unit.selection.skip)
+def _row_total(
+    spec: JobSpec, committer: Committer, units: list[WorkUnit]
+) -> Callable[[], RowTotal]:
+    """The progress line's total: asked anew per line, so JSONL estimates become exact as
+    shards are read (pipeline.batch.progress)."""
+    shards = committer.ledger.shards
+
+    def known_rows(index: int) -> int | None:
+        return shards[index].num_rows
+
+    per_line = sample_bytes_per_line(spec, units, known_rows)
+    return lambda: estimate_total(units, known_rows, per_line)
 
 
 def _nothing_to_do(
