@@ -57,6 +57,7 @@ logger = logging.getLogger(__name__)
 
 # After the driver asks an actor to stop, rows already in its engine get this long to finish.
 STOP_GRACE_S = 10.0
+WAKE_S = 1.0  # longest a unit's loop waits for a finished row before it looks around again
 # A unit gives rows back (`release`) only when at least this many are still to be fed, and
 # at least two batches: fewer finish sooner here than a new hand-out could start elsewhere.
 MIN_RELEASE_ROWS = 32
@@ -231,18 +232,26 @@ class EngineWorker:
                 start = chunk[-1] + 1
 
         feeder = asyncio.ensure_future(feed())
+
+        def settled() -> bool:
+            # A row's task is done once its outcome is queued; `in_flight.discard` runs later,
+            # as a done callback. Counting a done task as still in flight kept the last part of
+            # a shard waiting up to flush_interval_s for a row that would never come.
+            return feeder.done() and finished.empty() and all(t.done() for t in in_flight)
+
         stop_deadline: float | None = None  # when rows still in the engine are left
         flushed_on_stop = False  # what was finished when the stop came is written at once
         try:
             while True:
-                done = feeder.done() and not in_flight and finished.empty()
-                # Finished rows wait at most flush_interval_s for their part; with none waiting,
-                # wake up now and then to notice a stop.
+                done = settled()
+                # Finished rows wait at most flush_interval_s for their part. The loop wakes at
+                # least every WAKE_S all the same: to notice a stop, or the feeder ending (a
+                # release can end it) with rows waiting, which no queued outcome announces.
                 if buffer:
                     age = time.monotonic() - buffered_since
-                    wait_s = max(self.config.flush_interval_s - age, 0.0)
+                    wait_s = min(max(self.config.flush_interval_s - age, 0.0), WAKE_S)
                 else:
-                    wait_s = 1.0
+                    wait_s = WAKE_S
                 if stopping.is_set():
                     stop_deadline = stop_deadline or time.monotonic() + STOP_GRACE_S
                     wait_s = min(wait_s, 0.2)
@@ -261,15 +270,18 @@ class EngineWorker:
                     except asyncio.TimeoutError:
                         pass
                 if stop_deadline is not None and time.monotonic() > stop_deadline and in_flight:
-                    for task in list(in_flight):  # past the grace: leave them for a rerun
+                    # Past the grace: leave the rows still in the engine for a rerun (a done
+                    # task's outcome is queued already and goes into this part).
+                    pending = [task for task in in_flight if not task.done()]
+                    for task in pending:
                         task.cancel()
-                    refused += len(in_flight)
+                    refused += len(pending)
                     in_flight.clear()
                 due = bool(buffer) and (
                     time.monotonic() - buffered_since >= self.config.flush_interval_s
                 )
                 full = len(buffer) >= self.config.rows_per_file
-                done = feeder.done() and not in_flight and finished.empty()
+                done = settled()
                 stop_now = stopping.is_set() and not flushed_on_stop
                 if buffer and (full or due or done or stop_now) and not unit.replace_parts:
                     flushed_on_stop = flushed_on_stop or stopping.is_set()
