@@ -8,7 +8,6 @@ what runs beside it: greedy requests with the same prompt agree, seeded ones rep
 
 from __future__ import annotations
 
-import random
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,6 +24,33 @@ _CHOSEN_LOGPROB = -0.25
 _ALTERNATIVE_STEP = 1.0
 
 
+_MASK64 = (1 << 64) - 1
+
+
+class SplitMix64:
+    """A tiny seeded generator (SplitMix64). Seeding random.Random (Mersenne Twister) costs
+    more than everything else the engine does for a 1-token request; this costs nothing."""
+
+    __slots__ = ("state",)
+
+    def __init__(self, seed: int) -> None:
+        self.state = seed & _MASK64
+
+    def next64(self) -> int:
+        self.state = z = (self.state + 0x9E3779B97F4A7C15) & _MASK64
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+        return z ^ (z >> 31)
+
+    def random(self) -> float:
+        """Uniform in [0, 1)."""
+        return (self.next64() >> 11) * (1.0 / (1 << 53))
+
+    def randint(self, low: int, high: int) -> int:
+        """Uniform in [low, high] (the modulo bias is far below what a test tool notices)."""
+        return low + self.next64() % (high - low + 1)
+
+
 @dataclass
 class RequestPlan:
     """A request's fate: when its first token comes, how many tokens it gets, how it ends."""
@@ -32,7 +58,7 @@ class RequestPlan:
     ttft_s: float
     num_tokens: int  # output tokens before it ends (the EOS token included for "stop")
     ending: Ending
-    rng: random.Random  # draws its token ids, one per step
+    rng: SplitMix64  # draws its token ids, one per step
 
 
 def plan_request(
@@ -50,7 +76,7 @@ def plan_request(
     else:  # unseeded sampling: a stream per request, still reproducible under the engine seed
         stream_key = -1 - zlib.crc32(request.request_id.encode())
     # hash() of a tuple of ints is the same in every process (only str hashing is salted).
-    rng = random.Random(hash((settings.seed, stream_key, tuple(request.prompt_token_ids))))
+    rng = SplitMix64(hash((settings.seed, stream_key, tuple(request.prompt_token_ids))))
     jitter = settings.ttft_jitter * (2.0 * rng.random() - 1.0)
     ttft_s = max(0.0, settings.ttft_ms * (1.0 + jitter)) / 1000.0
     fails = rng.random() < settings.error_fraction
@@ -74,7 +100,7 @@ class TokenTable:
             raise ValueError("no token of the vocabulary decodes to text")
         self.ids = tuple(ids)
 
-    def draw(self, rng: random.Random) -> int:
+    def draw(self, rng: SplitMix64) -> int:
         return self.ids[int(rng.random() * len(self.ids))]
 
 
