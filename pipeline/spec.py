@@ -719,6 +719,12 @@ class JobSpec(_Strict):
                 "sampling.prompt_logprobs: engine.kind trtllm does not return the prompt "
                 "tokens' own logprobs; use engine.kind reference or vllm"
             )
+        if self.engine.kind == "synthetic" and sampling.response_format is not None:
+            # Every row would be a row error: say so before the job starts.
+            raise ValueError(
+                "sampling.response_format: engine.kind synthetic generates random tokens and "
+                "cannot constrain them; remove response_format or use another engine kind"
+            )
         if self.output.format == "openai_batch" and (
             inp.format != "openai_batch" or "url" not in inp.passthrough_columns
         ):

@@ -63,11 +63,12 @@ def requests_for(n: int, tag: str = "r", **sampling: Any) -> list[GenerationRequ
 
 
 def test_aggregate_rate_is_close_to_tokens_per_s(model_dir: Path) -> None:
-    # 32 requests x 40 tokens at 4000 tokens/s: each full step lasts 32 / 4000 s = 8 ms.
+    # 32 requests x 40 tokens at 2000 tokens/s: each full step lasts 32 / 2000 s = 16 ms,
+    # long beside a loaded machine's late wake-ups.
     results, records, elapsed = run(
         model_dir,
         requests_for(32, max_tokens=40, ignore_eos=True),
-        tokens_per_s=4000,
+        tokens_per_s=2000,
         ttft_ms=0,
         step_interval_ms=1,
         max_batch_size=32,
@@ -76,13 +77,13 @@ def test_aggregate_rate_is_close_to_tokens_per_s(model_dir: Path) -> None:
     assert tokens == 32 * 40 and {r.finish_reason for r in results} == {"length"}
     rate = tokens / elapsed
     # Never faster than asked (steps are at least tokens / rate long); loosely near it.
-    assert 0.3 * 4000 < rate < 1.05 * 4000, rate
+    assert 0.3 * 2000 < rate < 1.05 * 2000, rate
     # Every token is in a step record: each request's prompt once, then one decode per token.
     prefill, decode = Counter(), Counter()
     for record in records:
         prefill.update(record.prefill_tokens)
         decode.update(record.decode_tokens)
-        assert record.end - record.start >= len(record.request_ids) / 4000 - 1e-3
+        assert record.end - record.start >= len(record.request_ids) / 2000 - 1e-3
     assert prefill == {f"r{i}": len(p) for i, p in enumerate(prompts(32))}
     assert decode == dict.fromkeys(prefill, 39)
 
@@ -184,3 +185,20 @@ def test_job_spec_checks_the_synthetic_settings() -> None:
     assert engine_settings(spec) == {"max_batch_size": 8, "tokens_per_s": 1e5}
     with pytest.raises(ValidationError, match="stop_fraction"):
         EngineSpec(kind="synthetic", extra={"stop_fraction": -0.1})
+
+
+def test_a_synthetic_job_refuses_response_format() -> None:
+    from pipeline.spec import SpecError, parse_job_spec
+
+    job = {
+        "name": "synthetic-format",
+        "input": {"uri": "in.jsonl", "format": "jsonl", "prompt_column": "text"},
+        "model": {"path": "tiny"},
+        "engine": {"kind": "synthetic"},
+        "sampling": {"response_format": {"type": "json_object"}},
+        "output": {"uri": "out/"},
+    }
+    with pytest.raises(SpecError, match="cannot constrain"):
+        parse_job_spec(job)
+    job["engine"] = {"kind": "reference"}
+    assert parse_job_spec(job).sampling.response_format is not None
