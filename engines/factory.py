@@ -6,7 +6,8 @@ from typing import Any
 
 from engines.api import Engine, EngineError
 
-ENGINE_KINDS = ("reference", "trtllm", "vllm")
+# synthetic: a test and capacity tool (random tokens at a set rate), not a model engine.
+ENGINE_KINDS = ("reference", "trtllm", "vllm", "synthetic")
 
 
 def load_engine(kind: str, model: str, **settings: Any) -> Engine:
@@ -27,6 +28,10 @@ def load_engine(kind: str, model: str, **settings: Any) -> Engine:
         from engines.vllm import VllmEngine
 
         return VllmEngine(model, **settings)
+    if kind == "synthetic":
+        from engines.synthetic import SyntheticEngine
+
+        return SyntheticEngine(model, **settings)
     raise EngineError(f"unknown engine kind {kind!r}; supported: {', '.join(ENGINE_KINDS)}")
 
 
@@ -42,6 +47,10 @@ def accepted_settings(kind: str) -> tuple[str, ...]:
         return SETTINGS
     if kind == "vllm":
         from engines.vllm import SETTINGS
+
+        return SETTINGS
+    if kind == "synthetic":
+        from engines.synthetic.settings import SETTINGS
 
         return SETTINGS
     raise EngineError(f"unknown engine kind {kind!r}; supported: {', '.join(ENGINE_KINDS)}")

@@ -261,17 +261,21 @@ class SpeculativeSpec(_Strict):
 
 
 class EngineSpec(_Strict):
-    kind: Literal["reference", "trtllm", "vllm"] = Field(
+    kind: Literal["reference", "trtllm", "vllm", "synthetic"] = Field(
         "reference",
         description="reference (PyTorch, runs anywhere incl. CPU) | trtllm (TensorRT-LLM, GPU) | "
-        "vllm (vLLM's async engine; CPU or CUDA build installed separately). See docs/engines.md.",
+        "vllm (vLLM's async engine; CPU or CUDA build installed separately) | synthetic (a test "
+        "and capacity tool, no model: random token ids at a set rate, to drive the pipeline at "
+        "GPU speed on CPUs; its settings go in `extra`: tokens_per_s, ttft_ms, ttft_jitter, "
+        "step_interval_ms, output_tokens, stop_fraction, error_fraction, seed (max_batch_size and "
+        "max_model_len apply as for the other kinds; see docs/engine.md). See docs/engines.md.",
     )
     max_batch_size: int | None = Field(
         None,
         ge=1,
         description="Most requests in one engine step. Null: the engine kind's default "
         "(reference 64; trtllm 2048, TensorRT-LLM's own default and the range its published "
-        "benchmarks run; vllm: vLLM's own). See docs/engines.md.",
+        "benchmarks run; vllm: vLLM's own; synthetic 256). See docs/engines.md.",
     )
     max_num_tokens: int | None = Field(
         None,
@@ -342,6 +346,20 @@ class EngineSpec(_Strict):
         "plan` uses it for the time and cost estimate (or --tokens-per-s / --measure). Not "
         "passed to the engine.",
     )
+
+    @model_validator(mode="after")
+    def _synthetic_settings(self) -> EngineSpec:
+        """engine.kind synthetic: its settings (in `extra`) are checked now, not at load."""
+        if self.kind == "synthetic":
+            from engines.synthetic.settings import SyntheticSettings
+
+            shared = {"max_batch_size": self.max_batch_size, "max_model_len": self.max_model_len}
+            given = {k: v for k, v in shared.items() if v is not None} | self.extra
+            try:
+                SyntheticSettings.of(given)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"engine.extra: {exc}") from None
+        return self
 
     @model_validator(mode="after")
     def _speculative_runs_on_kind(self) -> EngineSpec:
@@ -708,6 +726,12 @@ class JobSpec(_Strict):
             raise ValueError(
                 "sampling.prompt_logprobs: engine.kind trtllm does not return the prompt "
                 "tokens' own logprobs; use engine.kind reference or vllm"
+            )
+        if self.engine.kind == "synthetic" and sampling.response_format is not None:
+            # Every row would be a row error: say so before the job starts.
+            raise ValueError(
+                "sampling.response_format: engine.kind synthetic generates random tokens and "
+                "cannot constrain them; remove response_format or use another engine kind"
             )
         if self.output.format == "openai_batch" and (
             inp.format != "openai_batch" or "url" not in inp.passthrough_columns

@@ -2,8 +2,8 @@
 
 vLLM's async engine binds itself to the event loop it first runs on, so each engine lives on
 a loop of its own in a background thread for its whole life, and tests hand coroutines to
-that loop (`EngineHarness.run`). The reference engine and the TensorRT-LLM stand-in run the
-same way, so every kind is driven identically.
+that loop (`EngineHarness.run`). The reference engine, the TensorRT-LLM stand-in and the
+synthetic engine run the same way, so every kind is driven identically.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import pytest
 from engines import Engine, load_engine
 
 STANDINS = Path(__file__).resolve().parents[1] / "standins"
-KINDS = ("reference", "trtllm", "vllm")
+KINDS = ("reference", "trtllm", "vllm", "synthetic")
 MAX_MODEL_LEN = 256  # small, so that "beyond the context" is cheap to reach
 
 
@@ -38,10 +38,15 @@ def kind_params() -> list[Any]:
         pytest.param("reference", id="reference"),
         pytest.param("trtllm", id="trtllm-standin"),
         pytest.param("vllm", id="vllm", marks=pytest.mark.vllm),
+        pytest.param("synthetic", id="synthetic"),
     ]
 
 
 def settings_for(kind: str) -> dict[str, Any]:
+    if kind == "synthetic":
+        # GPU-like pace, but slow enough that a 200-token request is still running when a
+        # test aborts, closes or shuts it down (200 steps of 5 ms).
+        return {"max_model_len": MAX_MODEL_LEN, "max_batch_size": 16, "ttft_ms": 2.0}
     common = {"max_model_len": MAX_MODEL_LEN, "max_batch_size": 16, "max_num_tokens": 512}
     if kind == "reference":
         return {**common, "kv_cache_tokens": 4096, "num_threads": 1}
@@ -79,6 +84,12 @@ class EngineHarness:
                 raise RuntimeError("injected: the device fell off the bus")
 
             runner.execute = broken  # the next forward pass raises inside the step loop
+        elif self.kind == "synthetic":
+
+            def failing(*args: Any, **kwargs: Any) -> Any:
+                raise RuntimeError("injected: the step loop failed")
+
+            self.engine._step = failing  # the next step raises inside the step loop
         elif self.kind == "vllm":
             import psutil
 

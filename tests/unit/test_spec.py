@@ -68,7 +68,7 @@ def test_minimal_job_gets_documented_defaults() -> None:
     [
         (
             {"engine": {"kind": "sglang"}},
-            "engine.kind: Input should be 'reference', 'trtllm' or 'vllm'",
+            "engine.kind: Input should be 'reference', 'trtllm', 'vllm' or 'synthetic'",
         ),
         (
             {"input": {"format": "csv"}},

@@ -60,7 +60,9 @@ def test_validate_reports_field_and_allowed_values(tmp_path: Path, model_dir: Pa
     job = write_job(tmp_path, model_dir)
     result = run("validate", str(job), "--set", "engine.kind=sglang")
     assert result.exit_code == 1
-    expected = "engine.kind: Input should be 'reference', 'trtllm' or 'vllm' (got 'sglang')"
+    expected = (
+        "engine.kind: Input should be 'reference', 'trtllm', 'vllm' or 'synthetic' (got 'sglang')"
+    )
     assert expected in result.output
 
 
