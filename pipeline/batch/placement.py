@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,9 +87,12 @@ def reserve(res: ResourcesSpec, count: int, required: int) -> EngineGroups:
     from ray.util.placement_group import placement_group
 
     shape = bundles(res)
+    run = uuid.uuid4().hex[:8]
     groups = EngineGroups(
         [
-            placement_group(shape, strategy=strategy(res), name=f"tokenmill-engine-{i}")
+            # Names are unique per Ray namespace: another job's (or a retry's) groups on the
+            # same cluster must not clash with these.
+            placement_group(shape, strategy=strategy(res), name=f"tokenmill-engine-{run}-{i}")
             for i in range(count)
         ]
     )

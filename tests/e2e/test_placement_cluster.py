@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from engines.reference.cpu_kernels import DISABLE_ENV
 from pipeline.batch.cluster import start_engines
 from pipeline.batch.schema import output_schema
 from pipeline.spec import JobSpec, parse_job_spec
@@ -33,6 +34,10 @@ def cluster() -> Iterator[Any]:
     import ray
     from ray.cluster_utils import Cluster
 
+    # The engines' C++ CPU kernels are not what these tests are about: their build check takes
+    # minutes on a busy machine. Workers inherit the variable from the nodes started here.
+    patch = pytest.MonkeyPatch()
+    patch.setenv(DISABLE_ENV, "0")
     if ray.is_initialized():
         ray.shutdown()
     cluster = Cluster(
@@ -51,6 +56,7 @@ def cluster() -> Iterator[Any]:
     finally:
         ray.shutdown()
         cluster.shutdown()
+        patch.undo()
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +84,11 @@ def started(spec: JobSpec) -> tuple[Any, list[dict[str, Any]]]:
     import ray
 
     pool = start_engines(spec, output_schema(), None, None)
-    return pool, ray.get([h.ready.remote() for h in pool.handles], timeout=240)
+    try:
+        return pool, ray.get([h.ready.remote() for h in pool.handles], timeout=240)
+    except BaseException:
+        pool.stop()  # the groups must not outlive a failed test
+        raise
 
 
 def group_nodes(group: Any) -> list[str]:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from engines.reference.cpu_kernels import DISABLE_ENV
 from pipeline.batch.cluster import ResourceError, start_engines
 from pipeline.batch.schema import output_schema
 from tests.e2e.test_placement_cluster import group_nodes, job, removed, started
@@ -25,6 +26,10 @@ GPUS = 4
 def local_ray() -> Iterator[None]:
     import ray
 
+    # The engines' C++ CPU kernels are not what these tests are about: their build check takes
+    # minutes on a busy machine. Workers inherit the variable from the nodes started here.
+    patch = pytest.MonkeyPatch()
+    patch.setenv(DISABLE_ENV, "0")
     if ray.is_initialized():
         ray.shutdown()
     ray.init(
@@ -39,6 +44,7 @@ def local_ray() -> Iterator[None]:
         yield
     finally:
         ray.shutdown()
+        patch.undo()
 
 
 @pytest.fixture(scope="module")
