@@ -138,10 +138,13 @@ SEED_LIMITATION = (
     "tensorrt or the reference engine where reproducibility matters"
 )
 # Parallelism and multi-node orchestration: passed to the LLM as they are. The names are the
-# fields of TensorRT-LLM 1.2's `BaseLlmArgs` (tensorrt_llm/llmapi/llm_args.py, NVIDIA/TensorRT-LLM,
-# release 1.2 line) that say how one engine spans devices and nodes; tests check that the
-# stand-in (tests/standins/tensorrt_llm, written to 1.2's signatures) accepts exactly these.
-# Their product must equal resources.devices_per_actor (engines.parallel, checked at spec parse).
+# fields of `BaseLlmArgs` in tensorrt_llm/llmapi/llm_args.py (NVIDIA/TensorRT-LLM, the 1.2 line
+# this adapter targets) that say how one engine spans devices and nodes. They were read from a
+# revision of that file that could not be tied to the exact 1.2.x tag here: check them against
+# the release's llm_args.py when upgrading (newer revisions add e.g. `pp_partition`, left out
+# until the release is checked). Tests check that the stand-in (tests/standins/tensorrt_llm)
+# accepts exactly these. The sizes must multiply to resources.devices_per_actor
+# (engines.parallel, checked when the spec is parsed).
 PARALLEL_SETTINGS = (
     "tensor_parallel_size",
     "pipeline_parallel_size",
