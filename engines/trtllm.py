@@ -96,6 +96,7 @@ from engines.api import (
     StreamDelta,
     TokenLogprob,
 )
+from engines.parallel import engine_devices
 from engines.requests import (
     admit,
     context_length,
@@ -136,6 +137,27 @@ SEED_LIMITATION = (
     "request from one generator): seeded sampled rows are not reproducible; use backend "
     "tensorrt or the reference engine where reproducibility matters"
 )
+# Parallelism and multi-node orchestration: passed to the LLM as they are. The names are the
+# fields of `BaseLlmArgs` in tensorrt_llm/llmapi/llm_args.py (NVIDIA/TensorRT-LLM, the 1.2 line
+# this adapter targets) that say how one engine spans devices and nodes. They were read from a
+# revision of that file that could not be tied to the exact 1.2.x tag here: check them against
+# the release's llm_args.py when upgrading (newer revisions add e.g. `pp_partition`, left out
+# until the release is checked). Tests check that the stand-in (tests/standins/tensorrt_llm)
+# accepts exactly these. The sizes must multiply to resources.devices_per_actor
+# (engines.parallel, checked when the spec is parsed).
+PARALLEL_SETTINGS = (
+    "tensor_parallel_size",
+    "pipeline_parallel_size",
+    "context_parallel_size",
+    "gpus_per_node",
+    "moe_cluster_parallel_size",
+    "moe_tensor_parallel_size",
+    "moe_expert_parallel_size",
+    "enable_attention_dp",
+    "enable_lm_head_tp_in_adp",
+    "cp_config",
+    "orchestrator_type",
+)
 SETTINGS = (
     "max_batch_size",
     "max_num_tokens",
@@ -155,9 +177,9 @@ SETTINGS = (
     "build_cache_dir",
     "quantize",
     "calibration",
-    "tensor_parallel_size",
     "check_gpu",
     "speculative",
+    *PARALLEL_SETTINGS,
 )
 
 
@@ -200,10 +222,9 @@ class TrtllmEngine:
         build_cache_dir: str = "~/.cache/tokenmill/trtllm-build",
         quantize: str | None = None,
         calibration: dict[str, Any] | None = None,
-        tensor_parallel_size: int = 1,
         check_gpu: bool = True,
         speculative: Any = None,
-        **unknown: Any,
+        **more: Any,
     ) -> None:
         """Settings beyond the shared EngineSpec fields (pass them in engine.extra):
 
@@ -219,16 +240,24 @@ class TrtllmEngine:
         calibration: with quantize: the calibration text, as a quantization spec's
             `calibration:` section (source, column, num_samples, max_length, batch_size,
             seed); null: the built-in text sample. Never a download.
-        tensor_parallel_size: GPUs this engine spans.
+        PARALLEL_SETTINGS (tensor_parallel_size, pipeline_parallel_size, context_parallel_size,
+            moe_*_parallel_size, enable_attention_dp, gpus_per_node, orchestrator_type, ...):
+            TensorRT-LLM's own, passed to the LLM unchanged; null or absent: its defaults. The
+            engine spans tensor x pipeline x context parallel GPUs (engines.parallel). Inside
+            a multi-device engine actor the default MPI orchestrator starts its ranks on the
+            actor's node, over the GPUs the actor's placement group holds there.
         check_gpu: check the GPU's compute capability against the checkpoint first.
         speculative: engine.speculative as a dict (engines.speculative); becomes the LLM API's
             speculative_config (see `speculative_config`). PyTorch backend only.
         """
+        unknown = sorted(set(more) - set(PARALLEL_SETTINGS))
         if unknown:
             raise TypeError(
-                f"TrtllmEngine got unknown setting(s) {', '.join(sorted(unknown))}; "
+                f"TrtllmEngine got unknown setting(s) {', '.join(unknown)}; "
                 f"accepted: {', '.join(SETTINGS)}"
             )
+        parallel = {k: v for k, v in more.items() if v is not None}
+        num_devices = engine_devices("trtllm", parallel)
         _check_settings(backend, scheduler_policy, dtype, kv_cache_dtype, quantize, build_cache)
         from engines.speculative import resolve
 
@@ -276,7 +305,7 @@ class TrtllmEngine:
         )
         args: dict[str, Any] = dict(
             dtype=dtype,
-            tensor_parallel_size=tensor_parallel_size,
+            **parallel,
             kv_cache_config=kv_cache_config,
             enable_chunked_prefill=enable_chunked_prefill,
             scheduler_config=SchedulerConfig(
@@ -328,7 +357,7 @@ class TrtllmEngine:
             model=model,
             max_model_len=self._max_model_len,
             device="cuda:0",
-            num_devices=tensor_parallel_size,
+            num_devices=num_devices,
             dtype=dtype,
             has_step_records=False,
             eos_token_ids=self._eos_ids,

@@ -47,6 +47,7 @@ from engines.api import (
     StreamDelta,
     TokenLogprob,
 )
+from engines.parallel import engine_devices
 from engines.requests import (
     admit,
     context_length,
@@ -81,6 +82,9 @@ SETTINGS = (
     "dtype",
     "max_model_len",
     "tensor_parallel_size",
+    "pipeline_parallel_size",
+    "data_parallel_size",
+    "enable_expert_parallel",
     "enforce_eager",
     "quantization",
     "speculative",
@@ -105,6 +109,9 @@ class VllmEngine:
         dtype: str = "auto",
         max_model_len: int | None = None,
         tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        data_parallel_size: int = 1,
+        enable_expert_parallel: bool = False,
         enforce_eager: bool = False,
         quantization: str | None = None,
         speculative: Any = None,
@@ -112,7 +119,12 @@ class VllmEngine:
     ) -> None:
         """Settings beyond the shared EngineSpec fields (pass them in engine.extra):
 
-        tensor_parallel_size: GPUs this engine spans.
+        tensor_parallel_size, pipeline_parallel_size, data_parallel_size,
+            enable_expert_parallel: vLLM's own (names as in vLLM 0.32's AsyncEngineArgs); the
+            engine spans tensor x pipeline x data parallel GPUs (engines.parallel). With more
+            than one, distributed_executor_backend defaults to "ray": vLLM then places its
+            workers in the engine actor's placement group (pipeline.batch.placement) rather
+            than making processes of its own beside it.
         enforce_eager: skip torch.compile and CUDA graphs (start-up in seconds instead of a
             minute; slower steps). Tests and short jobs on CPU use it.
         quantization: vLLM's quantization method; null reads the checkpoint's own config, which
@@ -156,6 +168,9 @@ class VllmEngine:
             enable_prefix_caching=enable_prefix_caching,
             enable_chunked_prefill=enable_chunked_prefill,
             tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size,
+            data_parallel_size=data_parallel_size,
+            enable_expert_parallel=enable_expert_parallel,
             enforce_eager=enforce_eager,
             quantization=quantization,
             kv_cache_dtype=kv_cache_dtype,
@@ -167,6 +182,16 @@ class VllmEngine:
             # model fills max_tokens with spaces and tabs.
             structured_outputs_config={"backend": "xgrammar", "disable_any_whitespace": True},
         )
+        num_devices = engine_devices(
+            "vllm",
+            dict(
+                tensor_parallel_size=tensor_parallel_size,
+                pipeline_parallel_size=pipeline_parallel_size,
+                data_parallel_size=data_parallel_size,
+            ),
+        )
+        if num_devices > 1:
+            args["distributed_executor_backend"] = "ray"
         if spec is not None:
             args["speculative_config"] = speculative_config(spec)
         context = max_model_len or context_length(config)
@@ -203,7 +228,7 @@ class VllmEngine:
             model=model,
             max_model_len=self._max_model_len,
             device="cpu" if on_cpu else "cuda:0",
-            num_devices=1 if on_cpu else tensor_parallel_size,
+            num_devices=1 if on_cpu else num_devices,
             dtype=str(vllm_config.model_config.dtype).removeprefix("torch."),
             has_step_records=False,
             eos_token_ids=eos_token_ids(config, model_dir),

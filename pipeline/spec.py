@@ -480,7 +480,27 @@ class ResourcesSpec(_Strict):
     min_actors: int | None = Field(None, ge=1, description="Autoscaling lower bound.")
     max_actors: int | None = Field(None, ge=1, description="Autoscaling upper bound.")
     devices_per_actor: float = Field(
-        0, ge=0, description="GPUs per engine actor (0 on CPU-only clusters)."
+        0,
+        ge=0,
+        description="GPUs per engine actor (0 on CPU-only clusters). Above 1 it must be a whole "
+        "number: the actor then gets a Ray placement group of that many one-GPU bundles (see "
+        "`placement`), and the engine's parallel sizes in engine.extra must multiply to it "
+        "(docs/engine.md, multi-device engines).",
+    )
+    placement: Literal["pack", "spread", "strict_pack", "strict_spread"] = Field(
+        "pack",
+        description="With devices_per_actor > 1: how one actor's GPU bundles are placed. pack: "
+        "on as few nodes as possible (one node when it has the GPUs; tensor and expert "
+        "parallel need that); strict_pack: one node or not at all; spread: over as many nodes "
+        "as possible; strict_spread: every GPU on a different node (pipeline parallel across "
+        "nodes).",
+    )
+    placement_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="With devices_per_actor > 1: how long the driver waits for the engine "
+        "actors' placement groups (the fixed pool, or min_actors) before failing with what was "
+        "asked and what the cluster has; long enough for an autoscaler to add nodes.",
     )
     cpus_per_actor: float = Field(
         0.5,
@@ -543,7 +563,17 @@ class ResourcesSpec(_Strict):
             raise ValueError("resources: set num_actors, or both min_actors and max_actors")
         if self.min_actors and self.max_actors and self.min_actors > self.max_actors:
             raise ValueError("resources.min_actors must be <= resources.max_actors")
+        if self.devices_per_actor > 1 and not float(self.devices_per_actor).is_integer():
+            raise ValueError(
+                f"resources.devices_per_actor {self.devices_per_actor:g}: above 1 it must be a "
+                "whole number of GPUs (one placement-group bundle per GPU)"
+            )
         return self
+
+    @property
+    def multi_device(self) -> bool:
+        """Whether each engine actor spans several GPUs (and gets its own placement group)."""
+        return self.devices_per_actor > 1
 
 
 # --- output, storage, limits, cost -----------------------------------------------------------
@@ -701,6 +731,29 @@ class JobSpec(_Strict):
     )
     limits: LimitsSpec = Field(default_factory=LimitsSpec, description="Failure thresholds.")
     cost: CostSpec = Field(default_factory=CostSpec, description="Prices, budget, cost split.")
+
+    @model_validator(mode="after")
+    def _engine_devices(self) -> JobSpec:
+        """The engine's parallel sizes (engine.extra) must span exactly the GPUs each actor
+        reserves: more would wait for GPUs never given, fewer would pay for idle ones."""
+        from engines.api import EngineError
+        from engines.parallel import DEVICE_FACTORS, engine_devices
+
+        try:
+            needed = engine_devices(self.engine.kind, self.engine.extra)
+        except EngineError as exc:
+            raise ValueError(str(exc)) from exc
+        reserved = self.resources.devices_per_actor
+        factors = DEVICE_FACTORS.get(self.engine.kind, ())
+        if not factors or (needed == 1 and reserved <= 1):
+            return self  # one device (or a fraction, or none): nothing spans several
+        if needed != reserved:
+            sizes = " x ".join(f"{name} {self.engine.extra.get(name) or 1}" for name in factors)
+            raise ValueError(
+                f"engine.extra parallel sizes ({sizes} = {needed} device(s)) must equal "
+                f"resources.devices_per_actor ({reserved:g}); change one of them"
+            )
+        return self
 
     @model_validator(mode="after")
     def _prompt_source(self) -> JobSpec:

@@ -16,7 +16,9 @@ from typing import Any
 import pyarrow as pa
 
 from engines import testhooks
+from pipeline.batch import placement
 from pipeline.batch.generate import EngineWorker
+from pipeline.batch.placement import EngineGroups
 from pipeline.batch.prompts import PROMPT_STAGE_CPUS, PromptWorker, prompt_pool_size
 from pipeline.batch.rows import GenerateConfig
 from pipeline.spec import JobSpec
@@ -92,12 +94,15 @@ class Pool:
     inline, so Ray keeps them with the actor for restarts."""
 
     handles: list[Any]
+    groups: EngineGroups | None = None  # multi-device engines: one placement group per actor
 
     def stop(self) -> None:
         import ray
 
         for handle in self.handles:
             ray.kill(handle, no_restart=True)
+        if self.groups is not None:  # after the actors: their GPUs go back to the cluster
+            self.groups.remove()
 
 
 def start_engines(spec: JobSpec, schema: pa.Schema, budget: Any, run_id: str) -> Pool:
@@ -105,6 +110,10 @@ def start_engines(spec: JobSpec, schema: pa.Schema, budget: Any, run_id: str) ->
 
     An autoscaling pool starts max_actors: those the cluster cannot place yet stay pending
     (and ask a Ray autoscaler for nodes) and get work once they are up.
+
+    With devices_per_actor > 1 each actor starts in its own placement group
+    (pipeline.batch.placement); this waits until the fixed pool's (or min_actors') groups are
+    placed, and raises ResourceError if they cannot be within resources.placement_timeout_s.
     """
     import dataclasses
 
@@ -115,7 +124,7 @@ def start_engines(spec: JobSpec, schema: pa.Schema, budget: Any, run_id: str) ->
         GenerateConfig.from_spec(spec, schema), budget=budget, run_id=run_id
     )
     hooks = testhooks.forwarded_env()  # empty outside tests
-    actor = ray.remote(EngineWorker).options(
+    options: dict[str, Any] = dict(
         num_cpus=res.cpus_per_actor,
         num_gpus=res.devices_per_actor or None,
         resources=dict(res.actor_resources) or None,
@@ -125,7 +134,22 @@ def start_engines(spec: JobSpec, schema: pa.Schema, budget: Any, run_id: str) ->
         max_task_retries=0,
         runtime_env={"env_vars": hooks} if hooks else None,
     )
-    return Pool([actor.remote(config) for _ in range(res.peak_actors)])
+    actor = ray.remote(EngineWorker)
+    if not res.multi_device:
+        return Pool([actor.options(**options).remote(config) for _ in range(res.peak_actors)])
+    try:
+        groups = placement.reserve(
+            res, res.peak_actors, required=res.num_actors or res.min_actors or 1
+        )
+    except placement.PlacementError as exc:
+        raise ResourceError(str(exc)) from exc
+    # The group's bundles hold the CPUs, GPUs and custom resources: the actor asks for its
+    # CPUs inside bundle 0 and for no GPU (see pipeline.batch.placement).
+    handles = [
+        actor.options(**{**options, "resources": None, **groups.actor_options(i)}).remote(config)
+        for i in range(res.peak_actors)
+    ]
+    return Pool(handles, groups)
 
 
 def start_prompters(spec: JobSpec, passthrough: list[pa.Field]) -> Pool:

@@ -90,11 +90,15 @@ class EngineWorker:
     """Ray actor: one engine, many requests in flight across the shards it works on."""
 
     def __init__(self, config: GenerateConfig):
+        from pipeline.batch.placement import claim_devices
         from pipeline.cost import CostMeter
         from pipeline.engine_setup import open_engine
 
         started = time.monotonic()
         self.config = config
+        # A multi-device actor: its group's GPUs on this node become visible before the engine
+        # starts its workers (pipeline.batch.placement).
+        self.devices = claim_devices() if config.devices > 1 else []
         self.engine = open_engine(config.model, config.engine, config.storage)
         self.meter = CostMeter(
             config.devices,
@@ -136,6 +140,14 @@ class EngineWorker:
             "node_id": ray.get_runtime_context().get_node_id() if ray.is_initialized() else "",
             "pid": os.getpid(),
             "limitations": list(self.engine.info.limitations),
+            # The GPUs this actor reserved: per placement-group bundle, or its own.
+            "devices": self.devices
+            or (
+                [{"bundle": None, "gpu_ids": [str(i) for i in ray.get_gpu_ids()]}]
+                if ray.is_initialized()
+                else []
+            ),
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
         }
 
     def stop(self) -> None:

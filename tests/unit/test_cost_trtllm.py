@@ -50,7 +50,13 @@ def trt_stage(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
             "name": "trt-cost",
             "input": {"uri": "unused.jsonl", "format": "jsonl", "prompt_column": "p"},
             "model": {"path": str(model)},
-            "engine": {"kind": "trtllm", "max_batch_size": 8, "kv_cache_tokens": 4096},
+            "engine": {
+                "kind": "trtllm",
+                "max_batch_size": 8,
+                "kv_cache_tokens": 4096,
+                # Two devices: the books pay for both (resources.devices_per_actor).
+                "extra": {"tensor_parallel_size": 2},
+            },
             "sampling": {"max_tokens": 12},
             "resources": {"devices_per_actor": 2, "max_in_flight": 6},
             "output": {"uri": str(tmp_path / "out")},

@@ -33,3 +33,21 @@ def test_an_unknown_setting_is_named(model: Path) -> None:
 def test_an_unsupported_dtype_is_named(model: Path) -> None:
     with pytest.raises(EngineError, match="float8"):
         load_engine("vllm", model=str(model), dtype="float8")
+
+
+def test_the_parallel_settings_are_vllm_engine_args() -> None:
+    """The multi-device settings the adapter names (and sets: the Ray executor) are fields of
+    this vLLM's AsyncEngineArgs, so a renamed one fails here, not on a GPU cluster."""
+    import dataclasses
+
+    from vllm import AsyncEngineArgs
+
+    names = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
+    parallel = {
+        "tensor_parallel_size",
+        "pipeline_parallel_size",
+        "data_parallel_size",
+        "enable_expert_parallel",
+        "distributed_executor_backend",
+    }
+    assert parallel <= names

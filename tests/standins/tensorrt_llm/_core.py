@@ -53,6 +53,20 @@ from tensorrt_llm.executor.result import Logprob
 from tensorrt_llm.executor.utils import RequestError
 from tensorrt_llm.llmapi import DecodingBaseConfig, KvCacheConfig, SchedulerConfig
 
+# 1.2 `BaseLlmArgs`' parallelism and multi-node orchestration fields (and their defaults).
+PARALLEL_ARGS = {
+    "tensor_parallel_size": 1,
+    "pipeline_parallel_size": 1,
+    "context_parallel_size": 1,
+    "gpus_per_node": None,
+    "moe_cluster_parallel_size": None,
+    "moe_tensor_parallel_size": None,
+    "moe_expert_parallel_size": None,
+    "enable_attention_dp": False,
+    "enable_lm_head_tp_in_adp": False,
+    "cp_config": None,
+    "orchestrator_type": None,
+}
 # Arguments both backends accept (1.2 `BaseLlmArgs` plus the constructor's named ones).
 COMMON_ARGS = {
     "model": None,
@@ -60,15 +74,10 @@ COMMON_ARGS = {
     "tokenizer_mode": "auto",
     "skip_tokenizer_init": False,
     "trust_remote_code": False,
-    "tensor_parallel_size": 1,
     "dtype": "auto",
     "revision": None,
     "tokenizer_revision": None,
-    "pipeline_parallel_size": 1,
-    "context_parallel_size": 1,
-    "gpus_per_node": None,
-    "moe_expert_parallel_size": None,
-    "enable_attention_dp": False,
+    **PARALLEL_ARGS,
     "load_format": "auto",
     "enable_lora": False,
     "lora_config": None,
@@ -83,7 +92,6 @@ COMMON_ARGS = {
     "max_beam_width": 1,
     "max_num_tokens": 8192,
     "return_perf_metrics": False,
-    "orchestrator_type": None,
     "batching_type": None,
     "normalize_log_probs": False,
     "postprocess_tokenizer_dir": None,
@@ -396,6 +404,8 @@ class LlmCore:
             if name not in allowed:
                 raise ValueError(f"Invalid argument: {name}")
         self.args = {**allowed, **kwargs, "model": model, "tokenizer": tokenizer}
+        if self.args["orchestrator_type"] not in (None, "rpc", "ray"):
+            raise ValueError("orchestrator_type must be one of None, 'rpc', 'ray'")
         kv = self.args["kv_cache_config"] or KvCacheConfig()
         if not isinstance(kv, KvCacheConfig):
             raise ValueError("kv_cache_config must be a KvCacheConfig")
