@@ -356,6 +356,8 @@ def _run(
             accounts = outcome.accounts
             events += [loss.to_json() for loss in outcome.losses]
             events += [split.to_json() for split in outcome.splits]
+            if outcome.occupancy:  # engine actors' idle time, at the tail and in all
+                events.append(outcome.occupancy)
             budget_closed = outcome.budget_closed
             if budget is not None:
                 import ray

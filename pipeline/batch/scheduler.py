@@ -49,6 +49,7 @@ from typing import Any
 
 from pipeline.batch.commit.ledger import CommitLedger
 from pipeline.batch.generate import MIN_RELEASE_ROWS, Fenced
+from pipeline.batch.occupancy import BUSY, DOWN, IDLE, Occupancy
 from pipeline.batch.shards import RowRanges, RowSelection
 from pipeline.batch.units import PartWritten, PreparedInfo, UnitEnd, WorkUnit
 
@@ -94,6 +95,13 @@ class _Slot:
     busy: int = 0  # units running / prepares pending on it
     losses: int = 0
     info: dict[str, Any] = field(default_factory=dict)
+
+
+def _state(slot: _Slot) -> bool | None:
+    """An engine actor's state for the occupancy books."""
+    if not slot.ready:
+        return DOWN
+    return BUSY if slot.busy > 0 else IDLE
 
 
 @dataclass
@@ -162,6 +170,7 @@ class SchedulerResult:
     budget_closed: bool  # an engine actor left rows out because the budget refused them
     losses: list[ActorLoss]
     splits: list[TailSplit] = field(default_factory=list)
+    occupancy: dict[str, Any] = field(default_factory=dict)  # Occupancy.to_json()
 
 
 class Scheduler:
@@ -210,6 +219,7 @@ class Scheduler:
         self.tail_split = tail_split
         self.splits: list[TailSplit] = []
         self._releasing: dict[Any, _Running] = {}  # pending `release` call -> its unit
+        self.occupancy = Occupancy()  # engine actors' busy and idle time, the tail's
 
     # --- the loop ------------------------------------------------------------------------------
 
@@ -252,6 +262,7 @@ class Scheduler:
             budget_closed=self.budget_closed,
             losses=self.losses,
             splits=self.splits,
+            occupancy=self.occupancy.to_json(time.monotonic()),
         )
 
     def _finished(self) -> bool:
@@ -286,7 +297,12 @@ class Scheduler:
             generator = engine.handle.run_unit.options(num_returns="streaming").remote(
                 unit, rows_ref
             )
+            before = _state(engine)
             engine.busy += 1
+            now = time.monotonic()
+            # Only split pieces select rows (`only`): any other unit is a whole shard's rows.
+            self.occupancy.handed_out(now, whole_shard=unit.selection.only is None)
+            self.occupancy.changed(now, before, _state(engine))
             self.running[generator] = _Running(unit, engine, generator, info.num_selected)
 
     # --- the tail ------------------------------------------------------------------------------
@@ -439,8 +455,10 @@ class Scheduler:
             slot.ping = slot.handle.ready.remote()  # restarting: ask again
             return
         slot.ready = True
-        if slot.kind == "engine" and self._first_ready is None:
-            self._first_ready = time.monotonic()
+        if slot.kind == "engine":
+            self.occupancy.changed(time.monotonic(), DOWN, _state(slot))
+            if self._first_ready is None:
+                self._first_ready = time.monotonic()
         if isinstance(answer, dict):
             slot.info = answer
             for note in answer.get("limitations", ()):
@@ -536,15 +554,21 @@ class Scheduler:
 
     def _end_unit(self, running: _Running) -> None:
         self.running.pop(running.generator, None)
+        before = _state(running.slot)
         running.slot.busy -= 1
+        if running.slot.kind == "engine":
+            self.occupancy.changed(time.monotonic(), before, _state(running.slot))
 
     def _lose(self, slot: _Slot) -> None:
         """An actor died: wait for it to come back; an engine actor's shards are handed out
         again (a prompt actor's: `_lose_prompter`)."""
         if slot.ready:
+            before = _state(slot)
             slot.ready = False
             slot.losses += 1
             slot.ping = slot.handle.ready.remote()
+            if slot.kind == "engine":
+                self.occupancy.changed(time.monotonic(), before, DOWN)
         if slot.kind != "engine":
             return
         lost_units = [r for r in self.running.values() if r.slot is slot]

@@ -80,6 +80,12 @@ def test_the_long_shards_unstarted_rows_go_to_the_idle_actor(
     long_parts = [p for p in manifest["parts"] if p["shard"] == 0]
     writers = {p["actor_id"] for p in long_parts}
     hand_outs = {PartName.parse(p["name"]).dispatch for p in long_parts}
+    (occupancy,) = [e for e in manifest["runs"][0]["events"] if e["event"] == "occupancy"]
+    # The books add up: idle time is part of the actors' time, the tail's part of the idle.
+    assert 0 < occupancy["engine_actor_s"] <= 2 * result_wall_s(manifest)
+    assert 0 <= occupancy["tail_idle_actor_s"] <= occupancy["idle_actor_s"]
+    assert occupancy["idle_actor_s"] < occupancy["engine_actor_s"]
+    assert 0 < occupancy["tail_s"] <= result_wall_s(manifest)
     if not tail_split:
         assert splits == [] and hand_outs == {1}
         assert len(writers) == 1, "without splits one actor runs the long shard to its end"
@@ -97,3 +103,8 @@ def test_the_long_shards_unstarted_rows_go_to_the_idle_actor(
                 assert row not in by_row, f"row {row} in {by_row.get(row)} and {part['name']}"
                 by_row[row] = part["name"]
     assert sorted(by_row) == list(range(LONG))
+
+
+def result_wall_s(manifest: dict) -> float:
+    """The run's wall time from start to the last commit (a bound on any span within it)."""
+    return manifest["runs"][0]["wall_s"]
