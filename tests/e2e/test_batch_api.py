@@ -77,7 +77,7 @@ def start_batch_server(
 @pytest.fixture(scope="module", autouse=True)
 def slow_engine() -> Iterator[None]:
     # Autouse, so the head starts with it: 10 ms after every engine step of the batch jobs
-    # (with at most 8 requests in flight, the cancel tests' 300-1500 requests then take 37 s or
+    # (with at most 8 requests in flight, the cancel tests' 200-1500 requests then take 25 s or
     # more on any machine, so a cancel after the first part lands mid-run; the short batches
     # barely notice).
     with engine_step_delay(0.01):
@@ -304,9 +304,9 @@ def _ids(client: openai.OpenAI, batch: Batch) -> tuple[list[dict], list[str]]:
 def test_cancel_then_resume_or_resubmit_loses_nothing(server: ServerProcess) -> None:
     client = client_of(server)
     # Long enough that the cancel lands mid-run: at most 8 requests in flight and 10 ms after
-    # every step make a whole run take 300 / 8 * 100 steps, over 37 s on any machine, while the
-    # first part is committed after the 10 s flush interval.
-    requests = [request_line(i, f"Write a story about lake {i}.", 100) for i in range(300)]
+    # every step make a whole run take 200 / 8 * 100 steps, over 25 s on any machine, while the
+    # first part is committed after the 10 s flush interval (and the cancel a poll later).
+    requests = [request_line(i, f"Write a story about lake {i}.", 100) for i in range(200)]
     every = sorted(r["custom_id"] for r in requests)
     file_id = _upload(client, requests)
     cancelled = _cancel_after_first_part(client, _create(client, file_id))
