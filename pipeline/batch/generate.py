@@ -20,7 +20,9 @@ Per row: SamplingParams from the row's columns (set by the prompt stage) and the
 settings; a row that already carries an `error` (bad input, too long) skips the engine; an
 exception while serving one row becomes that row's error, never a failed shard. Only a dead
 engine (EngineDeadError) ends the actor process, so that Ray restarts it and the driver hands
-its unfinished shards out again (their written parts are kept).
+its unfinished shards out again (their written parts are kept). That per-row path is
+`RowServer`, shared with the Ray Data processor (pipeline.data), so a row is served, costed
+and turned into an outcome the same way in both.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from engines.api import EngineDeadError, GenerationRequest, GenerationResult
+from engines.api import Engine, EngineDeadError, GenerationRequest, GenerationResult
 from engines.samples import fan_out
 from pipeline.batch.commit.parts import REPLACEMENT_DISPATCH, PartName, PartRecord, write_part
 from pipeline.batch.metrics import BusyReporter
@@ -51,6 +53,7 @@ from pipeline.batch.rows import (
     row_sampling,
 )
 from pipeline.batch.units import PartWritten, UnitEnd, WorkUnit
+from pipeline.spec import SamplingSpec
 from pipeline.storage import OutputDir, RetryPolicy
 
 logger = logging.getLogger(__name__)
@@ -69,6 +72,99 @@ class _Feed:
 
     limit: int  # positions [0, limit) of the prepared table are this unit's to generate
     taken: int = 0  # positions [0, taken) were fed or asked of the budget: never released
+
+
+# --- one row through the engine ----------------------------------------------------------------
+
+
+class RowServer:
+    """Serves prepared rows (prompt stage columns) on one engine and attributes its time.
+
+    `serve(row)` never raises for a row's own problem: a row that carries an `error`, has no
+    tokens or an invalid sampling value, or whose generation raised, becomes an error outcome.
+    Only a dead engine ends the process (see `_generate`).
+    """
+
+    def __init__(self, engine: Engine, meter: Any, sampling: SamplingSpec):
+        self.engine = engine
+        self.meter = meter  # pipeline.cost.CostMeter of the actor
+        self.sampling = sampling
+        # Bound to the event loop that first uses it: made on first use, on that loop.
+        self._finished: asyncio.Condition | None = None
+
+    async def serve(self, row: dict[str, Any]) -> RowOutcome:
+        """The row's outcome; an exception while serving it is that row's error."""
+        try:
+            return await self._serve(row)
+        except Exception as exc:
+            return self.failure(row, exc)
+
+    @staticmethod
+    def failure(row: dict[str, Any], exc: BaseException) -> RowOutcome:
+        """A row whose serving raised is that row's error; the rest of the rows stand."""
+        if not isinstance(exc, Exception):  # cancellation, interpreter exit: not a row's
+            raise exc
+        logger.exception("row %r failed", row.get("id"), exc_info=exc)
+        message = f"internal error serving the row: {type(exc).__name__}: {exc}"
+        return RowOutcome.failed(message, prompt_tokens_of(row), served=True)
+
+    async def _serve(self, row: dict[str, Any]) -> RowOutcome:
+        prompt_tokens = prompt_tokens_of(row)
+        if row.get("error"):
+            return RowOutcome.failed(str(row["error"]), prompt_tokens, served=False)
+        try:
+            sampling = row_sampling(row, self.sampling)
+        except (ValueError, TypeError) as exc:
+            return RowOutcome.failed(f"row {row['id']!r}: {exc}", prompt_tokens, served=False)
+        token_ids = row.get("prompt_token_ids")
+        if not token_ids:
+            return RowOutcome.failed("empty prompt (no tokens)", prompt_tokens, served=False)
+        request = GenerationRequest(
+            prompt_token_ids=[int(t) for t in token_ids],
+            sampling=sampling,
+            # Unique even if an input repeats an id: the engine keys requests by this.
+            request_id=f"{row['id']}#{uuid.uuid4().hex[:8]}",
+        )
+        # n > 1: n requests of one group (the engine computes the prompt once for them).
+        requests = fan_out(request, row_samples(row, self.sampling))
+        if self._finished is None:
+            self._finished = asyncio.Condition()
+        finished = self._finished
+        now = time.monotonic()
+        for r in requests:
+            self.meter.on_submit(r.request_id, now)
+        if len(requests) == 1:  # the common case: no task per row
+            results = [await self._generate(request)]
+        else:
+            results = list(await asyncio.gather(*(self._generate(r) for r in requests)))
+        self.meter.add_steps(self.engine.drain_step_records())
+        for result in results:
+            self.meter.on_finish(result)
+        async with finished:
+            finished.notify_all()
+            # Interval-only engines: a row's share is final once every earlier-arrived request
+            # has finished too.
+            await finished.wait_for(
+                lambda: all(self.meter.is_final(r.request_id) for r in requests)
+            )
+        gpu_seconds = sum(self.meter.pop_row_seconds(r.request_id) for r in requests)
+        return RowOutcome.from_results(results, gpu_seconds, sampling.response_format)
+
+    async def _generate(self, request: GenerationRequest) -> GenerationResult:
+        try:
+            return await self.engine.generate(request)
+        except asyncio.CancelledError:
+            self.engine.abort(request.request_id)
+            raise
+        except EngineDeadError as exc:
+            # Nothing more can be served here. Ending the process (not raising) makes Ray
+            # restart the actor, and its work is handed out again.
+            logger.error("engine died (%s); exiting so the actor is restarted", exc)
+            os._exit(70)
+        except Exception as exc:
+            return GenerationResult.without_output(
+                request, "error", error=f"{type(exc).__name__}: {exc}"
+            )
 
 
 # --- the actor -------------------------------------------------------------------------------
@@ -108,7 +204,8 @@ class EngineWorker:
             has_step_records=self.engine.info.has_step_records,
         )
         self.meter.record_load(started, time.monotonic())
-        self.actor_id = _actor_id()
+        self.rows = RowServer(self.engine, self.meter, config.sampling)
+        self.actor_id = current_actor_id()
         self.incarnation = uuid.uuid4().hex[:12]  # a restarted actor keeps its actor id
         self.out = OutputDir(config.output_uri, config.storage, RetryPolicy(config.storage.retry_s))
         self.busy = BusyReporter(config.job_name, config.run_id or "", self.actor_id)
@@ -116,17 +213,15 @@ class EngineWorker:
         # asyncio primitives bind to the loop that first uses them: made on first use, on the
         # actor's event loop.
         self._slots: asyncio.Semaphore | None = None
-        self._finished: asyncio.Condition | None = None
         self._stopping: asyncio.Event | None = None
         self._feeds: dict[tuple[int, int], tuple[_Feed, pa.Table]] = {}  # (shard, dispatch)
 
-    def _loop_state(self) -> tuple[asyncio.Semaphore, asyncio.Condition, asyncio.Event]:
+    def _loop_state(self) -> tuple[asyncio.Semaphore, asyncio.Event]:
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.config.max_in_flight)
-            self._finished = asyncio.Condition()
             self._stopping = asyncio.Event()
-        assert self._finished is not None and self._stopping is not None
-        return self._slots, self._finished, self._stopping
+        assert self._stopping is not None
+        return self._slots, self._stopping
 
     # --- calls from the driver ---------------------------------------------------------------
 
@@ -152,14 +247,14 @@ class EngineWorker:
 
     def stop(self) -> None:
         """Stop taking rows; write what is finished; end every unit soon (see run_unit)."""
-        self._loop_state()[2].set()
+        self._loop_state()[1].set()
 
     async def release(self, shard: int, dispatch: int) -> list[list[int]]:
         """Give back the second half of a running unit's rows not yet fed: their shard row
         indexes as [start, end) spans (empty when the unit is not here, is stopping, or has
         fewer than MIN_RELEASE_ROWS left). Async, so it runs between two steps of `feed`."""
         entry = self._feeds.get((shard, dispatch))
-        if entry is None or self._loop_state()[2].is_set():
+        if entry is None or self._loop_state()[1].is_set():
             return []
         feed, rows = entry
         left = feed.limit - feed.taken
@@ -190,7 +285,7 @@ class EngineWorker:
         """Generate the prepared rows of one shard; yields PartWritten per part, then UnitEnd.
 
         Call with `.options(num_returns="streaming")`."""
-        slots, _, stopping = self._loop_state()
+        slots, stopping = self._loop_state()
         if self._busy_task is None:  # on the actor's event loop, which outlives this call
             self._busy_task = asyncio.ensure_future(self._report_busy())
         finished: asyncio.Queue[_Finished] = asyncio.Queue()
@@ -208,9 +303,7 @@ class EngineWorker:
 
         async def serve(position: int, row: dict[str, Any]) -> None:
             try:
-                outcome = await self._serve(row)
-            except Exception as exc:
-                outcome = self._row_failure(row, exc)
+                outcome = await self.rows.serve(row)
             finally:
                 slots.release()
             finished.put_nowait(_Finished(position, outcome))
@@ -441,71 +534,6 @@ class EngineWorker:
             record = dataclasses.replace(record, replaced_stats=replaced, new_rows=len(fresh))
             yield PartWritten(record, self.account())
 
-    @staticmethod
-    def _row_failure(row: dict[str, Any], exc: BaseException) -> RowOutcome:
-        """A row whose serving raised is that row's error; the rest of the shard stands."""
-        if not isinstance(exc, Exception):  # cancellation, interpreter exit: not a row's
-            raise exc
-        logger.exception("row %r failed", row.get("id"), exc_info=exc)
-        message = f"internal error serving the row: {type(exc).__name__}: {exc}"
-        return RowOutcome.failed(message, prompt_tokens_of(row), served=True)
-
-    async def _serve(self, row: dict[str, Any]) -> RowOutcome:
-        prompt_tokens = prompt_tokens_of(row)
-        if row.get("error"):
-            return RowOutcome.failed(str(row["error"]), prompt_tokens, served=False)
-        try:
-            sampling = row_sampling(row, self.config.sampling)
-        except (ValueError, TypeError) as exc:
-            return RowOutcome.failed(f"row {row['id']!r}: {exc}", prompt_tokens, served=False)
-        token_ids = row.get("prompt_token_ids")
-        if not token_ids:
-            return RowOutcome.failed("empty prompt (no tokens)", prompt_tokens, served=False)
-        request = GenerationRequest(
-            prompt_token_ids=[int(t) for t in token_ids],
-            sampling=sampling,
-            # Unique even if an input repeats an id: the engine keys requests by this.
-            request_id=f"{row['id']}#{uuid.uuid4().hex[:8]}",
-        )
-        # n > 1: n requests of one group (the engine computes the prompt once for them).
-        requests = fan_out(request, row_samples(row, self.config.sampling))
-        _, finished, _ = self._loop_state()
-        now = time.monotonic()
-        for r in requests:
-            self.meter.on_submit(r.request_id, now)
-        if len(requests) == 1:  # the common case: no task per row
-            results = [await self._generate(request)]
-        else:
-            results = list(await asyncio.gather(*(self._generate(r) for r in requests)))
-        self.meter.add_steps(self.engine.drain_step_records())
-        for result in results:
-            self.meter.on_finish(result)
-        async with finished:
-            finished.notify_all()
-            # Interval-only engines: a row's share is final once every earlier-arrived request
-            # has finished too.
-            await finished.wait_for(
-                lambda: all(self.meter.is_final(r.request_id) for r in requests)
-            )
-        gpu_seconds = sum(self.meter.pop_row_seconds(r.request_id) for r in requests)
-        return RowOutcome.from_results(results, gpu_seconds, sampling.response_format)
-
-    async def _generate(self, request: GenerationRequest) -> GenerationResult:
-        try:
-            return await self.engine.generate(request)
-        except asyncio.CancelledError:
-            self.engine.abort(request.request_id)
-            raise
-        except EngineDeadError as exc:
-            # Nothing more can be served here. Ending the process (not raising) makes Ray
-            # restart the actor; the driver hands this actor's shards out again.
-            logger.error("engine died (%s); exiting so the actor is restarted", exc)
-            os._exit(70)
-        except Exception as exc:
-            return GenerationResult.without_output(
-                request, "error", error=f"{type(exc).__name__}: {exc}"
-            )
-
 
 def _with_row(schema: pa.Schema) -> pa.Schema:
     return schema.insert(0, pa.field(ROW, pa.int64()))
@@ -516,7 +544,7 @@ def _replacement_seq(unit: WorkUnit, index: int) -> int:
     return unit.dispatch * 100 + index
 
 
-def _actor_id() -> str:
+def current_actor_id() -> str:
     import ray
 
     # get_runtime_context() would start a Ray instance when used outside one (tests, tools).

@@ -10,7 +10,7 @@ import pytest
 
 from engines.api import GenerationResult, RequestMetrics
 from pipeline.batch.cluster import ResourceError, check_cpu_headroom, ray_init_kwargs
-from pipeline.batch.generate import EngineWorker
+from pipeline.batch.generate import RowServer
 from pipeline.batch.prompts import prompt_pool_size
 from pipeline.batch.rows import GenerateConfig, RowOutcome, outcomes_to_table, row_sampling
 from pipeline.batch.run import RunResult
@@ -148,11 +148,11 @@ def test_exit_codes() -> None:
 
 
 def test_a_row_that_raises_becomes_that_rows_error() -> None:
-    outcome = EngineWorker._row_failure({"id": "r", "prompt_tokens": 4}, KeyError("meter"))
+    outcome = RowServer.failure({"id": "r", "prompt_tokens": 4}, KeyError("meter"))
     assert outcome.finish_reason == "error" and "KeyError" in (outcome.error or "")
     assert outcome.prompt_tokens == 4
     with pytest.raises(KeyboardInterrupt):
-        EngineWorker._row_failure({"id": "r"}, KeyboardInterrupt())
+        RowServer.failure({"id": "r"}, KeyboardInterrupt())
 
 
 def test_demo_rows_vary_and_ids_are_unique() -> None:

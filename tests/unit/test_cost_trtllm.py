@@ -32,7 +32,7 @@ def trt_stage(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: "NVIDIA H200")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=0: (9, 0))
-    monkeypatch.setattr(generate, "_actor_id", lambda: "actor-trt")
+    monkeypatch.setattr(generate, "current_actor_id", lambda: "actor-trt")
     model = tmp_path / "llama"
     model.mkdir()
     (model / "config.json").write_text(

@@ -1,0 +1,308 @@
+"""`build_processor`: tokenmill's engines as a step of a Ray Data pipeline.
+
+    processor = build_processor(config, preprocess=..., postprocess=...)
+    ds = processor(ds)            # lazy, like any Ray Data transform
+    ds.write_parquet(...)         # or take, iter_batches, ...
+    processor.accounts()          # per engine actor: where its device time went
+
+`processor(ds)` is `ds.map(preprocess)` → `ds.map_batches(EngineStage, compute=ActorPoolStrategy
+(min_actors..max_actors))` → `ds.map(postprocess)`. Each `EngineStage` actor loads one engine
+(`open_engine`, as the batch path's engine actors do) and the tokenizer, and per batch:
+
+- reads the id and prompt columns (`ProcessorConfig.input`) into the batch path's read
+  columns (a column it needs but the batch lacks makes the row an error row naming it);
+- renders and tokenizes each row with the batch path's prompt stage (`PromptStage`);
+- serves every row at once through `RowServer`, at most `resources.max_in_flight` requests
+  in the engine across the batches the actor works on (Ray Data runs a few batches of each
+  of two blocks at once on the actor's event loop, so the next rows enter the engine while
+  the last rows of earlier batches decode);
+- returns the batch's columns with `id` and the result columns of `tokenmill run`'s output
+  (pipeline.batch.schema) added; a result column replaces an input column of the same name.
+
+A bad row is an error row (`finish_reason` error, `error` says why), never a failed Dataset.
+
+Cost: each actor keeps the batch path's books (pipeline.cost.CostMeter: rows + idle + load =
+devices x lifetime) and reports its account, after loading and after every batch, to one
+small actor per processor (`AccountBook`), which `Processor.accounts()` reads. An account is
+as of the actor's last report: the idle time between its last batch and its exit is not in it.
+
+Semantics are Ray Data's: a batch whose actor dies is run again on another actor (up to
+resources.max_task_retries), so a row can be generated, and paid for, more than once, and
+what a write of the Dataset leaves behind after a failure is Ray Data's business. For
+exactly-once output, write the rows as Parquet and run `tokenmill run` on them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import time
+import uuid
+import warnings
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pipeline.data.config import ProcessorConfig, processor_config
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+    from ray.data import Dataset
+
+    from pipeline.cost import ActorAccount
+    from pipeline.spec import JobSpec
+
+RowFn = Callable[[dict[str, Any]], dict[str, Any]]
+
+
+def build_processor(
+    config: ProcessorConfig | dict[str, Any] | str | Path,
+    *,
+    preprocess: RowFn | None = None,
+    postprocess: RowFn | None = None,
+) -> Processor:
+    """A `Dataset -> Dataset` step that generates with tokenmill's engines (module docstring).
+
+    `config`: a ProcessorConfig, a dict of its sections (prompt, model, engine, sampling,
+    resources, cost, storage, input columns), or a job YAML path (its input columns and
+    those sections). `preprocess` / `postprocess`: row functions run before and after
+    generation (Ray Data `map`). Raises SpecError for an invalid config, before any actor
+    starts."""
+    return Processor(processor_config(config), preprocess, postprocess)
+
+
+class Processor:
+    """The callable `build_processor` returns; see the module docstring."""
+
+    def __init__(
+        self, config: ProcessorConfig, preprocess: RowFn | None, postprocess: RowFn | None
+    ) -> None:
+        self.config = config
+        self.preprocess = preprocess
+        self.postprocess = postprocess
+        self._book: Any = None  # the AccountBook actor, made on the first call
+
+    def __call__(self, ds: Dataset) -> Dataset:
+        import ray
+        from ray.data import ActorPoolStrategy
+
+        from engines import testhooks
+
+        if self._book is None:
+            self._book = ray.remote(AccountBook).options(num_cpus=0).remote()
+        res = self.config.resources
+        if self.preprocess is not None:
+            ds = ds.map(self.preprocess)
+        hooks = testhooks.forwarded_env()  # empty outside tests
+        with warnings.catch_warnings():
+            # Ray Data's actor defaults restart a dead actor and retry its batch forever: a
+            # batch that kills its engine would never end. Ray 2.60 takes the limits only as
+            # extra remote arguments, which it marks deprecated without a replacement yet.
+            warnings.filterwarnings(
+                "ignore", message="`ray_remote_args` is deprecated", category=DeprecationWarning
+            )
+            ds = ds.map_batches(
+                EngineStage,
+                fn_constructor_kwargs={"config": self.config, "book": self._book},
+                batch_format="pyarrow",
+                batch_size=res.batch_size,
+                compute=ActorPoolStrategy(
+                    min_size=res.num_actors or res.min_actors,
+                    max_size=res.num_actors or res.max_actors,
+                    # Two Ray Data tasks (blocks) at once per actor, as the batch path's actors
+                    # run two shards: the next block's rows enter the engine while the last
+                    # rows of the previous one decode. Both run on the actor's one event loop.
+                    max_concurrent_calls_per_actor=2,
+                ),
+                num_cpus=res.cpus_per_actor,
+                num_gpus=res.devices_per_actor or None,
+                resources=dict(res.actor_resources) or None,
+                runtime_env={"env_vars": hooks} if hooks else None,
+                max_restarts=res.max_restarts,
+                max_task_retries=res.max_task_retries,
+            )
+        if self.postprocess is not None:
+            ds = ds.map(self.postprocess)
+        return ds
+
+    def accounts(self) -> list[ActorAccount]:
+        """Per engine actor this processor started (on every Dataset it made, each time one
+        was executed): its device time as of its last batch. attributed_s + pending_s +
+        idle_s + load_s == devices x lifetime_s for each. [] before any actor started."""
+        import ray
+
+        from pipeline.cost import ActorAccount
+
+        if self._book is None:
+            return []
+        return [ActorAccount.from_dict(a) for a in ray.get(self._book.accounts.remote())]
+
+
+class AccountBook:
+    """Ray actor: the latest account of each engine actor of one processor."""
+
+    def __init__(self) -> None:
+        self._accounts: dict[str, dict[str, Any]] = {}  # actor id/incarnation -> account
+
+    def report(self, key: str, account: dict[str, Any]) -> None:
+        self._accounts[key] = account
+
+    def accounts(self) -> list[dict[str, Any]]:
+        return [self._accounts[key] for key in sorted(self._accounts)]
+
+
+class EngineStage:
+    """Ray Data actor (map_batches): one engine, many requests in flight; see the module
+    docstring."""
+
+    def __init__(self, config: ProcessorConfig, book: Any) -> None:
+        import ray
+
+        from pipeline.batch.generate import RowServer, current_actor_id
+        from pipeline.batch.prompts import PromptStage
+        from pipeline.batch.rows import GenerateConfig
+        from pipeline.cost import CostMeter
+        from pipeline.engine_setup import open_engine
+
+        started = time.monotonic()
+        spec = config.job_spec()
+        self.spec = spec
+        self.prompts = PromptStage(spec)
+        self.engine = open_engine(spec.model, spec.engine, spec.storage)
+        self.meter = CostMeter(
+            spec.resources.devices_per_actor,
+            spec.cost.prefill_weight,
+            spec.cost.decode_weight,
+            start=started,
+            has_step_records=self.engine.info.has_step_records,
+        )
+        self.meter.record_load(started, time.monotonic())
+        self.rows = RowServer(self.engine, self.meter, spec.sampling)
+        self.output = GenerateConfig.from_spec(spec, result_schema(spec))
+        self.actor_id = current_actor_id()
+        self.key = f"{self.actor_id}/{uuid.uuid4().hex[:12]}"  # a restart keeps the actor id
+        self.book = book
+        self._slots: asyncio.Semaphore | None = None  # made on the event loop that uses it
+        ray.get(self._report())  # a loaded actor is paid for even if it never gets a batch
+
+    async def __call__(self, batch: pa.Table) -> AsyncIterator[pa.Table]:
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.spec.resources.max_in_flight)
+        slots = self._slots
+        prepared = prepare_rows(batch, self.spec, self.prompts)
+
+        async def serve(row: dict[str, Any]) -> Any:
+            async with slots:
+                return await self.rows.serve(row)
+
+        outcomes = await asyncio.gather(*(serve(row) for row in prepared))
+        table = output_table(batch, prepared, outcomes, self)
+        # Landed before the batch is returned: once a Dataset is consumed, the book holds
+        # every batch's account.
+        await self._report()
+        yield table
+
+    def account(self) -> dict[str, Any]:
+        account = self.meter.account(time.monotonic())
+        account.actor_id = self.actor_id
+        return account.to_dict()
+
+    def _report(self) -> Any:
+        return self.book.report.remote(self.key, self.account())
+
+
+# --- rows in, rows out -------------------------------------------------------------------------
+
+
+def result_schema(spec: JobSpec) -> pa.Schema:
+    """`tokenmill run`'s output schema for this spec (no passthrough columns)."""
+    from pipeline.batch.schema import has_samples, is_structured, output_schema, wants_logprobs
+
+    return output_schema(
+        include_token_ids=spec.output.include_token_ids,
+        structured=is_structured(spec),
+        logprobs=wants_logprobs(spec),
+        speculative=spec.engine.speculative is not None,
+        samples=has_samples(spec),
+        prompt_logprobs=spec.sampling.prompt_logprobs is not None,
+    )
+
+
+def derived_id(row: dict[str, Any], sources: list[str]) -> str:
+    """An id from the values of the prompt's columns: the same prompt, the same id."""
+    text = json.dumps([row.get(c) for c in sources], sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def prepare_rows(batch: pa.Table, spec: JobSpec, prompts: Any) -> list[dict[str, Any]]:
+    """The batch's rows as the row server takes them: the batch's columns (template
+    variables), the read columns (`_row`, id, prompt, messages, error, coerced override
+    sources) and the prompt stage's (token ids, sampling values, error)."""
+    from pipeline.batch.read.columns import (
+        ERROR,
+        ID,
+        MESSAGES,
+        PROMPT,
+        ROW,
+        apply_overrides,
+        messages_value,
+        text_prompt,
+    )
+    from pipeline.batch.read.parquet import columns_needed
+
+    inp = spec.input
+    needed = columns_needed(spec)
+    missing = [c for c in needed if c not in batch.column_names]
+    problem = None
+    if missing:
+        fields = ", ".join(f"{c!r} ({needed[c]})" for c in missing)
+        problem = f"column(s) {fields} not found; the Dataset has {batch.column_names[:20]}"
+    sources = [c for c in (inp.prompt_column, inp.messages_column) if c]
+    sources += spec.template_columns()
+    prepared = []
+    for position, values in enumerate(batch.to_pylist()):
+        row: dict[str, Any] = {**values, ROW: position, PROMPT: None, MESSAGES: None}
+        row[ERROR] = problem
+        row_id = values.get(inp.id_column) if inp.id_column else derived_id(values, sources)
+        if row_id is None:
+            row[ID] = derived_id(values, sources)
+            if problem is None and inp.id_column in batch.column_names:
+                row[ERROR] = f"id column {inp.id_column!r} is null"
+        else:
+            row[ID] = str(row_id)
+        where = f"row {row[ID]!r}"
+        if inp.prompt_column and inp.prompt_column in values:
+            text_prompt(row, inp.prompt_column, values[inp.prompt_column], where)
+        if inp.messages_column and inp.messages_column in values:
+            messages_value(row, inp.messages_column, values[inp.messages_column], where)
+        apply_overrides(spec, row, values, where)
+        row.update(prompts.process_row(row))
+        prepared.append(row)
+    return prepared
+
+
+def output_table(
+    batch: pa.Table, prepared: list[dict[str, Any]], outcomes: list[Any], stage: EngineStage
+) -> pa.Table:
+    """The batch's own columns, then `id` and the result columns (which win a name clash)."""
+    import pyarrow as pa
+
+    from pipeline.batch.read.columns import ID, ROW
+    from pipeline.batch.rows import outcomes_to_table
+
+    keys = pa.table(
+        {
+            ROW: pa.array([row[ROW] for row in prepared], pa.int64()),
+            ID: pa.array([row[ID] for row in prepared], pa.string()),
+        }
+    )
+    results = outcomes_to_table(
+        keys, outcomes, stage.output, stage.actor_id, stage.engine.info.kind
+    )
+    results = results.drop_columns([ROW])
+    kept = [name for name in batch.column_names if name not in results.column_names]
+    table = batch.select(kept)
+    for name in results.column_names:
+        table = table.append_column(results.schema.field(name), results.column(name))
+    return table
