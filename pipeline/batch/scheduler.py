@@ -45,7 +45,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from pipeline.batch.commit.ledger import CommitLedger
 from pipeline.batch.generate import MIN_RELEASE_ROWS, Fenced
@@ -72,6 +72,27 @@ STOP_TIMEOUT_S = 60.0
 # Shards go to engine actors once all are up, or this long after the first one is: otherwise
 # the first engine to finish loading would take the first shards of a small job alone.
 STARTUP_GRACE_S = 30.0
+
+
+class RuntimeErrors(Protocol):
+    """The actor errors the scheduler tells apart (those of `ray.exceptions`)."""
+
+    ActorDiedError: type[Exception]  # the actor is gone for good (its restarts used up)
+    RayActorError: type[Exception]  # the actor died; Ray may be restarting it
+
+
+class Runtime(Protocol):
+    """What the scheduler asks of Ray besides the actor handles: the `ray` module itself in a
+    job. It is a parameter so the scheduler's own tests can drive it on a simulated fleet of
+    thousands of actors, with no cluster (tests/unit/sim_runtime.py)."""
+
+    exceptions: RuntimeErrors
+
+    def wait(
+        self, object_refs: list[Any], /, *, num_returns: int, timeout: float | None
+    ) -> tuple[list[Any], list[Any]]: ...
+
+    def get(self, object_refs: Any, /, *, timeout: float | None = None) -> Any: ...
 
 
 class JobFailed(RuntimeError):
@@ -188,10 +209,13 @@ class Scheduler:
         stop: threading.Event,
         max_unit_retries: int,
         tail_split: bool = True,
+        runtime: Runtime | None = None,  # None: Ray
     ):
-        import ray
+        if runtime is None:
+            import ray
 
-        self._ray = ray
+            runtime = ray  # the module answers the protocol
+        self._ray: Runtime = runtime
         self.engines = [_Slot(f"engine-{i}", h, "engine") for i, h in enumerate(engines)]
         self.prompters = [_Slot(f"prompt-{i}", h, "prompt") for i, h in enumerate(prompters)]
         for slot in [*self.engines, *self.prompters]:
