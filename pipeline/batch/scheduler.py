@@ -133,6 +133,9 @@ class _Running:
     selected: int = 0  # rows it was handed (less what it released)
     written: int = 0  # rows of the parts it wrote so far
     splittable: bool = True  # False once it had too few rows left to give any back
+    # It ran to its end (its stream closed). A unit that failed or was lost instead is
+    # requeued whole, released rows included (`_requeue` of its selection before the split).
+    completed: bool = False
 
 
 @dataclass
@@ -293,7 +296,8 @@ class Scheduler:
         work_left = bool(self.queue or self.prepared) and not (
             self.stop.is_set() or self.budget_closed
         )
-        return not (work_left or self.preparing or self.running)
+        # A pending `release` may still hand back rows that no unit holds any more.
+        return not (work_left or self.preparing or self.running or self._releasing)
 
     # --- handing out work ------------------------------------------------------------------------
 
@@ -365,8 +369,11 @@ class Scheduler:
         except Exception as exc:  # the actor died meanwhile: its loss requeues the unit
             logger.info("no rows released by %s: %s", running.slot.name, exc)
             return
-        if running.generator not in self.running:  # ended (or lost) while it was asked
+        if running.generator not in self.running and not running.completed:
+            # Failed or lost while it was asked: its requeue holds the released rows too.
             spans = []
+        # A unit that completed meanwhile (it finished the rows it kept before this answer was
+        # read) no longer has the released rows: they go out as a piece like any other.
         if not spans:
             running.splittable = False
             return
@@ -552,6 +559,7 @@ class Scheduler:
             ref = next(running.generator)
             event = ray.get(ref)
         except StopIteration:
+            running.completed = True
             self._end_unit(running)
             return
         except ray.exceptions.RayActorError as exc:
