@@ -5,6 +5,7 @@ through every batching feature)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import shutil
@@ -158,3 +159,40 @@ def test_step_records_carry_the_expert_load() -> None:
     assert all(m <= r.expert_tokens_max for m, r in zip(means, records, strict=True))
     _, dense = _greedy(tiny_model("llama"), requests[:1])
     assert all(r.expert_tokens_max is None and r.expert_tokens_mean is None for r in dense)
+
+
+def test_structured_output_logprobs_and_n_samples_run_on_moe() -> None:
+    """The features the contract suite checks on a dense model, once on the MoE model: a
+    format constrains the text, logprobs come one per token, n samples share the prompt."""
+    from engines.api import GenerationRequest, ResponseFormat, SamplingParams
+    from engines.samples import fan_out, generate_all
+    from pipeline.formats import conforms
+
+    prompt = varied_prompts(1, seed=8)[0]
+    choice = ResponseFormat("choice", choices=("left", "right"))
+    engine = ReferenceEngine(str(tiny_model("qwen3_moe")), num_threads=1, block_size=16)
+    try:
+        fmt, logprobs = run_all(
+            engine,
+            [
+                GenerationRequest(
+                    prompt, SamplingParams(max_tokens=16, temperature=0.0, response_format=choice)
+                ),
+                GenerationRequest(
+                    prompt,
+                    SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=3),
+                ),
+            ],
+        )
+        engine.drain_step_records()
+        sampling = SamplingParams(max_tokens=8, temperature=1.0, seed=5, ignore_eos=True)
+        group = fan_out(GenerationRequest(prompt, sampling, request_id="g"), 3)
+        samples = asyncio.run(generate_all(engine, group))
+        records = engine.drain_step_records()
+    finally:
+        engine.shutdown()
+    assert fmt.finish_reason == "stop" and conforms(choice, fmt.text), (fmt.text, fmt.error)
+    assert [lp.token_id for lp in logprobs.logprobs] == logprobs.output_token_ids
+    assert all(len(lp.top) == 3 for lp in logprobs.logprobs)
+    assert [r.completion_tokens for r in samples] == [8, 8, 8]
+    assert {rid for rec in records for rid in rec.prefill_tokens} == {"g/0"}
