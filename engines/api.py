@@ -309,6 +309,10 @@ class StepRecord:
     # request_id -> tokens proposed, and of them accepted.
     spec_proposed_tokens: dict[str, int] = field(default_factory=dict)
     spec_accepted_tokens: dict[str, int] = field(default_factory=dict)
+    # Mixture-of-Experts models: tokens per expert in this step, the busiest expert of any
+    # layer and the mean (tokens x experts per token / experts); None for dense models.
+    expert_tokens_max: int | None = None
+    expert_tokens_mean: float | None = None
 
     @property
     def request_ids(self) -> set[str]:

@@ -1,5 +1,6 @@
 """Build tiny Hugging Face checkpoints locally: a byte-level BPE tokenizer trained on built-in
-text and a small random Llama / Qwen2 / Qwen3 model, saved as a normal HF directory.
+text and a small random Llama / Qwen2 / Qwen3 / Qwen3-MoE model, saved as a normal HF
+directory.
 
 Nothing can be downloaded where tokenmill is built and tested, so tests, the demo and the
 benchmarks all run on models made here. Weights are random but drawn with a wide init so that
@@ -14,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-Arch = Literal["llama", "qwen2", "qwen3"]
-ARCHS: tuple[str, ...] = ("llama", "qwen2", "qwen3")
+Arch = Literal["llama", "qwen2", "qwen3", "qwen3_moe"]
+ARCHS: tuple[str, ...] = ("llama", "qwen2", "qwen3", "qwen3_moe")
 
 _WORDS = (
     "the a an one every some batch token model engine prompt answer question request row job "
@@ -73,6 +74,20 @@ SIZES: dict[str, TinyModelSize] = {
     # engines, not Python, bound a step.
     "1b": TinyModelSize(2048, 5632, 22, 32, 4, 32000, 4096),
 }
+
+
+def moe_fields(shape: TinyModelSize) -> dict[str, Any]:
+    """Qwen3-MoE's expert settings for a shape: 8 experts, top-2 renormalised as the released
+    Qwen3-MoE checkpoints do, each expert about a quarter of the dense MLP's width, every
+    layer sparse (mlp_only_layers / decoder_sparse_step can be set through config_overrides).
+    The width is a multiple of 16: transformers' bf16 grouped expert matmul on CPU refuses
+    rows that are not a multiple of 16 bytes."""
+    return dict(
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=max(16, shape.intermediate_size // 64 * 16),
+        norm_topk_prob=True,
+    )
 
 
 def shape_fields(shape: TinyModelSize) -> dict[str, int]:
@@ -157,11 +172,18 @@ def make_tiny_model(
     elif arch == "qwen2":
         config = transformers.Qwen2Config(**common, rope_theta=1000000.0)
         model_cls = transformers.Qwen2ForCausalLM
-    else:
+    elif arch == "qwen3":
         config = transformers.Qwen3Config(
             **common, rope_theta=1000000.0, head_dim=shape.hidden_size // shape.num_attention_heads
         )
         model_cls = transformers.Qwen3ForCausalLM
+    else:
+        config = transformers.Qwen3MoeConfig(
+            **{**moe_fields(shape), **common},
+            rope_theta=1000000.0,
+            head_dim=shape.hidden_size // shape.num_attention_heads,
+        )
+        model_cls = transformers.Qwen3MoeForCausalLM
 
     torch.manual_seed(seed)
     model = model_cls(config).eval()

@@ -1,9 +1,9 @@
 """Model shape read from a Hugging Face `config.json`: the few facts the reference model needs.
 
 Supported families are decoder-only Llama (optional attention / MLP biases), Mistral, Qwen2
-(q/k/v bias) and Qwen3 (per-head q/k RMSNorm, optional attention bias). Anything else is
-refused with the list of what is supported, so a job fails at load time instead of producing
-garbage.
+(q/k/v bias), Qwen3 (per-head q/k RMSNorm, optional attention bias) and Qwen3-MoE (Qwen3's
+attention, a routed Mixture-of-Experts MLP in the sparse layers). Anything else is refused with
+the list of what is supported, so a job fails at load time instead of producing garbage.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ class Family:
     # "none": no sliding window; "all": every layer slides (Mistral); "per_layer": Qwen2/3's
     # `use_sliding_window` + `layer_types` / `max_window_layers`.
     sliding: str
+    is_moe: bool = False  # routed experts in the layers the config makes sparse (MoeConfig)
 
 
 SUPPORTED_FAMILIES: dict[str, Family] = {
@@ -41,6 +42,9 @@ SUPPORTED_FAMILIES: dict[str, Family] = {
     "mistral": Family("MistralForCausalLM", False, False, False, qk_norm=False, sliding="all"),
     "qwen2": Family("Qwen2ForCausalLM", True, False, False, qk_norm=False, sliding="per_layer"),
     "qwen3": Family("Qwen3ForCausalLM", None, None, False, qk_norm=True, sliding="per_layer"),
+    "qwen3_moe": Family(
+        "Qwen3MoeForCausalLM", None, None, False, qk_norm=True, sliding="per_layer", is_moe=True
+    ),
 }
 
 
@@ -57,13 +61,27 @@ class RopeConfig:
 
 
 @dataclass(frozen=True)
+class MoeConfig:
+    """The routed Mixture-of-Experts MLP of Qwen3-MoE (transformers' Qwen3MoeConfig fields).
+
+    Qwen3-MoE has no shared expert: every token's MLP output is the routing-weighted sum of
+    its top `num_experts_per_tok` experts' outputs."""
+
+    num_experts: int  # `num_experts` (saved by transformers 5 as `num_local_experts`)
+    num_experts_per_tok: int  # k: experts each token is routed to
+    intermediate_size: int  # `moe_intermediate_size`: each expert's gate/up width
+    norm_topk_prob: bool  # renormalise the k routing probabilities to sum to 1
+    sparse_layers: tuple[int, ...]  # layers whose MLP is the expert block; the rest are dense
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """What the reference model is built from; every field comes from config.json."""
 
-    model_type: str  # "llama" | "mistral" | "qwen2" | "qwen3"
+    model_type: str  # "llama" | "mistral" | "qwen2" | "qwen3" | "qwen3_moe"
     vocab_size: int
     hidden_size: int
-    intermediate_size: int
+    intermediate_size: int  # the dense MLP's width (Qwen3-MoE: its dense layers' only)
     num_layers: int
     num_heads: int  # query heads
     num_kv_heads: int  # key/value heads (GQA when fewer than num_heads)
@@ -82,6 +100,10 @@ class ModelConfig:
     # sliding and full attention are the same computation.
     sliding_window: int | None
     torch_dtype: str | None  # dtype the checkpoint was saved in, if stated
+    moe: MoeConfig | None = None  # the expert MLP of the sparse layers; None: every layer dense
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.moe is not None and layer in self.moe.sparse_layers
 
     @property
     def q_size(self) -> int:
@@ -165,6 +187,64 @@ def _sliding_window(raw: dict[str, Any], family: Family, num_layers: int, path: 
     return int(window) if "sliding_attention" in layer_types else None
 
 
+def _int_field(raw: dict[str, Any], name: str, path: Path, default: Any = None) -> int:
+    value = raw.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise EngineError(f"{path}: {name} must be an integer, got {value!r}")
+    return value
+
+
+def _moe_config(raw: dict[str, Any], num_layers: int, path: Path) -> MoeConfig | None:
+    """Qwen3-MoE's expert settings, as transformers' Qwen3MoeConfig reads them, or None when
+    the config has no experts (transformers then builds every layer dense).
+
+    A layer is sparse unless it is in `mlp_only_layers`, and only every `decoder_sparse_step`-th
+    layer is (layer i where (i + 1) % step == 0)."""
+    # transformers 5 saves `num_experts` under its attribute-map name `num_local_experts`.
+    name = "num_experts" if "num_experts" in raw else "num_local_experts"
+    num_experts = _int_field(raw, name, path, 128)
+    if num_experts < 0:
+        raise EngineError(f"{path}: {name} must be >= 0, got {num_experts}")
+    if num_experts == 0:
+        return None
+    for field_name in ("shared_expert_intermediate_size", "n_shared_experts"):
+        if raw.get(field_name):
+            raise EngineError(
+                f"{path}: {field_name}={raw[field_name]!r}: shared experts are not part of "
+                "qwen3_moe (transformers' Qwen3MoeConfig has none); the reference engine "
+                "does not support them"
+            )
+    hidden_act = raw.get("hidden_act", "silu")
+    if hidden_act != "silu":
+        raise EngineError(
+            f"{path}: hidden_act {hidden_act!r} is not supported by the reference engine's "
+            "qwen3_moe; supported: silu"
+        )
+    top_k = _int_field(raw, "num_experts_per_tok", path, 8)
+    if not 1 <= top_k <= num_experts:
+        raise EngineError(
+            f"{path}: num_experts_per_tok must be between 1 and {name} ({num_experts}), got {top_k}"
+        )
+    step = _int_field(raw, "decoder_sparse_step", path, 1)
+    if step < 1:
+        raise EngineError(f"{path}: decoder_sparse_step must be >= 1, got {step}")
+    dense = raw.get("mlp_only_layers") or []
+    if not isinstance(dense, list) or not all(
+        isinstance(i, int) and not isinstance(i, bool) for i in dense
+    ):
+        raise EngineError(f"{path}: mlp_only_layers must be a list of layer indices, got {dense!r}")
+    norm_topk_prob = raw.get("norm_topk_prob", False)
+    if not isinstance(norm_topk_prob, bool):
+        raise EngineError(f"{path}: norm_topk_prob must be true or false, got {norm_topk_prob!r}")
+    return MoeConfig(
+        num_experts=num_experts,
+        num_experts_per_tok=top_k,
+        intermediate_size=_int_field(raw, "moe_intermediate_size", path, 768),
+        norm_topk_prob=norm_topk_prob,
+        sparse_layers=tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0),
+    )
+
+
 def load_model_config(model_dir: str | Path) -> ModelConfig:
     """Read and check `model_dir/config.json`; errors name the file and the field."""
     path = Path(model_dir) / "config.json"
@@ -197,6 +277,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
             eos_token_ids=eos_token_ids(raw, model_dir),
             sliding_window=_sliding_window(raw, family, num_layers, path),
             torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
+            moe=_moe_config(raw, num_layers, path) if family.is_moe else None,
         )
     except KeyError as exc:
         raise EngineError(f"{path}: required field {exc.args[0]!r} is missing") from exc

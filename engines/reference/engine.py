@@ -763,6 +763,7 @@ class ReferenceEngine:
         # Stop checks, streaming and results; detokenization has ranges of its own inside.
         with phase("deliver"):
             end = time.monotonic()
+            load = self.runner.expert_load()
             record = StepRecord(
                 start=start,
                 end=end,
@@ -781,6 +782,8 @@ class ReferenceEngine:
                     for c, tokens in zip(sampling_chunks, emitted, strict=True)
                     if c.spec_token_ids
                 },
+                expert_tokens_max=None if load is None else load.max_tokens,
+                expert_tokens_mean=None if load is None else load.mean_tokens,
             )
             with self._records_lock:
                 self._records.append(record)

@@ -1,4 +1,5 @@
-"""The decoder-only transformer (Llama / Mistral / Qwen2 / Qwen3) over a flattened token batch.
+"""The decoder-only transformer (Llama / Mistral / Qwen2 / Qwen3 / Qwen3-MoE) over a flattened
+token batch.
 
 Every step runs ONE batch of T tokens drawn from many requests (prefill chunks and decode
 tokens mixed): the linears see a [T, hidden] matrix, which is where batching pays. Attention
@@ -11,7 +12,9 @@ scaled_dot_product_attention one request at a time.
 
 Module and parameter names match the Hugging Face checkpoints exactly
 (`model.layers.{i}.self_attn.q_proj`, ...), so weights load by name and a quantized linear can
-replace any projection before `fuse_projections` merges q/k/v and gate/up for speed.
+replace any projection before `fuse_projections` merges q/k/v and gate/up for speed. A
+Qwen3-MoE sparse layer's MLP is engines.reference.moe.SparseMoeBlock, whose experts are the same
+MLP as a dense layer's.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ from torch import nn
 
 from engines.reference import cpu_kernels
 from engines.reference.config import ModelConfig
-from engines.reference.linear import linear_add
+from engines.reference.mlp import MLP
+from engines.reference.moe import SparseMoeBlock
 
 FP8_E4M3_MAX = 448.0
 
@@ -234,35 +238,15 @@ class Attention(nn.Module):
         return o.squeeze(0).transpose(0, 1)  # [n, H, D]
 
 
-class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
-        self.gate_up_proj: nn.Module | None = None  # set by fuse_projections
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        if self.gate_up_proj is not None and cpu_kernels.use_kernels(x.device):
-            return self.down_proj(cpu_kernels.silu_mul(self.gate_up_proj(x)))
-        if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # 2 x [T, intermediate]
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.silu(gate) * up)
-
-    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """residual + MLP(x) on the CPU kernels' path (gate/up fused)."""
-        if self.gate_up_proj is None:
-            return residual + self(x)
-        return linear_add(self.down_proj, cpu_kernels.silu_mul(self.gate_up_proj(x)), residual)
-
-
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, index: int) -> None:
         super().__init__()
         self.self_attn = Attention(cfg)
-        self.mlp = MLP(cfg)
+        self.mlp: MLP | SparseMoeBlock
+        if cfg.is_moe_layer(index):
+            self.mlp = SparseMoeBlock(cfg.hidden_size, cfg.moe)
+        else:
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -281,7 +265,7 @@ class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -309,6 +293,9 @@ class CausalLM(nn.Module):
         # Only the sampling rows need the final norm and the (vocab-sized) LM head.
         x = self.model.norm(x[logits_rows])  # [S, hidden]
         return self.lm_head(x).float()
+
+    def moe_blocks(self) -> list[SparseMoeBlock]:
+        return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoeBlock)]
 
 
 def _fuse_linears(parts: list[nn.Module]) -> nn.Linear | None:
@@ -338,12 +325,14 @@ def fuse_projections(model: CausalLM) -> None:
     """Merge q/k/v and gate/up into single matmuls (fewer, larger GEMMs). Run after any
     quantized-linear swap; the separate modules are dropped to keep one copy of the weights."""
     for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
+        attn = layer.self_attn
         qkv = _fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj])
         if qkv is not None:
             attn.qkv_proj = qkv
             del attn.q_proj, attn.k_proj, attn.v_proj
-        gate_up = _fuse_linears([mlp.gate_proj, mlp.up_proj])
-        if gate_up is not None:
-            mlp.gate_up_proj = gate_up
-            del mlp.gate_proj, mlp.up_proj
+        mlps = layer.mlp.experts if isinstance(layer.mlp, SparseMoeBlock) else [layer.mlp]
+        for mlp in mlps:
+            gate_up = _fuse_linears([mlp.gate_proj, mlp.up_proj])
+            if gate_up is not None:
+                mlp.gate_up_proj = gate_up
+                del mlp.gate_proj, mlp.up_proj

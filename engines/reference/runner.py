@@ -65,9 +65,29 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
 
 
 def linear_macs_per_token(cfg: ModelConfig) -> int:
-    """Multiply-adds of one decoder layer's projections for one token."""
+    """Multiply-adds of one decoder layer's projections for one token (averaged over the
+    layers where Mixture-of-Experts layers differ: a token computes only its k experts and
+    the router)."""
     attention = cfg.hidden_size * (2 * cfg.q_size + 2 * cfg.kv_size)  # q, k, v, o
-    return attention + 3 * cfg.hidden_size * cfg.intermediate_size  # gate, up, down
+    dense = 3 * cfg.hidden_size * cfg.intermediate_size  # gate, up, down
+    if cfg.moe is None:
+        return attention + dense
+    moe = cfg.moe
+    sparse = cfg.hidden_size * (
+        moe.num_experts + 3 * moe.num_experts_per_tok * moe.intermediate_size
+    )
+    num_sparse = len(moe.sparse_layers)
+    mlp = (num_sparse * sparse + (cfg.num_layers - num_sparse) * dense) // cfg.num_layers
+    return attention + mlp
+
+
+@dataclass(frozen=True)
+class ExpertLoad:
+    """Tokens per expert in one step, over the Mixture-of-Experts layers: how evenly the
+    router spread the step's work (max / mean = 1 is perfectly even)."""
+
+    max_tokens: int  # the busiest expert of any layer
+    mean_tokens: float  # tokens x k / experts: the same in every layer
 
 
 @contextlib.contextmanager
@@ -101,6 +121,7 @@ class ModelRunner:
         self.device = device
         self._per_kv_head = cfg.num_heads // cfg.num_kv_heads  # G query heads per KV head
         self._linear_macs = linear_macs_per_token(cfg)
+        self._moe_blocks = model.moe_blocks()  # empty for a dense model
         self._attention_macs = 2 * cfg.q_size  # per (query, key) pair: q·k, then p·v
         # Every chunk's attention through the CPU kernel, reading the cache in place.
         self._paged_kernel = cpu_kernels.use_kernels(device)
@@ -221,6 +242,17 @@ class ModelRunner:
             step = self.prepare(inputs)
         with self.profiler.phase("forward"):
             return self.forward(step)
+
+    def expert_load(self) -> ExpertLoad | None:
+        """The last step's expert load, or None for a dense model. One host read of E counts
+        per layer, taken after the step's forward (where the step has synchronised anyway)."""
+        blocks = self._moe_blocks
+        if not blocks or blocks[0].last_counts is None:
+            return None
+        counts = torch.stack([b.last_counts for b in blocks])  # [MoE layers, E]
+        return ExpertLoad(
+            max_tokens=int(counts.max()), mean_tokens=float(counts[0].sum()) / counts.shape[1]
+        )
 
     @torch.inference_mode()
     def forward(self, step: StepInputs) -> torch.Tensor:

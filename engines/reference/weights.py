@@ -1,7 +1,8 @@
 """Load a Hugging Face checkpoint (safetensors, single file or sharded) into CausalLM.
 
 Order: build the model on the meta device (no memory, no random init) → read every tensor →
-if `hf_quant_config.json` exists, hand the model and tensors to
+split stacked Mixture-of-Experts tensors into the per-expert names the model uses → if
+`hf_quant_config.json` exists, hand the model and tensors to
 `engines.reference.quant.apply_quantized_checkpoint`, which swaps linears for quantized ones
 and consumes their scale tensors → fill every parameter still on meta from the tensor of the
 same dotted name (cast to the compute dtype) → FP8 KV scales left in the checkpoint become
@@ -63,6 +64,37 @@ def read_tensors(files: list[Path]) -> tuple[dict[str, torch.Tensor], dict[str, 
         except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
             raise EngineError(f"{path}: cannot read safetensors file ({exc})") from exc
     return tensors, origin
+
+
+def _split_fused_experts(tensors: dict[str, torch.Tensor], origin: dict[str, Path]) -> None:
+    """Qwen3-MoE experts as per-expert tensors, in place.
+
+    Hub checkpoints (and transformers' own save_pretrained, which converts back) store each
+    expert's projections: `mlp.experts.{e}.gate_proj.weight`, `up_proj`, `down_proj`. The
+    transformers 5 model holds them stacked, `mlp.experts.gate_up_proj` [E, 2I, H] (gate rows
+    first, then up) and `mlp.experts.down_proj` [E, H, I], and a checkpoint written from that
+    layout without conversion keeps it; those are split here into the per-expert names."""
+    for name in [n for n in tensors if n.endswith(".mlp.experts.gate_up_proj")]:
+        prefix = name.removesuffix("gate_up_proj")
+        fused = tensors.pop(name)  # [E, 2I, H]
+        path = origin.pop(name)
+        if fused.dim() != 3 or fused.shape[1] % 2:
+            raise EngineError(
+                f"{path}: tensor {name!r} has shape {tuple(fused.shape)}; expected "
+                "[num_experts, 2 * moe_intermediate_size, hidden_size]"
+            )
+        gate, up = fused.chunk(2, dim=1)  # [E, I, H] each
+        for expert in range(fused.shape[0]):
+            for proj, weight in (("gate_proj", gate), ("up_proj", up)):
+                split = f"{prefix}{expert}.{proj}.weight"
+                tensors[split], origin[split] = weight[expert], path
+    for name in [n for n in tensors if n.endswith(".mlp.experts.down_proj")]:
+        prefix = name.removesuffix("down_proj")
+        fused = tensors.pop(name)  # [E, H, I]
+        path = origin.pop(name)
+        for expert in range(fused.shape[0]):
+            split = f"{prefix}{expert}.down_proj.weight"
+            tensors[split], origin[split] = fused[expert], path
 
 
 def _apply_quantization(model: CausalLM, tensors: dict[str, torch.Tensor], model_dir: Path):
@@ -166,7 +198,8 @@ def _check_all_used(
         f"{model_dir}: {len(unused)} checkpoint tensor(s) are not used by the "
         f"{cfg.model_type} model that config.json describes: {shown}{more} "
         f"(in {', '.join(files)}); config.json and the weights disagree (e.g. a bias flag such "
-        "as attention_bias / mlp_bias, tie_word_embeddings, num_hidden_layers)"
+        "as attention_bias / mlp_bias, tie_word_embeddings, num_hidden_layers, or "
+        "num_experts / mlp_only_layers / decoder_sparse_step)"
     )
 
 
@@ -177,6 +210,8 @@ def load_model(
     model_dir = Path(model_dir)
     files = checkpoint_files(model_dir)
     tensors, origin = read_tensors(files)
+    if cfg.moe is not None:
+        _split_fused_experts(tensors, origin)
     with torch.device("meta"):
         model = CausalLM(cfg)
     if cfg.tie_word_embeddings:

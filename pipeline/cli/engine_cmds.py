@@ -12,7 +12,7 @@ from pipeline.cli.app import app
 @app.command("make-tiny-model")
 def make_tiny_model(
     out_dir: Path = typer.Argument(..., help="Directory to write the Hugging Face model to."),
-    arch: str = typer.Option("llama", help="Architecture: llama, qwen2 or qwen3."),
+    arch: str = typer.Option("llama", help="Architecture: llama, qwen2, qwen3 or qwen3_moe."),
     size: str = typer.Option("tiny", help="Preset: tiny (~0.3M params) or small (~35M)."),
     tied: bool = typer.Option(False, help="Tie the input embedding and the LM head."),
     seed: int = typer.Option(0, help="Seed for the tokenizer corpus and the weights."),

@@ -51,7 +51,7 @@ def agreement(ours: list[list[int]], truth: list[list[int]]) -> tuple[float, flo
     return matched / total, firsts / len(truth)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_moe"])
 def test_bf16_greedy_is_as_close_to_fp32_as_transformers_bf16(arch: str) -> None:
     model_dir = tiny_model(arch)
     requests = greedy_requests(varied_prompts(32, seed=7), seed=3)

@@ -1,0 +1,82 @@
+"""The Mixture-of-Experts MLP of Qwen3-MoE: a router picks k experts per token, each expert is a
+SwiGLU MLP, and the token's output is the routing-weighted sum of its experts' outputs.
+
+Tokens are grouped by expert rather than each token visiting its experts: the step's T * k
+(token, expert) pairs are sorted by expert, so each active expert runs ONE matmul over all of
+its rows through the same linears as the dense MLP (oneDNN on CPU, fused gate/up), and the
+weighted outputs go back to their tokens in one index_add. Experts no token chose cost nothing.
+
+Module and parameter names match the checkpoints (`mlp.gate.weight`,
+`mlp.experts.{e}.gate_proj.weight`, ...), so weights load by name like the dense model's.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engines.reference.config import MoeConfig
+from engines.reference.mlp import MLP
+
+
+def route(
+    logits: torch.Tensor,  # [T, E] router logits, in the compute dtype
+    top_k: int,
+    norm_topk_prob: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routing weights [T, k] (compute dtype) and expert ids [T, k] (int64), as transformers'
+    Qwen3MoeTopKRouter: softmax in fp32 over all experts, the top k, optionally renormalised
+    to sum to 1, then cast back."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(logits.dtype), experts
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, hidden_size: int, moe: MoeConfig) -> None:
+        super().__init__()
+        self.num_experts = moe.num_experts
+        self.top_k = moe.num_experts_per_tok
+        self.norm_topk_prob = moe.norm_topk_prob
+        self.gate = nn.Linear(hidden_size, moe.num_experts, bias=False)  # the router
+        self.experts = nn.ModuleList(
+            MLP(hidden_size, moe.intermediate_size, bias=False) for _ in range(moe.num_experts)
+        )
+        # Tokens each expert computed in the last forward ([E] int64), for the step's expert
+        # load figures; read after the step (ModelRunner.expert_load), never inside it.
+        self.last_counts: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        return self._combine(x, torch.zeros_like(x))
+
+    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + MoE(x). In fp32 the experts' outputs are added into the residual stream
+        itself (this step's own tensor, as on the dense path): no zero-filled buffer and no
+        second pass over [T, hidden]. In bf16 the sum is rounded once before the residual
+        add, as transformers does (see linear.linear_add for why bf16 keeps that order)."""
+        if x.dtype == torch.float32:
+            return self._combine(x, residual)
+        return residual + self(x)
+
+    def _combine(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Adds each token's weighted expert outputs into `out` [T, hidden], returns it."""
+        weights, experts = route(self.gate(x), self.top_k, self.norm_topk_prob)  # [T, k] each
+        flat = experts.reshape(-1)  # [T * k] expert of each (token, slot) pair
+        order = flat.argsort(stable=True)  # pairs grouped by expert, tokens in order inside
+        rows = order // self.top_k  # [T * k] token row of each grouped pair
+        counts = torch.bincount(flat, minlength=self.num_experts)  # [E]
+        self.last_counts = counts
+        grouped = x.index_select(0, rows)  # [T * k, hidden]
+        pair_weights = weights.reshape(-1, 1).index_select(0, order)  # [T * k, 1]
+        outputs = torch.empty_like(grouped)  # [T * k, hidden]
+        start = 0
+        # One host sync per layer to size the groups; every later op is a plain matmul.
+        for expert, count in enumerate(counts.tolist()):
+            if count == 0:
+                continue
+            span = slice(start, start + count)
+            outputs[span] = self.experts[expert](grouped[span]) * pair_weights[span]
+            start += count
+        return out.index_add_(0, rows, outputs)

@@ -1,0 +1,166 @@
+"""The Mixture-of-Experts block against a plain per-token loop, the router, Qwen3-MoE's
+config.json fields and the MoE step-cost estimate."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from engines.api import EngineError
+from engines.reference.config import MoeConfig, load_model_config
+from engines.reference.linear import pack_linears
+from engines.reference.model import CausalLM, fuse_projections
+from engines.reference.moe import SparseMoeBlock, route
+from engines.reference.runner import linear_macs_per_token
+
+HIDDEN = 16
+
+
+def _block(norm_topk_prob: bool, num_experts: int = 6, top_k: int = 2) -> SparseMoeBlock:
+    moe = MoeConfig(num_experts, top_k, 8, norm_topk_prob, sparse_layers=(0,))
+    torch.manual_seed(0)
+    block = SparseMoeBlock(HIDDEN, moe)
+    with torch.no_grad():
+        for param in block.parameters():
+            param.normal_(0.0, 0.5)
+    return block.eval()
+
+
+def _per_token(block: SparseMoeBlock, x: torch.Tensor) -> torch.Tensor:
+    """The definition, one token at a time: softmax over experts, top k, optional
+    renormalisation, weighted sum of those experts' SwiGLU outputs."""
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        probs = torch.softmax(x[t] @ block.gate.weight.T, dim=-1)
+        weights, experts = torch.topk(probs, block.top_k)
+        if block.norm_topk_prob:
+            weights = weights / weights.sum()
+        for w, e in zip(weights.tolist(), experts.tolist(), strict=True):
+            mlp = block.experts[e]
+            h = torch.nn.functional.silu(x[t] @ mlp.gate_proj.weight.T) * (
+                x[t] @ mlp.up_proj.weight.T
+            )
+            out[t] += w * (h @ mlp.down_proj.weight.T)
+    return out
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_block_matches_the_per_token_loop(norm_topk_prob: bool) -> None:
+    block = _block(norm_topk_prob)
+    x = torch.randn(37, HIDDEN, generator=torch.Generator().manual_seed(1))
+    expected = _per_token(block, x)
+    with torch.inference_mode():
+        torch.testing.assert_close(block(x), expected, rtol=1e-5, atol=1e-5)
+        counts = block.last_counts
+        assert counts.shape == (6,) and int(counts.sum()) == 37 * 2
+        # Fused gate/up and oneDNN linears (the loaded model's path), residual added in place.
+        model_like = torch.nn.Module()
+        model_like.block = block
+        for mlp in block.experts:
+            mlp.gate_up_proj = torch.nn.Linear(HIDDEN, 16, bias=False)
+            mlp.gate_up_proj.weight.copy_(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+        pack_linears(model_like)
+        residual = torch.randn(37, HIDDEN)
+        torch.testing.assert_close(
+            block.forward_add(x, residual.clone()), residual + expected, rtol=1e-5, atol=1e-5
+        )
+
+
+def test_a_single_token_and_unchosen_experts() -> None:
+    block = _block(True, num_experts=8, top_k=1)
+    x = torch.randn(1, HIDDEN, generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        torch.testing.assert_close(block(x), _per_token(block, x), rtol=1e-5, atol=1e-5)
+        assert sorted(block.last_counts.tolist()) == [0] * 7 + [1]
+
+
+def test_route_renormalises_only_when_asked() -> None:
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    weights, experts = route(logits, 2, norm_topk_prob=False)
+    probs = torch.softmax(logits, -1)
+    assert experts.tolist() == [[0, 1]]
+    torch.testing.assert_close(weights, probs[:, :2])
+    weights, _ = route(logits, 2, norm_topk_prob=True)
+    torch.testing.assert_close(weights.sum(-1), torch.ones(1))
+    weights, _ = route(logits.bfloat16(), 2, norm_topk_prob=True)
+    assert weights.dtype == torch.bfloat16
+
+
+MOE_BASE = {
+    "model_type": "qwen3_moe",
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "vocab_size": 100,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "moe_intermediate_size": 16,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "norm_topk_prob": True,
+    "eos_token_id": 2,
+}
+
+
+def _write(tmp_path, drop=(), **changes):
+    config = {k: v for k, v in {**MOE_BASE, **changes}.items() if k not in drop}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return tmp_path
+
+
+def test_moe_fields_and_sparse_layers(tmp_path) -> None:
+    cfg = load_model_config(_write(tmp_path))
+    assert cfg.model_type == "qwen3_moe" and cfg.qk_norm and not cfg.mlp_bias
+    assert cfg.moe == MoeConfig(8, 2, 16, True, sparse_layers=(0, 1, 2, 3))
+    # transformers' rule: not in mlp_only_layers, and (layer + 1) % decoder_sparse_step == 0.
+    cfg = load_model_config(_write(tmp_path, decoder_sparse_step=2, mlp_only_layers=[3]))
+    assert cfg.moe.sparse_layers == (1,)
+    assert [cfg.is_moe_layer(i) for i in range(4)] == [False, True, False, False]
+    # transformers 5's save_pretrained spells num_experts as num_local_experts.
+    cfg = load_model_config(_write(tmp_path, drop=["num_experts"], num_local_experts=4))
+    assert cfg.moe.num_experts == 4
+    assert load_model_config(_write(tmp_path, num_experts=0)).moe is None
+
+
+@pytest.mark.parametrize(
+    ("changes", "words"),
+    [
+        ({"num_experts_per_tok": 9}, "num_experts_per_tok must be between 1 and num_experts"),
+        ({"num_experts_per_tok": 0}, "num_experts_per_tok"),
+        ({"decoder_sparse_step": 0}, "decoder_sparse_step must be >= 1"),
+        ({"mlp_only_layers": "0,1"}, "mlp_only_layers must be a list"),
+        ({"norm_topk_prob": "yes"}, "norm_topk_prob must be true or false"),
+        ({"num_experts": 2.5}, "num_experts must be an integer"),
+        ({"shared_expert_intermediate_size": 64}, "shared_expert_intermediate_size"),
+        ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+    ],
+)
+def test_unsupported_moe_values_are_refused_by_name(tmp_path, changes, words) -> None:
+    with pytest.raises(EngineError, match=words):
+        load_model_config(_write(tmp_path, **changes))
+
+
+def test_model_builds_dense_and_sparse_layers_and_fuses_every_expert(tmp_path) -> None:
+    cfg = load_model_config(_write(tmp_path, mlp_only_layers=[0]))
+    model = CausalLM(cfg)
+    assert [type(layer.mlp).__name__ for layer in model.model.layers] == ["MLP"] + [
+        "SparseMoeBlock"
+    ] * 3
+    assert model.model.layers[1].mlp.experts[7].gate_proj.weight.shape == (16, 32)
+    names = {n for n, _ in model.named_parameters()}
+    assert "model.layers.1.mlp.gate.weight" in names
+    assert "model.layers.0.mlp.gate_proj.weight" in names
+    fuse_projections(model)
+    assert all(e.gate_up_proj is not None for e in model.model.layers[3].mlp.experts)
+
+
+def test_step_cost_counts_only_the_active_experts(tmp_path) -> None:
+    cfg = load_model_config(_write(tmp_path, mlp_only_layers=[0]))
+    attention = 32 * (2 * 32 + 2 * 16)
+    dense = 3 * 32 * 64
+    sparse = 32 * (8 + 3 * 2 * 16)  # the router, then k experts
+    assert linear_macs_per_token(cfg) == attention + (dense + 3 * sparse) // 4
