@@ -103,7 +103,7 @@ class JobFenced(RuntimeError):
     """An engine actor found the output's lease held by another run."""
 
 
-@dataclass
+@dataclass(eq=False)  # hashed by identity: _Pool keys its buckets by slot
 class _Slot:
     """One actor of a pool, and what it is doing."""
 
@@ -115,6 +115,7 @@ class _Slot:
     ping: Any = None  # pending `ready` call (ObjectRef), None when answered
     busy: int = 0  # units running / prepares pending on it
     losses: int = 0
+    answered: bool = False  # it answered `ready` at least once
     info: dict[str, Any] = field(default_factory=dict)
 
 
@@ -123,6 +124,56 @@ def _state(slot: _Slot) -> bool | None:
     if not slot.ready:
         return DOWN
     return BUSY if slot.busy > 0 else IDLE
+
+
+class _Pool:
+    """A pool's actors by how many calls each holds, so picking the least busy one, counting
+    the ready ones and listing the idle ones cost O(1) or O(answer), not O(actors): the loop
+    runs once per event, and a fleet has thousands of actors. Every change of a slot's `ready`
+    or `busy` goes through `set_ready` / `add_busy`."""
+
+    def __init__(self, slots: list[_Slot], limit: int):
+        self.slots = slots
+        self.limit = limit  # calls one actor takes at once
+        self.ready = 0
+        self.never_ready = len(slots)  # still starting (not yet answered `ready` once)
+        # Ready slots by calls held (0..limit); dicts keep the order slots were added in.
+        self._by_busy: list[dict[_Slot, None]] = [{} for _ in range(limit + 1)]
+
+    def _bucket(self, slot: _Slot) -> dict[_Slot, None]:
+        return self._by_busy[min(max(slot.busy, 0), self.limit)]
+
+    def set_ready(self, slot: _Slot, ready: bool) -> None:
+        if slot.ready == ready:
+            return
+        if ready:
+            if not slot.answered:
+                slot.answered = True
+                self.never_ready -= 1
+            slot.ready = True
+            self.ready += 1
+            self._bucket(slot)[slot] = None
+        else:
+            self._bucket(slot).pop(slot, None)
+            slot.ready = False
+            self.ready -= 1
+
+    def add_busy(self, slot: _Slot, delta: int) -> None:
+        if slot.ready:
+            self._bucket(slot).pop(slot, None)
+        slot.busy += delta
+        if slot.ready:
+            self._bucket(slot)[slot] = None
+
+    def least_busy(self) -> _Slot | None:
+        for bucket in self._by_busy[: self.limit]:
+            if bucket:
+                return next(iter(bucket))
+        return None
+
+    def idle(self) -> list[_Slot]:
+        """Ready actors holding no call."""
+        return list(self._by_busy[0])
 
 
 @dataclass
@@ -221,8 +272,11 @@ class Scheduler:
         self._ray: Runtime = runtime
         self.engines = [_Slot(f"engine-{i}", h, "engine") for i, h in enumerate(engines)]
         self.prompters = [_Slot(f"prompt-{i}", h, "prompt") for i, h in enumerate(prompters)]
+        self.engine_pool = _Pool(self.engines, UNITS_PER_ACTOR)
+        self.prompt_pool = _Pool(self.prompters, PREPARES_PER_PROMPTER)
+        self._pings: dict[Any, _Slot] = {}  # pending `ready` call -> its actor
         for slot in [*self.engines, *self.prompters]:
-            slot.ping = slot.handle.ready.remote()
+            self._ask_ready(slot)
         self.queue: deque[WorkUnit] = deque(units)
         self.ledger = ledger
         self.on_part = on_part
@@ -269,7 +323,7 @@ class Scheduler:
                 *self.preparing,
                 *self.running,
                 *self._releasing,
-                *(s.ping for s in [*self.engines, *self.prompters] if s.ping is not None),
+                *self._pings,
             ]
             ready = self._ray.wait(waiting, num_returns=1, timeout=WAIT_S)[0] if waiting else []
             if not waiting:
@@ -302,23 +356,24 @@ class Scheduler:
     # --- handing out work ------------------------------------------------------------------------
 
     def _dispatch(self) -> None:
-        ready_engines = [s for s in self.engines if s.ready]
-        ahead = max(len(ready_engines), 1)
+        ahead = max(self.engine_pool.ready, 1)
         while self.queue and len(self.preparing) + len(self.prepared) < ahead + 1:
-            prompter = self._least_busy(self.prompters, PREPARES_PER_PROMPTER)
+            prompter = self.prompt_pool.least_busy()
             if prompter is None:
                 break
             unit = self.queue.popleft()
             info_ref, rows_ref = prompter.handle.prepare.options(num_returns=2).remote(unit)
-            prompter.busy += 1
+            self.prompt_pool.add_busy(prompter, +1)
             self.preparing[info_ref] = _Preparing(unit, prompter, info_ref, rows_ref)
-        starting = any(not s.ready and not s.dead and s.losses == 0 for s in self.engines)
+        # An engine that never answered and is not dead is still starting (one that died
+        # without ever answering fails the job in `_on_ready`).
+        starting = self.engine_pool.never_ready > 0
         if starting and (
             self._first_ready is None or time.monotonic() - self._first_ready < STARTUP_GRACE_S
         ):
             return
         while self.prepared:
-            engine = self._least_busy(self.engines, UNITS_PER_ACTOR)
+            engine = self.engine_pool.least_busy()
             if engine is None:
                 break
             unit, info, rows_ref = self.prepared.popleft()
@@ -326,7 +381,7 @@ class Scheduler:
                 unit, rows_ref
             )
             before = _state(engine)
-            engine.busy += 1
+            self.engine_pool.add_busy(engine, +1)
             now = time.monotonic()
             # Only split pieces select rows (`only`): any other unit is a whole shard's rows.
             self.occupancy.handed_out(now, whole_shard=unit.selection.only is None)
@@ -343,7 +398,7 @@ class Scheduler:
         if self.preparing:
             return
         # Free: an actor with no unit at all. One with a unit still fills its engine from it.
-        free = [s for s in self.engines if s.ready and s.busy == 0]
+        free = self.engine_pool.idle()
         if not free:
             return
         candidates = [
@@ -408,10 +463,12 @@ class Scheduler:
             piece.dispatch,
         )
 
-    @staticmethod
-    def _least_busy(slots: list[_Slot], limit: int) -> _Slot | None:
-        free = [s for s in slots if s.ready and s.busy < limit]
-        return min(free, key=lambda s: s.busy) if free else None
+    def _pool(self, slot: _Slot) -> _Pool:
+        return self.engine_pool if slot.kind == "engine" else self.prompt_pool
+
+    def _ask_ready(self, slot: _Slot) -> None:
+        slot.ping = slot.handle.ready.remote()
+        self._pings[slot.ping] = slot
 
     def _requeue(self, unit: WorkUnit, front: bool = True) -> WorkUnit | None:
         """The unit's rows again, those committed so far skipped (None: nothing left). A unit
@@ -462,11 +519,8 @@ class Scheduler:
             self._on_released(ref, self._releasing.pop(ref))
         elif ref in self.running:
             self._on_unit_event(self.running[ref])
-        else:
-            for slot in [*self.engines, *self.prompters]:
-                if slot.ping is not None and slot.ping == ref:
-                    self._on_ready(slot)
-                    return
+        elif ref in self._pings:
+            self._on_ready(self._pings.pop(ref))
 
     def _on_ready(self, slot: _Slot) -> None:
         ray = self._ray
@@ -483,9 +537,9 @@ class Scheduler:
             slot.dead = True
             return
         except ray.exceptions.RayActorError:
-            slot.ping = slot.handle.ready.remote()  # restarting: ask again
+            self._ask_ready(slot)  # restarting: ask again
             return
-        slot.ready = True
+        self._pool(slot).set_ready(slot, True)
         if slot.kind == "engine":
             self.occupancy.changed(time.monotonic(), DOWN, _state(slot))
             if self._first_ready is None:
@@ -500,7 +554,7 @@ class Scheduler:
 
     def _on_prepared(self, call: _Preparing) -> None:
         ray = self._ray
-        call.slot.busy -= 1
+        self.prompt_pool.add_busy(call.slot, -1)
         try:
             info: PreparedInfo = ray.get(call.info_ref)
         except ray.exceptions.RayActorError as exc:
@@ -521,7 +575,7 @@ class Scheduler:
         for ref, call in list(self.preparing.items()):  # none while one call is the limit
             if call.slot is failed.slot:
                 del self.preparing[ref]
-                call.slot.busy -= 1
+                self.prompt_pool.add_busy(call.slot, -1)
                 self.queue.appendleft(call.unit)
         self._prepare_died(failed.unit, exc)
 
@@ -587,7 +641,7 @@ class Scheduler:
     def _end_unit(self, running: _Running) -> None:
         self.running.pop(running.generator, None)
         before = _state(running.slot)
-        running.slot.busy -= 1
+        self._pool(running.slot).add_busy(running.slot, -1)
         if running.slot.kind == "engine":
             self.occupancy.changed(time.monotonic(), before, _state(running.slot))
 
@@ -596,9 +650,9 @@ class Scheduler:
         again (a prompt actor's: `_lose_prompter`)."""
         if slot.ready:
             before = _state(slot)
-            slot.ready = False
+            self._pool(slot).set_ready(slot, False)
             slot.losses += 1
-            slot.ping = slot.handle.ready.remote()
+            self._ask_ready(slot)
             if slot.kind == "engine":
                 self.occupancy.changed(time.monotonic(), before, DOWN)
         if slot.kind != "engine":
@@ -637,7 +691,7 @@ class Scheduler:
     def _check_start_timeout(self) -> None:
         """Fail instead of waiting forever for actors that cannot come (back)."""
         self._check_prompters_start()
-        if any(s.ready for s in self.engines):
+        if self.engine_pool.ready:
             self._no_engine_since = None
             return
         if all(s.dead for s in self.engines):
@@ -656,7 +710,7 @@ class Scheduler:
 
     def _check_prompters_start(self) -> None:
         waiting = bool(self.queue) and not self.stop.is_set()
-        if not waiting or any(s.ready for s in self.prompters):
+        if not waiting or self.prompt_pool.ready:
             self._no_prompter_since = None
             return
         now = time.monotonic()
