@@ -215,6 +215,48 @@ def render_user_text(row: Mapping[str, Any], prompt_spec: PromptSpec) -> str:
     return text
 
 
+def _prompt_chat(
+    tokenizer: Any,
+    prompt_spec: PromptSpec,
+    text: str | None,
+    messages: str | Sequence[Any] | None,
+) -> list[dict] | None:
+    """The chat to render for one prompt, or None when `text` is tokenized as is.
+
+    Raises PromptError for what render_prompt refuses before the chat template runs."""
+    if (text is None) == (messages is None):
+        raise PromptError("give exactly one of a prompt text or messages")
+    if messages is not None:
+        if not prompt_spec.chat_template:
+            raise PromptError("messages need prompt.chat_template: true")
+        chat = chat_messages(messages, prompt_spec.system_prompt)
+    else:
+        if not isinstance(text, str) or not text.strip():
+            raise PromptError("empty prompt")
+        if not prompt_spec.chat_template:
+            return None
+        chat = chat_messages([{"role": "user", "content": text}], prompt_spec.system_prompt)
+    if not getattr(tokenizer, "chat_template", None):
+        raise PromptError(
+            "the tokenizer has no chat template; set prompt.chat_template: false to tokenize "
+            "the text as is"
+        )
+    return chat
+
+
+def _apply_chat_template(
+    tokenizer: Any, chat: list[dict] | list[list[dict]], template_kwargs: Mapping[str, Any] | None
+) -> Any:
+    """The chat template over one chat (its text) or a list of chats (their texts, one call);
+    raises PromptError when it fails (on any of the chats)."""
+    try:
+        return tokenizer.apply_chat_template(
+            chat, add_generation_prompt=True, tokenize=False, **(template_kwargs or {})
+        )
+    except Exception as exc:  # templates raise anything, often on purpose (raise_exception)
+        raise PromptError(f"chat template failed: {type(exc).__name__}: {exc}") from None
+
+
 def render_prompt(
     tokenizer: Any,
     prompt_spec: PromptSpec,
@@ -231,29 +273,10 @@ def render_prompt(
     extra variables for the chat template (the endpoint's `chat_template_kwargs`, e.g.
     enable_thinking); the caller keeps them off apply_chat_template's own parameters.
     """
-    if (text is None) == (messages is None):
-        raise PromptError("give exactly one of a prompt text or messages")
-    if messages is not None:
-        if not prompt_spec.chat_template:
-            raise PromptError("messages need prompt.chat_template: true")
-        chat = chat_messages(messages, prompt_spec.system_prompt)
-    else:
-        if not isinstance(text, str) or not text.strip():
-            raise PromptError("empty prompt")
-        if not prompt_spec.chat_template:
-            return list(tokenizer.encode(text, add_special_tokens=True))
-        chat = chat_messages([{"role": "user", "content": text}], prompt_spec.system_prompt)
-    if not getattr(tokenizer, "chat_template", None):
-        raise PromptError(
-            "the tokenizer has no chat template; set prompt.chat_template: false to tokenize "
-            "the text as is"
-        )
-    try:
-        rendered = tokenizer.apply_chat_template(
-            chat, add_generation_prompt=True, tokenize=False, **(template_kwargs or {})
-        )
-    except Exception as exc:
-        raise PromptError(f"chat template failed: {type(exc).__name__}: {exc}") from None
+    chat = _prompt_chat(tokenizer, prompt_spec, text, messages)
+    if chat is None:
+        return list(tokenizer.encode(text, add_special_tokens=True))
+    rendered = _apply_chat_template(tokenizer, chat, template_kwargs)
     # The template already wrote any BOS it wants; adding special tokens again would double it.
     return list(tokenizer.encode(rendered, add_special_tokens=False))
 
@@ -262,13 +285,93 @@ def render_prompt(
 RAW_COMPLETION = PromptSpec(chat_template=False)
 
 
+def _row_prompt(row: Mapping[str, Any], spec: JobSpec) -> dict[str, Any]:
+    """render_prompt's arguments for one row: its prompt spec and its text or its messages."""
+    if row.get(MESSAGES) is not None:
+        return {"prompt_spec": spec.prompt, "messages": row[MESSAGES]}
+    if spec.input.format == "openai_batch":
+        return {"prompt_spec": RAW_COMPLETION, "text": render_user_text(row, RAW_COMPLETION)}
+    return {"prompt_spec": spec.prompt, "text": render_user_text(row, spec.prompt)}
+
+
 def render_row(row: Mapping[str, Any], spec: JobSpec, tokenizer: Any) -> list[int]:
     """Token ids for one dataset row (columns as produced by pipeline.batch.read)."""
-    if row.get(MESSAGES) is not None:
-        return render_prompt(tokenizer, spec.prompt, messages=row[MESSAGES])
-    if spec.input.format == "openai_batch":
-        return render_prompt(tokenizer, RAW_COMPLETION, text=render_user_text(row, RAW_COMPLETION))
-    return render_prompt(tokenizer, spec.prompt, text=render_user_text(row, spec.prompt))
+    return render_prompt(tokenizer, **_row_prompt(row, spec))
+
+
+# Chats rendered by one chat template call. A template that fails on one chat fails the call;
+# that chunk is then rendered chat by chat, so only the bad chat becomes an error row.
+TEMPLATE_CHUNK = 256
+
+
+def render_rows(
+    rows: Sequence[Mapping[str, Any]], spec: JobSpec, tokenizer: Any
+) -> list[list[int] | PromptError]:
+    """render_row over many rows: per row the same token ids, or the PromptError render_row
+    raises, from fewer calls. The chat template runs over chunks of chats, and the tokenizer
+    once per kind of text (chat template output, raw text with special tokens): the fast
+    tokenizer encodes a batch in one call into Rust, where `encode` per row spent about as
+    much in transformers' Python around each row as in the encoding itself.
+    """
+    out: list[list[int] | PromptError | None] = [None] * len(rows)
+    chats: list[tuple[int, list[dict]]] = []  # (row index, chat for the template)
+    # (row index, text, add_special_tokens): the template already wrote any BOS it wants.
+    texts: list[tuple[int, str, bool]] = []
+    for i, row in enumerate(rows):
+        try:
+            args = _row_prompt(row, spec)
+            chat = _prompt_chat(
+                tokenizer, args["prompt_spec"], args.get("text"), args.get("messages")
+            )
+        except PromptError as exc:
+            out[i] = exc
+            continue
+        if chat is None:
+            texts.append((i, args["text"], True))
+        else:
+            chats.append((i, chat))
+    for start in range(0, len(chats), TEMPLATE_CHUNK):
+        chunk = chats[start : start + TEMPLATE_CHUNK]
+        try:
+            rendered = _apply_chat_template(tokenizer, [chat for _, chat in chunk], None)
+        except PromptError:
+            for i, chat in chunk:
+                try:
+                    texts.append((i, _apply_chat_template(tokenizer, chat, None), False))
+                except PromptError as exc:
+                    out[i] = exc
+            continue
+        texts += [(i, text, False) for (i, _), text in zip(chunk, rendered, strict=True)]
+    for i, ids in _encode(tokenizer, texts):
+        out[i] = ids
+    return out  # type: ignore[return-value]  # every row is set by now
+
+
+def _encode(tokenizer: Any, texts: list[tuple[int, str, bool]]) -> list[tuple[int, list[int]]]:
+    """(row index, token ids) for each (row index, text, add_special_tokens), the ids as
+    `tokenizer.encode` gives them: transformers' encode is this same call on a batch of one."""
+    out: list[tuple[int, list[int]]] = []
+    try:
+        for add_special_tokens in (False, True):
+            group = [(i, text) for i, text, special in texts if special == add_special_tokens]
+            if group:
+                encoded = tokenizer(
+                    [t for _, t in group],
+                    add_special_tokens=add_special_tokens,
+                    # Only the ids are used: no per-row mask or type id lists.
+                    return_attention_mask=False,
+                    return_token_type_ids=False,
+                )
+                out += [
+                    (i, list(ids)) for (i, _), ids in zip(group, encoded["input_ids"], strict=True)
+                ]
+    except Exception:
+        # Encoding one row by one, in row order, fails (or not) just as render_row would.
+        return [
+            (i, list(tokenizer.encode(text, add_special_tokens=special)))
+            for i, text, special in sorted(texts, key=lambda t: t[0])
+        ]
+    return out
 
 
 # --- per-row sampling --------------------------------------------------------------------------
@@ -380,24 +483,47 @@ class PromptStage:
 
     def process_row(self, row: Mapping[str, Any]) -> dict[str, Any]:
         """Stage columns and `error` for one row (a dict of the read columns)."""
+        out = self._sampling(row)
+        if out[ERROR] is not None:
+            return out
+        try:
+            token_ids: list[int] | PromptError = render_row(row, self.spec, self.tokenizer)
+        except PromptError as exc:
+            token_ids = exc
+        return self._with_prompt(out, token_ids)
+
+    def process_rows(self, rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+        """process_row over many rows, with the same result per row; the prompts of the rows
+        that get that far are rendered together (render_rows)."""
+        outs = [self._sampling(row) for row in rows]
+        pending = [i for i, out in enumerate(outs) if out[ERROR] is None]
+        rendered = render_rows([rows[i] for i in pending], self.spec, self.tokenizer)
+        for i, token_ids in zip(pending, rendered, strict=True):
+            outs[i] = self._with_prompt(outs[i], token_ids)
+        return outs
+
+    def _sampling(self, row: Mapping[str, Any]) -> dict[str, Any]:
+        """A row's stage columns before its prompt: sampling values, no tokens, and `error`:
+        the row's own, or a bad override's. Rows with an error here are not rendered."""
         sampling, problem = resolve_sampling(row, self.spec, self.overrides)
         out: dict[str, Any] = {PROMPT_TOKEN_IDS: [], PROMPT_TOKENS: 0, **sampling}
         out[ERROR] = row.get(ERROR)
-        if out[ERROR] is not None:
-            return out
-        if problem:
+        if out[ERROR] is None and problem:
             out[ERROR] = problem
+        return out
+
+    def _with_prompt(
+        self, out: dict[str, Any], token_ids: list[int] | PromptError
+    ) -> dict[str, Any]:
+        """`out` with the rendered prompt, or with the error when it fails or does not fit."""
+        if isinstance(token_ids, PromptError):
+            out[ERROR] = str(token_ids)
             return out
-        try:
-            token_ids = render_row(row, self.spec, self.tokenizer)
-        except PromptError as exc:
-            out[ERROR] = str(exc)
-            return out
-        total = len(token_ids) + sampling[MAX_TOKENS]
+        total = len(token_ids) + out[MAX_TOKENS]
         if self.max_len is not None and total > self.max_len:
             out[ERROR] = (
                 f"{TOO_LONG}: prompt has {len(token_ids)} tokens + max_tokens "
-                f"{sampling[MAX_TOKENS]} = {total} > context length {self.max_len}; "
+                f"{out[MAX_TOKENS]} = {total} > context length {self.max_len}; "
                 "shorten the prompt or lower max_tokens"
             )
             return out
@@ -408,7 +534,7 @@ class PromptStage:
     def __call__(self, batch: pa.Table) -> pa.Table:
         import pyarrow as pa
 
-        results = [self.process_row(row) for row in batch.to_pylist()]
+        results = self.process_rows(batch.to_pylist())
         columns = {
             PROMPT_TOKEN_IDS: pa.array(
                 [r[PROMPT_TOKEN_IDS] for r in results], type=pa.list_(pa.int32())

@@ -360,3 +360,196 @@ def test_logprobs_and_response_format_resolve_per_row(model_dir: Path) -> None:
     assert "'lp'" in problem and "[0, 20]" in problem
     _, problem = resolve_sampling({"id": "e", "fmt": '{"type": "nope"}'}, spec, overrides)
     assert "'fmt'" in problem and "type must be one of" in problem
+
+
+# --- the batched stage against the one-row path ------------------------------------------------
+
+
+def _one_by_one(stage: PromptStage) -> PromptStage:
+    """The same stage with every row rendered on its own (process_row), as it once was."""
+    stage.process_rows = lambda rows: [stage.process_row(row) for row in rows]  # type: ignore[method-assign]
+    return stage
+
+
+def _chat(*turns: tuple[str, Any]) -> str:
+    return json.dumps([{"role": role, "content": content} for role, content in turns])
+
+
+VARIED_ROWS: list[dict[str, Any]] = [
+    {"id": "text", "prompt": "hello there", "messages": None, "error": None, "mt": None},
+    {"id": "unicode", "prompt": "  Größe: 北京 🚀\n", "messages": None, "error": None, "mt": 3},
+    {"id": "chat", "prompt": None, "messages": _chat(("user", "hi")), "error": None, "mt": None},
+    {
+        "id": "chat-own-system",
+        "prompt": None,
+        "messages": _chat(("developer", "Terse."), ("user", [{"type": "text", "text": "a"}])),
+        "error": None,
+        "mt": None,
+    },
+    {
+        "id": "chat-turns",
+        "prompt": None,
+        "messages": _chat(("user", "one"), ("assistant", "two"), ("user", "three")),
+        "error": None,
+        "mt": 2,
+    },
+    {"id": "bad-json", "prompt": None, "messages": "[{", "error": None, "mt": None},
+    {"id": "bad-role", "prompt": None, "messages": _chat(("bot", "x")), "error": None, "mt": None},
+    {
+        "id": "image",
+        "prompt": None,
+        "messages": _chat(("user", [{"type": "image_url"}])),
+        "error": None,
+        "mt": None,
+    },
+    {"id": "empty", "prompt": "   ", "messages": None, "error": None, "mt": None},
+    {"id": "missing", "prompt": None, "messages": None, "error": None, "mt": None},
+    {"id": "read-error", "prompt": None, "messages": None, "error": "line 3: not JSON", "mt": None},
+    {"id": "bad-override", "prompt": "hello", "messages": None, "error": None, "mt": 0},
+    {
+        "id": "too-long",
+        "prompt": " ".join(["river"] * 200),
+        "messages": None,
+        "error": None,
+        "mt": None,
+    },
+    {"id": "fits-exactly", "prompt": "river " * 20, "messages": None, "error": None, "mt": None},
+]
+
+
+def _varied_table(rows: list[dict[str, Any]] = VARIED_ROWS) -> pa.Table:
+    return pa.Table.from_pylist(
+        rows,
+        schema=pa.schema(
+            [
+                ("id", pa.string()),
+                ("prompt", pa.string()),
+                ("messages", pa.string()),
+                ("error", pa.string()),
+                ("mt", pa.int64()),
+            ]
+        ),
+    )
+
+
+def _openai_batch_spec(model_dir: Path) -> JobSpec:
+    """openai_batch: raw completions (no chat template) beside chats."""
+    return parse_job_spec(
+        {
+            "name": "batch",
+            "input": {"uri": "/in.jsonl", "format": "openai_batch"},
+            "prompt": {"system_prompt": "Be brief."},
+            "model": {"path": str(model_dir)},
+            "output": {"uri": "/out"},
+            "sampling": {"max_tokens": 8, "overrides": {"max_tokens": "mt"}},
+        }
+    )
+
+
+@pytest.mark.parametrize(
+    "sections",
+    [
+        {},  # text prompts through the chat template
+        {"prompt": {"system_prompt": "Be brief."}},
+        {"prompt": {"chat_template": False}},  # text as is; chats are errors
+        {"prompt": {"template": "Q: {{ prompt.strip() }}"}},  # fails on a null prompt
+        None,
+    ],
+    ids=["chat-template", "system-prompt", "raw-text", "prompt-template", "openai-batch"],
+)
+def test_batched_stage_equals_the_one_row_path(
+    model_dir: Path, sections: dict[str, Any] | None
+) -> None:
+    if sections is None:
+        spec = _openai_batch_spec(model_dir)
+    else:
+        overrides = {"max_tokens": 8, "overrides": {"max_tokens": "mt"}}
+        spec = make_spec(model_dir, sampling=overrides, **sections)
+    table = _varied_table()
+    batched = PromptStage(spec)(table)
+    one_by_one = _one_by_one(PromptStage(spec))(table)
+    assert batched.schema == one_by_one.schema
+    for got, want in zip(batched.to_pylist(), one_by_one.to_pylist(), strict=True):
+        assert got == want, got["id"]
+    # The rows cover what they claim: errors of each kind, tokens, and the context limit.
+    rows = {row["id"]: row for row in batched.to_pylist()}
+    assert rows["read-error"]["error"] == "line 3: not JSON"
+    assert "sampling.overrides.max_tokens" in rows["bad-override"]["error"]
+    assert rows["too-long"]["error"].startswith(TOO_LONG)
+    assert rows["missing"]["error"] is not None
+    assert rows["text"]["error"] is None and rows["text"][PROMPT_TOKENS] > 0
+
+
+def test_render_rows_equals_render_row(model_dir: Path, tokenizer: Any) -> None:
+    from pipeline.batch.prompts import render_row, render_rows
+
+    spec = make_spec(model_dir, prompt={"system_prompt": "Be brief."})
+    rows = [r for r in VARIED_ROWS if r["error"] is None]
+    expected: list[Any] = []
+    for row in rows:
+        try:
+            expected.append(render_row(row, spec, tokenizer))
+        except PromptError as exc:
+            expected.append(f"error: {exc}")
+    got = [r if isinstance(r, list) else f"error: {r}" for r in render_rows(rows, spec, tokenizer)]
+    assert got == expected
+    assert any(isinstance(e, str) for e in expected) and any(isinstance(e, list) for e in expected)
+
+
+def test_a_template_failing_on_one_chat_fails_only_that_row(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from transformers import AutoTokenizer
+
+    import pipeline.batch.prompts as prompts
+
+    monkeypatch.setattr(prompts, "TEMPLATE_CHUNK", 3)  # several chunks, one of them failing
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.chat_template = (
+        "{% for m in messages %}{% if 'forbidden' in m.content %}"
+        "{{ raise_exception('no forbidden words') }}{% endif %}"
+        "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "<|im_start|>assistant\n"
+    )
+    spec = make_spec(model_dir)
+    words = ["alpha", "beta", "forbidden fruit", "gamma", "delta", "epsilon", "zeta"]
+    table = _varied_table(
+        [{"id": w, "prompt": w, "messages": None, "error": None, "mt": None} for w in words]
+    )
+    stage, reference = PromptStage(spec), _one_by_one(PromptStage(spec))
+    stage.tokenizer = reference.tokenizer = tokenizer
+    batched, one_by_one = stage(table), reference(table)
+    assert batched.equals(one_by_one)
+    errors = batched.column("error").to_pylist()
+    assert errors[2] == "chat template failed: TemplateError: no forbidden words"
+    assert errors[:2] + errors[3:] == [None] * 6
+
+
+class _NoBatches:
+    """A tokenizer whose batched call fails: the stage falls back to encoding row by row."""
+
+    def __init__(self, tokenizer: Any, bad_text: str | None = None) -> None:
+        self._tokenizer, self._bad_text = tokenizer, bad_text
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tokenizer, name)
+
+    def __call__(self, texts: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("no batches here")
+
+    def encode(self, text: str, **kwargs: Any) -> list[int]:
+        if text == self._bad_text:
+            raise RuntimeError(f"cannot encode {text!r}")
+        return self._tokenizer.encode(text, **kwargs)
+
+
+def test_a_failing_batch_encode_falls_back_to_rows(model_dir: Path, tokenizer: Any) -> None:
+    spec = _openai_batch_spec(model_dir)
+    table = _varied_table()
+    stage, reference = PromptStage(spec), _one_by_one(PromptStage(spec))
+    stage.tokenizer = _NoBatches(tokenizer)
+    assert stage(table).equals(reference(table))
+    # A text that cannot be encoded at all fails the batch as it did row by row.
+    stage.tokenizer = _NoBatches(tokenizer, bad_text="hello there")
+    with pytest.raises(RuntimeError, match="cannot encode 'hello there'"):
+        stage(table)
