@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import logging
 import os
 import time
@@ -39,7 +40,13 @@ from typing import Any
 
 import pyarrow as pa
 
-from engines.api import Engine, EngineDeadError, GenerationRequest, GenerationResult
+from engines.api import (
+    Engine,
+    EngineDeadError,
+    GenerationRequest,
+    GenerationResult,
+    SamplingParams,
+)
 from engines.samples import fan_out
 from pipeline.batch.commit.parts import REPLACEMENT_DISPATCH, PartName, PartRecord, write_part
 from pipeline.batch.metrics import BusyReporter
@@ -85,10 +92,23 @@ class RowServer:
     Only a dead engine ends the process (see `_generate`).
     """
 
-    def __init__(self, engine: Engine, meter: Any, sampling: SamplingSpec):
+    def __init__(
+        self,
+        engine: Engine,
+        meter: Any,
+        sampling: SamplingSpec,
+        request_prefix: str | None = None,
+    ):
         self.engine = engine
         self.meter = meter  # pipeline.cost.CostMeter of the actor
         self.sampling = sampling
+        # Request ids: the row id, then a prefix of this server's own and a counter. The engine
+        # keys its requests by them, so they must be unique even where an input repeats an id;
+        # the prefix (the actor's incarnation) keeps them apart across actors and restarts
+        # (logs, traces), and a counter costs less per row than a uuid4.
+        self._request_prefix = request_prefix or uuid.uuid4().hex[:8]
+        self._request_seq = itertools.count()
+        self._sampling_cache: dict[tuple[Any, ...], SamplingParams] = {}  # see row_sampling
         # Bound to the event loop that first uses it: made on first use, on that loop.
         self._finished: asyncio.Condition | None = None
 
@@ -113,17 +133,16 @@ class RowServer:
         if row.get("error"):
             return RowOutcome.failed(str(row["error"]), prompt_tokens, served=False)
         try:
-            sampling = row_sampling(row, self.sampling)
+            sampling = row_sampling(row, self.sampling, self._sampling_cache)
         except (ValueError, TypeError) as exc:
             return RowOutcome.failed(f"row {row['id']!r}: {exc}", prompt_tokens, served=False)
         token_ids = row.get("prompt_token_ids")
         if not token_ids:
             return RowOutcome.failed("empty prompt (no tokens)", prompt_tokens, served=False)
         request = GenerationRequest(
-            prompt_token_ids=[int(t) for t in token_ids],
+            prompt_token_ids=list(map(int, token_ids)),
             sampling=sampling,
-            # Unique even if an input repeats an id: the engine keys requests by this.
-            request_id=f"{row['id']}#{uuid.uuid4().hex[:8]}",
+            request_id=f"{row['id']}#{self._request_prefix}.{next(self._request_seq)}",
         )
         # n > 1: n requests of one group (the engine computes the prompt once for them).
         requests = fan_out(request, row_samples(row, self.sampling))
@@ -204,9 +223,9 @@ class EngineWorker:
             has_step_records=self.engine.info.has_step_records,
         )
         self.meter.record_load(started, time.monotonic())
-        self.rows = RowServer(self.engine, self.meter, config.sampling)
         self.actor_id = current_actor_id()
         self.incarnation = uuid.uuid4().hex[:12]  # a restarted actor keeps its actor id
+        self.rows = RowServer(self.engine, self.meter, config.sampling, self.incarnation[:8])
         self.out = OutputDir(config.output_uri, config.storage, RetryPolicy(config.storage.retry_s))
         self.busy = BusyReporter(config.job_name, config.run_id or "", self.actor_id)
         self._busy_task: asyncio.Task[None] | None = None
