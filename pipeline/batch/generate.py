@@ -49,6 +49,7 @@ from engines.api import (
 )
 from engines.samples import fan_out
 from pipeline.batch.commit.parts import REPLACEMENT_DISPATCH, PartName, PartRecord, write_part
+from pipeline.batch.heap import settle_after_load
 from pipeline.batch.metrics import BusyReporter
 from pipeline.batch.read import ROW
 from pipeline.batch.rows import (
@@ -234,6 +235,7 @@ class EngineWorker:
         self._slots: asyncio.Semaphore | None = None
         self._stopping: asyncio.Event | None = None
         self._feeds: dict[tuple[int, int], tuple[_Feed, pa.Table]] = {}  # (shard, dispatch)
+        settle_after_load()  # see pipeline.batch.heap
 
     def _loop_state(self) -> tuple[asyncio.Semaphore, asyncio.Event]:
         if self._slots is None:

@@ -601,6 +601,9 @@ class PromptWorker:
     def __init__(self, arguments: tuple[JobSpec, list[pa.Field]]) -> None:
         self.spec, self.passthrough = arguments  # (job spec, passthrough fields)
         self.stage = PromptStage(self.spec)
+        from pipeline.batch.heap import settle_after_load
+
+        settle_after_load()  # see pipeline.batch.heap
 
     def ready(self) -> bool:
         return True

@@ -127,3 +127,20 @@ def test_request_ids_are_unique_with_repeated_row_ids(model_dir: Path, tmp_path:
     parts = [read_part(worker.out, e.record.name) for e in events if isinstance(e, PartWritten)]
     finished = pa.concat_tables(parts).column("finish_reason").to_pylist()
     assert finished == ["length"] * 6
+
+
+def test_collector_settings_apply_only_inside_an_actor(monkeypatch: pytest.MonkeyPatch) -> None:
+    import gc
+
+    import pipeline.batch.heap as heap
+
+    before = gc.get_threshold()
+    heap.settle_after_load()  # a test process is no actor: nothing changes
+    assert gc.get_threshold() == before
+    monkeypatch.setattr(heap, "_in_actor", lambda: True)
+    monkeypatch.setattr(gc, "freeze", lambda: None)  # keep this process's heap collectable
+    try:
+        heap.settle_after_load()
+        assert gc.get_threshold()[0] == heap.YOUNG_THRESHOLD
+    finally:
+        gc.set_threshold(*before)
