@@ -5,9 +5,9 @@ row's dict and token list, a task, futures, a result, an outcome), most of them 
 few milliseconds, while a shard's rows and finished outcomes stay alive for the whole shard.
 With CPython's default thresholds (700, 10, 10) the collector ran a young pass every few rows
 and, every few thousand, a full pass over everything alive: Ray's, pyarrow's and the model
-code's objects, and the shard's rows. In-process, on an engine actor at 1-token answers,
-collection was about half of the CPU per row (0.21 ms of CPU per row with the defaults, 0.07
-ms with the settings below; docs/benchmarks.md).
+code's objects, and the shard's rows. In-process, on an engine actor's path at 1-token
+answers (synthetic engine), collection was about half of the CPU per row; see the capacity
+section of docs/benchmarks.md.
 """
 
 from __future__ import annotations
