@@ -28,7 +28,9 @@ Chats (`messages`) always go through the tokenizer's chat template. Text prompts
 continuations as in the OpenAI API (no chat template, no system prompt).
 
 The rendering helpers (`chat_messages`, `render_user_text`, `render_prompt`) are pure and are
-reused by the Serve app so a request is tokenized exactly like a batch row.
+reused by the Serve app so a request is tokenized exactly like a batch row. The stage renders
+a batch's prompts together (`render_rows`: chat templates and tokenizer calls over many rows),
+with the same result per row as `render_row`.
 """
 
 from __future__ import annotations
