@@ -46,12 +46,9 @@ from pipeline.batch.read import sample_values
 from pipeline.batch.scheduler import UNITS_PER_ACTOR, JobFailed, JobFenced, Scheduler
 from pipeline.batch.schema import (
     INFER_SAMPLE_ROWS,
-    has_samples,
-    is_structured,
-    output_schema,
+    job_output_schema,
     passthrough_fields,
     schema_to_json,
-    wants_logprobs,
 )
 from pipeline.batch.shards import ShardPlan, plan_shards
 from pipeline.batch.units import PartWritten, WorkUnit
@@ -199,15 +196,7 @@ def run_job(
     check_cpu_headroom(spec, known_cluster_cpus())
     out = OutputDir(spec.output.uri, spec.storage, RetryPolicy(spec.storage.retry_s))
     plan, passthrough = plan_input(spec, files, _shard_slots(spec, out, fresh))
-    schema = output_schema(
-        passthrough,
-        spec.output.include_token_ids,
-        structured=is_structured(spec),
-        logprobs=wants_logprobs(spec),
-        speculative=spec.engine.speculative is not None,
-        samples=has_samples(spec),
-        prompt_logprobs=spec.sampling.prompt_logprobs is not None,
-    )
+    schema = job_output_schema(spec, passthrough)
     fingerprint = job_fingerprint(
         spec, files, shard_plan=plan.digest, schema=schema_to_json(schema)
     )

@@ -158,6 +158,19 @@ RESERVED_COLUMNS: frozenset[str] = frozenset(
 )
 
 
+def job_output_schema(spec: JobSpec, passthrough: Iterable[pa.Field] = ()) -> pa.Schema:
+    """`output_schema` with the optional columns a job's spec asks for."""
+    return output_schema(
+        passthrough,
+        spec.output.include_token_ids,
+        structured=is_structured(spec),
+        logprobs=wants_logprobs(spec),
+        speculative=spec.engine.speculative is not None,
+        samples=has_samples(spec),
+        prompt_logprobs=spec.sampling.prompt_logprobs is not None,
+    )
+
+
 def wants_logprobs(spec: JobSpec) -> bool:
     """Whether a job's rows can ask for logprobs (and its output has a `logprobs` column)."""
     return (

@@ -162,6 +162,7 @@ class EngineStage:
         from pipeline.batch.generate import RowServer, current_actor_id
         from pipeline.batch.prompts import PromptStage
         from pipeline.batch.rows import GenerateConfig
+        from pipeline.batch.schema import job_output_schema
         from pipeline.cost import CostMeter
         from pipeline.engine_setup import open_engine
 
@@ -179,7 +180,7 @@ class EngineStage:
         )
         self.meter.record_load(started, time.monotonic())
         self.rows = RowServer(self.engine, self.meter, spec.sampling)
-        self.output = GenerateConfig.from_spec(spec, result_schema(spec))
+        self.output = GenerateConfig.from_spec(spec, job_output_schema(spec))
         self.actor_id = current_actor_id()
         self.key = f"{self.actor_id}/{uuid.uuid4().hex[:12]}"  # a restart keeps the actor id
         self.book = book
@@ -213,20 +214,6 @@ class EngineStage:
 
 
 # --- rows in, rows out -------------------------------------------------------------------------
-
-
-def result_schema(spec: JobSpec) -> pa.Schema:
-    """`tokenmill run`'s output schema for this spec (no passthrough columns)."""
-    from pipeline.batch.schema import has_samples, is_structured, output_schema, wants_logprobs
-
-    return output_schema(
-        include_token_ids=spec.output.include_token_ids,
-        structured=is_structured(spec),
-        logprobs=wants_logprobs(spec),
-        speculative=spec.engine.speculative is not None,
-        samples=has_samples(spec),
-        prompt_logprobs=spec.sampling.prompt_logprobs is not None,
-    )
 
 
 def derived_id(row: dict[str, Any], sources: list[str]) -> str:
