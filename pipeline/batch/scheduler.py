@@ -133,7 +133,6 @@ class _Pool:
     or `busy` goes through `set_ready` / `add_busy`."""
 
     def __init__(self, slots: list[_Slot], limit: int):
-        self.slots = slots
         self.limit = limit  # calls one actor takes at once
         self.ready = 0
         self.never_ready = len(slots)  # still starting (not yet answered `ready` once)

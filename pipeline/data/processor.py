@@ -264,8 +264,10 @@ def prepare_rows(batch: pa.Table, spec: JobSpec, prompts: Any) -> list[dict[str,
         if inp.messages_column and inp.messages_column in values:
             messages_value(row, inp.messages_column, values[inp.messages_column], where)
         apply_overrides(spec, row, values, where)
-        row.update(prompts.process_row(row))
         prepared.append(row)
+    # The batch's prompts rendered and tokenized together, as a `tokenmill run` shard's are.
+    for row, stage in zip(prepared, prompts.process_rows(prepared), strict=True):
+        row.update(stage)
     return prepared
 
 
