@@ -2,7 +2,8 @@
 
     preflight ─▶ shard plan + output schema ─▶ fingerprint ─▶ lease ─▶ resume state (manifest,
     adopted parts) ─▶ Ray: prompt actors (read + render) ─▶ engine actors (generate + write
-    parts) ─▶ commits into the manifest ─▶ finish: status, totals, `_SUCCESS`, report
+    parts) ─▶ commits into the manifest ─▶ finish: status, totals, `_SUCCESS`
+    (the CLI writes the run report from the manifest: pipeline.cli.job_cmds)
 
 The driver moves shards and part records, never rows (pipeline.batch.scheduler); the commit
 protocol that makes the output exactly-once is in pipeline.batch.commit.
@@ -371,7 +372,6 @@ def _run(
         budget_state,
         prune=lambda: _prune_openai_batch(spec, committer, run.attempt),
     )
-    _write_report(spec, out, say)
     return _result(spec, committer, manifest, status, limit, events)
 
 
@@ -536,14 +536,3 @@ def _start_budget(spec: JobSpec, previous: Manifest | None) -> Any:
     from pipeline.batch.budget import gate_for_job, start_budget_actor
 
     return start_budget_actor(gate_for_job(spec, previous.totals if previous else None))
-
-
-def _write_report(spec: JobSpec, out: OutputDir, say: Callable[[str], None]) -> None:
-    if not spec.output.report:
-        return
-    from pipeline.report import write_report
-
-    try:
-        write_report(out.uri, spec.storage)
-    except Exception as exc:  # the rows are committed; a failed report must not fail the job
-        say(f"warning: could not write the run report: {type(exc).__name__}: {exc}")

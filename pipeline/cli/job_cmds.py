@@ -7,6 +7,7 @@ Exit codes: 0 the output is complete; 1 the job failed or is incomplete (rerun t
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -74,6 +75,37 @@ def print_summary(result: RunResult) -> None:
     typer.echo(result.message)
 
 
+def write_run_report(spec: Any, say: Callable[[str], None] = _err) -> None:
+    """report.md and its plots beside the output (`output.report`), from the manifest alone.
+
+    The CLI writes it, not the batch run: the report only reads what the run committed, and
+    keeping it out of pipeline.batch keeps batch and report from importing each other.
+    """
+    if not spec.output.report:
+        return
+    from pipeline.report import write_report
+
+    try:
+        write_report(spec.output.uri, spec.storage)
+    except Exception as exc:  # the rows are committed; a failed report must not fail the job
+        say(f"warning: could not write the run report: {type(exc).__name__}: {exc}")
+
+
+def run_job_with_report(
+    spec: Any,
+    *,
+    fresh: bool = False,
+    retry_errors: bool = False,
+    emit: Callable[[str], None] = _err,
+) -> RunResult:
+    """`run_job`, then the run report of whatever the run committed."""
+    from pipeline.batch.run import run_job
+
+    result = run_job(spec, fresh=fresh, retry_errors=retry_errors, emit=emit)
+    write_run_report(spec, emit)
+    return result
+
+
 def run_and_report(spec: Any, *, fresh: bool, retry_errors: bool) -> int:
     """Run the job, print progress and the summary; returns the exit code."""
     from pipeline.batch.run import (
@@ -82,13 +114,12 @@ def run_and_report(spec: Any, *, fresh: bool, retry_errors: bool) -> int:
         LeaseLost,
         ResourceError,
         ResumeRefused,
-        run_job,
     )
     from pipeline.spec import SpecError
     from pipeline.storage import StorageError
 
     try:
-        result = run_job(spec, fresh=fresh, retry_errors=retry_errors, emit=_err)
+        result = run_job_with_report(spec, fresh=fresh, retry_errors=retry_errors, emit=_err)
     except (SpecError, ResumeRefused, ResourceError, StorageError, LeaseHeld) as exc:
         _err(f"error: {exc}")
         return EXIT_FAILED

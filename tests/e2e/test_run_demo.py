@@ -38,6 +38,7 @@ def test_demo_builds_model_runs_job_and_prints_summary(tmp_path: Path) -> None:
     assert f"demo output: {results}" in proc.stdout
     assert "output tokens/s" in proc.stdout  # the summary table
     assert (results / "_SUCCESS").exists()
+    assert "Books per actor" in (results / "report.md").read_text()  # the CLI wrote the report
     table = pq.read_table(sorted(results.glob("part-*.parquet")))
     ids = table.column("id").to_pylist()
     assert sorted(ids) == [f"demo-{i:05d}" for i in range(40)]

@@ -12,7 +12,8 @@ NUM_ROWS = 24
 
 
 def test_budget_stops_the_run_and_a_higher_budget_resumes(ray_local, tiny_model_dir, tmp_path):
-    from pipeline.batch.run import run_job
+    # The CLI's run: the job, then its report beside the output.
+    from pipeline.cli.job_cmds import run_job_with_report as run_job
 
     prompts = write_prompts(tmp_path / "prompts.jsonl", NUM_ROWS)
     out = tmp_path / "out"

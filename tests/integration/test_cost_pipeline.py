@@ -86,7 +86,8 @@ def check_books(out: Path) -> dict[str, Any]:
 
 
 def test_books_balance_on_a_real_run(ray_local, tiny_model_dir, tmp_path):
-    from pipeline.batch.run import run_job
+    # The CLI's run: the job, then its report beside the output.
+    from pipeline.cli.job_cmds import run_job_with_report as run_job
 
     prompts = write_prompts(tmp_path / "prompts.jsonl", NUM_ROWS)
     out = tmp_path / "out"

@@ -21,6 +21,7 @@ All of it merges by addition; histograms and counters also subtract (a row repla
 from __future__ import annotations
 
 import math
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +40,19 @@ FIRST_BIN_S = 0.25
 # Busy spans of one actor closer than this are drawn as one.
 SPAN_GAP_S = 0.5
 MAX_SPANS_PER_ACTOR = 500
+
+
+def error_kind(message: str | None) -> str:
+    """A short, stable label for an error message (its exception type or leading phrase): the
+    key of `RowStats.errors_by_kind`, counted when a part is written."""
+    if not message:
+        return "unknown"
+    # "row 'x': ..." prefixes name the row, not the kind: drop them first.
+    text = re.sub(r"^row\s+\S+?:\s*", "", message.strip())
+    # "<file> line 3: ..." / "<file> row 7: ..." / "<file> byte 99: ..." name the place: drop it.
+    text = re.sub(r"^\S+ (line|row|byte) \d+(?: \(byte \d+\))?:\s*", "", text)
+    head = re.split(r"[:(\n]", text, maxsplit=1)[0].strip()
+    return (head or text)[:48]
 
 
 @dataclass
@@ -327,8 +341,6 @@ class RowStats:
     @classmethod
     def of_table(cls, table: pa.Table) -> RowStats:
         """The stats of output rows (columns of pipeline.batch.schema.RESULT_FIELDS)."""
-        from pipeline.report.errors import error_kind
-
         stats = cls()
         n = table.num_rows
         if n == 0:
