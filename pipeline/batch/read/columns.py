@@ -60,6 +60,7 @@ OVERRIDE_TYPES: dict[str, type] = {
     "logprobs": int,
     "n": int,
     "response_format": str,  # JSON text; read and checked by the prompt stage
+    "reasoning_effort": str,  # low | medium | high; checked by the prompt stage
 }
 
 
