@@ -91,7 +91,6 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "modalities": (None, ["text"]),
     "audio": (None,),
     "prediction": (None,),
-    "reasoning_effort": (None,),
     "web_search_options": (None,),
     # vLLM's sampling and decoding extras the engines do not implement.
     "min_p": (None, 0, 0.0),
@@ -222,6 +221,8 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: int | None = Field(None, ge=1)
     # vLLM extension: extra variables for the chat template (e.g. enable_thinking).
     chat_template_kwargs: dict[str, Any] | None = None
+    # Passed to the chat template (GPT-OSS's `Reasoning: low|medium|high`).
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
