@@ -109,8 +109,9 @@ def test_openai_batch_lines_carry_reasoning(
                 "temperature": 1.0 if n > 1 else 0.0,
             },
         }
-        for i, n in enumerate((1, 2))
+        for i, n in enumerate((1, 2, 1))
     ]
+    lines[2]["body"]["reasoning_effort"] = "high"  # reaches the chat template
     source = tmp_path / "batch.jsonl"
     source.write_text("".join(json.dumps(x) + "\n" for x in lines))
     spec = job(
@@ -127,8 +128,10 @@ def test_openai_batch_lines_carry_reasoning(
         for text in path.read_text().splitlines():
             line = json.loads(text)
             answered[line["custom_id"]] = line["response"]["body"]
-    assert set(answered) == {"req-0", "req-1"}
-    for custom_id, choices in (("req-0", 1), ("req-1", 2)):
+    assert set(answered) == {"req-0", "req-1", "req-2"}
+    usage = {k: body["usage"] for k, body in answered.items()}
+    assert usage["req-2"]["prompt_tokens"] > usage["req-0"]["prompt_tokens"]
+    for custom_id, choices in (("req-0", 1), ("req-1", 2), ("req-2", 1)):
         body = answered[custom_id]
         assert len(body["choices"]) == choices
         for choice in body["choices"]:
