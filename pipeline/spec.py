@@ -300,8 +300,9 @@ class EngineSpec(_Strict):
         "vllm (vLLM's async engine; CPU or CUDA build installed separately) | synthetic (a test "
         "and capacity tool, no model: random token ids at a set rate, to drive the pipeline at "
         "GPU speed on CPUs; its settings go in `extra`: tokens_per_s, ttft_ms, ttft_jitter, "
-        "step_interval_ms, output_tokens, stop_fraction, error_fraction, seed (max_batch_size and "
-        "max_model_len apply as for the other kinds; see docs/engine.md). See docs/engines.md.",
+        "step_interval_ms, output_tokens, stop_fraction, error_fraction, seed, script "
+        "(max_batch_size and max_model_len apply as for the other kinds; see docs/engine.md). "
+        "See docs/engines.md.",
     )
     max_batch_size: int | None = Field(
         None,

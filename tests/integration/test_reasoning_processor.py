@@ -59,3 +59,28 @@ def test_a_model_without_the_tokens_is_refused(tiny_model_dir: Path) -> None:
 
     with pytest.raises(SpecError, match=r"prompt\.reasoning: .*'<think>' as one token"):
         build_processor(config(tiny_model_dir))
+
+
+HARMONY_SCRIPT = (
+    "<|channel|>analysis<|message|>The river runs north.<|end|>"
+    "<|start|>assistant<|channel|>final<|message|>It is cold."
+)  # the engine ends it with the model's end-of-sequence token, <|return|>
+
+
+def test_harmony_rows(ray_local: Any, tmp_path_factory: pytest.TempPathFactory) -> None:
+    import ray.data
+    from transformers import AutoTokenizer
+
+    from engines.tiny import make_tiny_model
+    from pipeline.data import build_processor
+
+    model = make_tiny_model(tmp_path_factory.mktemp("harmony") / "m", reasoning="harmony")
+    tok = AutoTokenizer.from_pretrained(str(model))
+    cfg = config(Path(model), reasoning="harmony", reasoning_effort="low")
+    cfg["engine"]["extra"]["script"] = HARMONY_SCRIPT
+    ds = ray.data.from_items([{"qid": "a", "q": "Why is the river cold?"}])
+    (row,) = build_processor(cfg)(ds).take_all()
+    assert (row["reasoning"], row["text"]) == ("The river runs north.", "It is cold.")
+    assert row["reasoning_tokens"] == len(tok.encode("The river runs north."))
+    # Every output token is still an output token: the markers, headers and <|return|> too.
+    assert row["completion_tokens"] == len(tok.encode(HARMONY_SCRIPT)) + 1
