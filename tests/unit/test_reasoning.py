@@ -201,3 +201,48 @@ def test_harmony_needs_its_tokens(think_tok: Any) -> None:
 def test_delta_truthiness() -> None:
     assert not Delta()
     assert Delta(reasoning="x") and Delta(text="y")
+
+
+# --- job config -------------------------------------------------------------------------------
+
+
+def _job(**prompt: Any) -> Any:
+    from pipeline.spec import parse_job_spec
+
+    return parse_job_spec(
+        {
+            "name": "r",
+            "input": {"uri": "/in.jsonl", "format": "jsonl", "prompt_column": "q"},
+            "model": {"path": "/m"},
+            "output": {"uri": "/out"},
+            "prompt": prompt,
+            "sampling": {"overrides": {"reasoning_effort": "effort"}},
+        }
+    )
+
+
+def test_rows_render_with_their_own_effort(think_tok: Any) -> None:
+    from pipeline.batch.prompts import REASONING_EFFORT, render_row, render_rows
+
+    spec = _job(reasoning="think", reasoning_effort="low", enable_thinking=False)
+    rows = [
+        {"prompt": f"Why is river {i} cold?", REASONING_EFFORT: effort}
+        for i, effort in enumerate(["high", None, "medium", None, "high"])
+    ]
+    together = render_rows(rows, spec, think_tok)
+    assert together == [render_row(row, spec, think_tok) for row in rows]
+    texts = [think_tok.decode(ids) for ids in together]
+    assert "Reasoning: high" in texts[0] and "Reasoning: low" in texts[1]
+    assert all(t.endswith("<think>\n\n</think>\n\n") for t in texts)  # enable_thinking false
+
+
+def test_fingerprint_changes_only_when_reasoning_is_set() -> None:
+    from pipeline.batch.commit.fingerprint import _prompt_part, job_fingerprint
+
+    plain, think = _job(), _job(reasoning="think")
+    # A job without the reasoning fields fingerprints as before they existed.
+    assert set(_prompt_part(plain)) == {"template", "system_prompt", "chat_template"}
+    assert _prompt_part(think)["reasoning"] == "think"
+    a = job_fingerprint(plain, [], model_info={})
+    b = job_fingerprint(think, [], model_info={})
+    assert a.value != b.value
