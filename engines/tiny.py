@@ -38,6 +38,45 @@ CHAT_TEMPLATE = (
 )
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
+# Reasoning variants (make_tiny_model(reasoning=...)), for tests of reasoning output:
+# `think` adds <think> and </think> as plain added tokens (they decode to themselves, as in
+# Qwen3) and a Qwen3-style template that opens the block in the prompt unless
+# enable_thinking is false, when it writes an empty closed block instead; `harmony` adds
+# GPT-OSS's message markers as special tokens and a harmony template. Both templates write
+# `Reasoning: <effort>` into a system turn when reasoning_effort is given.
+Reasoning = Literal["none", "think", "harmony"]
+THINK_TOKENS = ("<think>", "</think>")
+HARMONY_TOKENS = (
+    "<|start|>",
+    "<|channel|>",
+    "<|message|>",
+    "<|end|>",
+    "<|return|>",
+    "<|call|>",
+    "<|constrain|>",
+)
+_EFFORT_TURN = (
+    "{% if reasoning_effort is defined and reasoning_effort %}"
+    "<|im_start|>system\nReasoning: {{ reasoning_effort }}<|im_end|>\n{% endif %}"
+)
+THINK_CHAT_TEMPLATE = (
+    _EFFORT_TURN + "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{% else %}<think>\n{% endif %}{% endif %}"
+)
+HARMONY_CHAT_TEMPLATE = (
+    "<|start|>system<|message|>Reasoning: "
+    "{{ reasoning_effort if reasoning_effort is defined and reasoning_effort else 'medium' }}"
+    "<|end|>"
+    "{% for message in messages %}"
+    "<|start|>{{ message['role'] }}<|message|>{{ message['content'] }}<|end|>"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|start|>assistant{% endif %}"
+)
+
 
 def sample_text(num_sentences: int = 2000, seed: int = 0) -> list[str]:
     """Deterministic pseudo-English sentences: tokenizer training and calibration text."""
@@ -102,8 +141,9 @@ def shape_fields(shape: TinyModelSize) -> dict[str, int]:
     )
 
 
-def train_tokenizer(vocab_size: int, seed: int = 0):
-    """A byte-level BPE tokenizer (PreTrainedTokenizerFast) with chat template and specials."""
+def train_tokenizer(vocab_size: int, seed: int = 0, reasoning: Reasoning = "none"):
+    """A byte-level BPE tokenizer (PreTrainedTokenizerFast) with chat template and specials;
+    `reasoning` adds a reasoning format's tokens and template (see THINK_CHAT_TEMPLATE)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -124,6 +164,15 @@ def train_tokenizer(vocab_size: int, seed: int = 0):
         bos_token=None,
     )
     fast.chat_template = CHAT_TEMPLATE
+    if reasoning == "think":
+        fast.add_tokens(list(THINK_TOKENS))  # not special: they stay in decoded text
+        fast.chat_template = THINK_CHAT_TEMPLATE
+    elif reasoning == "harmony":
+        fast.add_special_tokens({"additional_special_tokens": list(HARMONY_TOKENS)})
+        fast.eos_token = "<|return|>"
+        fast.chat_template = HARMONY_CHAT_TEMPLATE
+    elif reasoning != "none":
+        raise ValueError(f"unknown reasoning {reasoning!r}; choose none, think or harmony")
     return fast
 
 
@@ -136,14 +185,20 @@ def make_tiny_model(
     initializer_range: float = 0.2,
     torch_dtype: str = "float32",
     config_overrides: dict[str, Any] | None = None,
+    reasoning: Reasoning = "none",
 ) -> Path:
     """Write a random `arch` model of preset `size` and its tokenizer to `out_dir`.
+
+    `reasoning` (think | harmony) gives the tokenizer a reasoning format's tokens and chat
+    template (see THINK_CHAT_TEMPLATE); the default leaves the tokenizer as it always was.
 
     `config_overrides` are extra transformers config fields (e.g. attention_bias=True,
     mlp_bias=True) for tests of config variants whose weights differ in shape or count."""
     import torch
     import transformers
 
+    if reasoning not in ("none", "think", "harmony"):
+        raise ValueError(f"unknown reasoning {reasoning!r}; choose none, think or harmony")
     if arch not in ARCHS:
         raise ValueError(f"unsupported arch {arch!r}; choose one of {', '.join(ARCHS)}")
     if size not in SIZES:
@@ -152,7 +207,7 @@ def make_tiny_model(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
-    tokenizer = train_tokenizer(shape.vocab_size, seed)
+    tokenizer = train_tokenizer(shape.vocab_size, seed, reasoning)
     # The trained vocab can come out a little smaller than asked; the model must cover it.
     vocab_size = max(shape.vocab_size, len(tokenizer))
     common = dict(

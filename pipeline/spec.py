@@ -153,6 +153,28 @@ class PromptSpec(_Strict):
         description="Apply the model tokenizer's chat template (with the generation prompt). "
         "Off: the prompt text is tokenized as is (messages are rejected).",
     )
+    reasoning: Literal["none", "think", "harmony"] = Field(
+        "none",
+        description="How the model writes its reasoning before its answer: none | think "
+        "(Qwen3, QwQ, DeepSeek-R1: a <think>...</think> block, which the chat template may "
+        "open) | harmony (GPT-OSS: analysis and final channels). Set, output rows get "
+        "`reasoning` (null when a row's output has none) and `reasoning_tokens` columns and "
+        "`text` holds the answer alone; Serve answers carry `reasoning_content` and "
+        "usage.completion_tokens_details.reasoning_tokens. Reasoning tokens are output tokens "
+        "(counts and cost unchanged). The model's tokenizer must have the format's tokens "
+        "(checked before the job starts).",
+    )
+    enable_thinking: bool | None = Field(
+        None,
+        description="Passed to the chat template as `enable_thinking` (Qwen3's switch: false "
+        "asks for the answer without reasoning). Null: not passed (the template's default).",
+    )
+    reasoning_effort: Literal["low", "medium", "high"] | None = Field(
+        None,
+        description="Passed to the chat template as `reasoning_effort` (GPT-OSS's `Reasoning: "
+        "low|medium|high`). Null: not passed. A row may set its own through "
+        "sampling.overrides.reasoning_effort.",
+    )
 
     @field_validator("template")
     @classmethod
@@ -168,6 +190,17 @@ class PromptSpec(_Strict):
         except jinja2.TemplateSyntaxError as exc:
             raise ValueError(f"prompt.template line {exc.lineno}: {exc.message}") from None
         return value
+
+    def template_kwargs(self, reasoning_effort: str | None = None) -> dict[str, Any] | None:
+        """Extra chat template variables (enable_thinking, reasoning_effort; a row's own
+        effort over the job's); None when there are none."""
+        kwargs: dict[str, Any] = {}
+        if self.enable_thinking is not None:
+            kwargs["enable_thinking"] = self.enable_thinking
+        effort = reasoning_effort or self.reasoning_effort
+        if effort is not None:
+            kwargs["reasoning_effort"] = effort
+        return kwargs or None
 
     def template_variables(self) -> list[str]:
         """Names the template reads (row columns, plus `prompt`), sorted; [] without one."""
@@ -267,8 +300,9 @@ class EngineSpec(_Strict):
         "vllm (vLLM's async engine; CPU or CUDA build installed separately) | synthetic (a test "
         "and capacity tool, no model: random token ids at a set rate, to drive the pipeline at "
         "GPU speed on CPUs; its settings go in `extra`: tokens_per_s, ttft_ms, ttft_jitter, "
-        "step_interval_ms, output_tokens, stop_fraction, error_fraction, seed (max_batch_size and "
-        "max_model_len apply as for the other kinds; see docs/engine.md). See docs/engines.md.",
+        "step_interval_ms, output_tokens, stop_fraction, error_fraction, seed, script "
+        "(max_batch_size and max_model_len apply as for the other kinds; see docs/engine.md). "
+        "See docs/engines.md.",
     )
     max_batch_size: int | None = Field(
         None,
@@ -431,7 +465,8 @@ class SamplingSpec(_Strict):
         default_factory=dict,
         description="Per-row overrides: sampling field -> input column, e.g. "
         "{max_tokens: max_tokens_col}. A null cell keeps the default. response_format's "
-        "column holds a format as JSON text or an object (a row may carry its own schema).",
+        "column holds a format as JSON text or an object (a row may carry its own schema). "
+        "reasoning_effort (low | medium | high) replaces prompt.reasoning_effort for the row.",
     )
 
     @functools.cached_property
@@ -461,6 +496,7 @@ class SamplingSpec(_Strict):
             "response_format",
             "logprobs",
             "n",
+            "reasoning_effort",
         }
         unknown = sorted(set(value) - allowed)
         if unknown:

@@ -98,6 +98,7 @@ class SyntheticEngine:
         self._eos = eos[0] if eos else None
         self._tokenizer = _load_tokenizer(model_dir)
         self._table = _token_table(self._tokenizer, vocab_size, set(eos))
+        self._script = self._script_ids(self.settings.script)
         self._waiting: dict[str, _Live] = {}  # dicts keep arrival order and find by id
         self._running: dict[str, _Live] = {}
         self._records: list[StepRecord] = []
@@ -121,6 +122,18 @@ class SyntheticEngine:
             limitations=LIMITATIONS,
         )
 
+    def _script_ids(self, script: str | None) -> list[int] | None:
+        """settings.script as token ids (None without a script)."""
+        if script is None:
+            return None
+        if self._tokenizer is None:
+            raise EngineError("engine.extra.script needs the model's tokenizer.json to encode it")
+        ids = self._tokenizer.encode(script, add_special_tokens=False).ids
+        bad = [i for i in ids if not 0 <= i < self._vocab_size]
+        if bad:
+            raise EngineError(f"engine.extra.script encodes to ids outside the vocabulary: {bad}")
+        return list(ids)
+
     # --- requests ---------------------------------------------------------------------------
 
     def _submit(self, request: GenerationRequest, streaming: bool) -> _Live | GenerationResult:
@@ -142,7 +155,12 @@ class SyntheticEngine:
         stop = request.sampling.stop
         live = _Live(
             request=request,
-            plan=plan_request(request, admission.max_tokens, self.settings),
+            plan=plan_request(
+                request,
+                admission.max_tokens,
+                self.settings,
+                None if self._script is None else len(self._script) + (self._eos is not None),
+            ),
             metrics=RequestMetrics(arrival_time=arrival),
             done=loop.create_future(),
             detokenizer=(
@@ -322,6 +340,8 @@ class SyntheticEngine:
         last = len(live.token_ids) + 1 == plan.num_tokens
         if last and plan.ending == "stop" and self._eos is not None:
             token = self._eos
+        elif self._script is not None:
+            token = self._script[len(live.token_ids) % len(self._script)]  # ignore_eos: again
         else:
             token = self._table.draw(plan.rng)
         live.token_ids.append(token)

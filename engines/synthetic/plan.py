@@ -65,9 +65,11 @@ def plan_request(
     request: GenerationRequest,
     budget: int,
     settings: SyntheticSettings,
+    script_len: int | None = None,
 ) -> RequestPlan:
     """The plan for `request`, which may generate `budget` tokens (max_tokens clipped to the
-    context by admission)."""
+    context by admission). `script_len`: the scripted output's tokens (settings.script), its
+    end-of-sequence token included."""
     s = request.sampling
     if s.is_greedy:
         stream_key = 0
@@ -85,6 +87,11 @@ def plan_request(
         wanted = rng.randint(1, wanted)
     if fails:
         return RequestPlan(ttft_s, 0, "error", rng)
+    if script_len is not None:
+        # The script's end-of-sequence token may be the last one max_tokens allows.
+        if s.ignore_eos or script_len > budget:
+            return RequestPlan(ttft_s, budget, "length", rng)
+        return RequestPlan(ttft_s, script_len, "stop", rng)
     if s.ignore_eos or wanted >= budget:
         return RequestPlan(ttft_s, budget, "length", rng)
     return RequestPlan(ttft_s, wanted, "stop", rng)

@@ -41,6 +41,11 @@ class SyntheticSettings:
     max_model_len: prompt + output tokens a request may hold; None: the model's context.
     seed: with the same seed, a request (same prompt, same sampling) gets the same tokens,
         time to first token, stop and error fate, whatever else runs beside it.
+    script: text every request generates instead of random tokens: the model's tokenizer
+        encodes it once and each request emits exactly those token ids, then the
+        end-of-sequence token (finish "stop"); a smaller max_tokens cuts it (finish
+        "length"). Tests of what the pipeline makes of a known output (reasoning splits)
+        use it. stop_fraction and output_tokens do not apply. None: random tokens.
     """
 
     tokens_per_s: float = DEFAULT_TOKENS_PER_S
@@ -53,6 +58,7 @@ class SyntheticSettings:
     max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
     max_model_len: int | None = None
     seed: int = 0
+    script: str | None = None
 
     def __post_init__(self) -> None:
         problems = [
@@ -68,6 +74,7 @@ class SyntheticSettings:
                 _integer(self, "max_batch_size", low=1),
                 _integer(self, "max_model_len", low=2, optional=True),
                 _integer(self, "seed", low=None),
+                _script(self),
             )
             if problem
         ]
@@ -119,3 +126,9 @@ def _integer(
     bound = "" if low is None else f" >= {low}"
     null = " or null" if optional else ""
     return f"{name} must be an integer{bound}{null}, got {value!r}"
+
+
+def _script(s: SyntheticSettings) -> str | None:
+    if s.script is None or (isinstance(s.script, str) and s.script):
+        return None
+    return f"script must be a non-empty text or null, got {s.script!r}"

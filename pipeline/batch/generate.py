@@ -61,6 +61,7 @@ from pipeline.batch.rows import (
     row_sampling,
 )
 from pipeline.batch.units import PartWritten, UnitEnd, WorkUnit
+from pipeline.openai.reasoning import ReasoningParser, split_output
 from pipeline.spec import SamplingSpec
 from pipeline.storage import OutputDir, RetryPolicy
 
@@ -99,10 +100,12 @@ class RowServer:
         meter: Any,
         sampling: SamplingSpec,
         request_prefix: str | None = None,
+        reasoning: ReasoningParser | None = None,
     ):
         self.engine = engine
         self.meter = meter  # pipeline.cost.CostMeter of the actor
         self.sampling = sampling
+        self.reasoning = reasoning  # prompt.reasoning's parser: outputs are split by it
         # Request ids: the row id, then a prefix of this server's own and a counter. The engine
         # keys its requests by them, so they must be unique even where an input repeats an id;
         # the prefix (the actor's incarnation) keeps them apart across actors and restarts
@@ -168,7 +171,17 @@ class RowServer:
                 lambda: all(self.meter.is_final(r.request_id) for r in requests)
             )
         gpu_seconds = sum(self.meter.pop_row_seconds(r.request_id) for r in requests)
-        return RowOutcome.from_results(results, gpu_seconds, sampling.response_format)
+        splits = None
+        if self.reasoning is not None:
+            splits = [
+                None
+                if r.finish_reason == "error"
+                else split_output(
+                    self.reasoning, request.prompt_token_ids, r.output_token_ids, r.text
+                )
+                for r in results
+            ]
+        return RowOutcome.from_results(results, gpu_seconds, sampling.response_format, splits)
 
     async def _generate(self, request: GenerationRequest) -> GenerationResult:
         try:
@@ -226,7 +239,13 @@ class EngineWorker:
         self.meter.record_load(started, time.monotonic())
         self.actor_id = current_actor_id()
         self.incarnation = uuid.uuid4().hex[:12]  # a restarted actor keeps its actor id
-        self.rows = RowServer(self.engine, self.meter, config.sampling, self.incarnation[:8])
+        self.rows = RowServer(
+            self.engine,
+            self.meter,
+            config.sampling,
+            self.incarnation[:8],
+            reasoning_parser(config.reasoning, config.model, config.storage),
+        )
         self.out = OutputDir(config.output_uri, config.storage, RetryPolicy(config.storage.retry_s))
         self.busy = BusyReporter(config.job_name, config.run_id or "", self.actor_id)
         self._busy_task: asyncio.Task[None] | None = None
@@ -563,6 +582,16 @@ def _with_row(schema: pa.Schema) -> pa.Schema:
 def _replacement_seq(unit: WorkUnit, index: int) -> int:
     # Replacement parts of one shard and run must not collide across dispatches of that shard.
     return unit.dispatch * 100 + index
+
+
+def reasoning_parser(fmt: str, model: Any, storage: Any) -> ReasoningParser | None:
+    """The parser of prompt.reasoning over the model's tokenizer (None for none)."""
+    if fmt == "none":
+        return None
+    from pipeline.batch.prompts import load_tokenizer
+    from pipeline.openai.reasoning import make_parser
+
+    return make_parser(fmt, load_tokenizer(model, storage))
 
 
 def current_actor_id() -> str:

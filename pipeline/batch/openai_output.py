@@ -60,6 +60,8 @@ COLUMNS = (
     "finished_at",
 )
 SAMPLES = "samples"  # n > 1 rows: every choice (parts of older jobs may lack the column)
+# Jobs with prompt.reasoning: the chat message's reasoning_content and usage's reasoning_tokens.
+REASONING = ("reasoning", "reasoning_tokens")
 
 
 def export_names(part_name: str) -> tuple[str, str]:
@@ -129,12 +131,24 @@ def output_line(row: dict[str, Any], ctx: LineContext, part_name: str, index: in
         gpu_seconds=float(row.get("gpu_seconds") or 0.0),
         cost_usd=float(row.get("cost_usd") or 0.0),
         list_price_usd=float(row.get("list_price_usd") or 0.0) if ctx.list_prices else None,
+        reasoning_tokens=int(row.get("reasoning_tokens") or 0),
     )
     samples = row.get(SAMPLES)
     if samples:
-        choices = [Choice(s.get("text") or "", s.get("finish_reason") or "stop") for s in samples]
+        choices = [
+            Choice(
+                s.get("text") or "", s.get("finish_reason") or "stop", reasoning=s.get("reasoning")
+            )
+            for s in samples
+        ]
     else:
-        choices = [Choice(row.get("text") or "", row.get("finish_reason") or "stop")]
+        choices = [
+            Choice(
+                row.get("text") or "",
+                row.get("finish_reason") or "stop",
+                reasoning=row.get("reasoning"),
+            )
+        ]
     body = choices_body(ids, choices, usage)
     return {
         "id": f"batch_req_{digest[:32]}",
@@ -179,7 +193,7 @@ def _join(lines: list[str]) -> bytes:
 
 def export_part(out: OutputDir, part_name: str, ctx: LineContext) -> list[str]:
     """Write a committed part's export files; returns their names."""
-    table = read_part(out, part_name, columns=list(COLUMNS), optional=(SAMPLES,))
+    table = read_part(out, part_name, columns=list(COLUMNS), optional=(SAMPLES, *REASONING))
     output, errors = part_lines(table.to_pylist(), ctx, part_name)
     output_name, errors_name = export_names(part_name)
     written = []

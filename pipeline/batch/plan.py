@@ -80,7 +80,21 @@ def preflight(spec: JobSpec) -> list[InputFile]:
         filesystem_for(spec.output.uri, spec.storage)
     except SpecError as exc:
         raise SpecError(f"output.uri: {exc}") from None
+    check_reasoning(spec)
     return files
+
+
+def check_reasoning(spec: JobSpec) -> None:
+    """prompt.reasoning's tokens are in the model's tokenizer (SpecError naming the field)."""
+    if spec.prompt.reasoning == "none":
+        return
+    from pipeline.batch.prompts import PromptError, load_tokenizer
+    from pipeline.openai.reasoning import ReasoningError, make_parser
+
+    try:
+        make_parser(spec.prompt.reasoning, load_tokenizer(spec.model, spec.storage))
+    except (PromptError, ReasoningError) as exc:
+        raise SpecError(f"prompt.reasoning: {exc}") from None
 
 
 @dataclass(frozen=True)

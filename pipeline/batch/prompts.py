@@ -16,6 +16,8 @@
 - `response_format` (string, null): the row's format as canonical JSON text (the override
   column's, else `sampling.response_format`); null: free text. A format that cannot be read
   makes the row an error row naming the column.
+- `reasoning_effort` (string, null): the row's override (low | medium | high), else
+  `prompt.reasoning_effort`; passed to the chat template with `prompt.enable_thinking`.
 - `error` (string, null): set when the row cannot be generated: invalid messages, an empty
   prompt, a template error, an invalid override value, or prompt_tokens + max_tokens above the
   context length, or an id that repeats an earlier row of the shard. Rows that arrive with
@@ -61,6 +63,7 @@ SEED = "seed"
 RESPONSE_FORMAT = "response_format"
 LOGPROBS = "logprobs"
 SAMPLES = "num_samples"  # sampling field `n` (a column named "n" is too likely an input's)
+REASONING_EFFORT = "reasoning_effort"
 SAMPLING_COLUMNS = (
     MAX_TOKENS,
     TEMPERATURE,
@@ -70,6 +73,7 @@ SAMPLING_COLUMNS = (
     RESPONSE_FORMAT,
     LOGPROBS,
     SAMPLES,
+    REASONING_EFFORT,
 )
 # The response_format cell of a row that asks for free text although the job has a format.
 FREE_TEXT = '{"type": "text"}'
@@ -288,12 +292,18 @@ RAW_COMPLETION = PromptSpec(chat_template=False)
 
 
 def _row_prompt(row: Mapping[str, Any], spec: JobSpec) -> dict[str, Any]:
-    """render_prompt's arguments for one row: its prompt spec and its text or its messages."""
+    """render_prompt's arguments for one row: its prompt spec, its text or its messages, and
+    the chat template's extra variables (the row's `reasoning_effort` cell over the job's)."""
+    kwargs = spec.prompt.template_kwargs(row.get(REASONING_EFFORT))
     if row.get(MESSAGES) is not None:
-        return {"prompt_spec": spec.prompt, "messages": row[MESSAGES]}
+        return {"prompt_spec": spec.prompt, "messages": row[MESSAGES], "template_kwargs": kwargs}
     if spec.input.format == "openai_batch":
         return {"prompt_spec": RAW_COMPLETION, "text": render_user_text(row, RAW_COMPLETION)}
-    return {"prompt_spec": spec.prompt, "text": render_user_text(row, spec.prompt)}
+    return {
+        "prompt_spec": spec.prompt,
+        "text": render_user_text(row, spec.prompt),
+        "template_kwargs": kwargs,
+    }
 
 
 def render_row(row: Mapping[str, Any], spec: JobSpec, tokenizer: Any) -> list[int]:
@@ -316,7 +326,9 @@ def render_rows(
     much in transformers' Python around each row as in the encoding itself.
     """
     out: list[list[int] | PromptError | None] = [None] * len(rows)
-    chats: list[tuple[int, list[dict]]] = []  # (row index, chat for the template)
+    # Chats by their template variables (rows of a job mostly share them): one template call
+    # renders chats of the same variables only.
+    groups: dict[str, tuple[dict[str, Any] | None, list[tuple[int, list[dict]]]]] = {}
     # (row index, text, add_special_tokens): the template already wrote any BOS it wants.
     texts: list[tuple[int, str, bool]] = []
     for i, row in enumerate(rows):
@@ -331,19 +343,22 @@ def render_rows(
         if chat is None:
             texts.append((i, args["text"], True))
         else:
-            chats.append((i, chat))
-    for start in range(0, len(chats), TEMPLATE_CHUNK):
-        chunk = chats[start : start + TEMPLATE_CHUNK]
-        try:
-            rendered = _apply_chat_template(tokenizer, [chat for _, chat in chunk], None)
-        except PromptError:
-            for i, chat in chunk:
-                try:
-                    texts.append((i, _apply_chat_template(tokenizer, chat, None), False))
-                except PromptError as exc:
-                    out[i] = exc
-            continue
-        texts += [(i, text, False) for (i, _), text in zip(chunk, rendered, strict=True)]
+            kwargs = args.get("template_kwargs")
+            key = json.dumps(kwargs, sort_keys=True)
+            groups.setdefault(key, (kwargs, []))[1].append((i, chat))
+    for kwargs, chats in groups.values():
+        for start in range(0, len(chats), TEMPLATE_CHUNK):
+            chunk = chats[start : start + TEMPLATE_CHUNK]
+            try:
+                rendered = _apply_chat_template(tokenizer, [chat for _, chat in chunk], kwargs)
+            except PromptError:
+                for i, chat in chunk:
+                    try:
+                        texts.append((i, _apply_chat_template(tokenizer, chat, kwargs), False))
+                    except PromptError as exc:
+                        out[i] = exc
+                continue
+            texts += [(i, text, False) for (i, _), text in zip(chunk, rendered, strict=True)]
     for i, ids in _encode(tokenizer, texts):
         out[i] = ids
     return out  # type: ignore[return-value]  # every row is set by now
@@ -441,6 +456,7 @@ def resolve_sampling(
         RESPONSE_FORMAT: None,
         LOGPROBS: base.logprobs,
         SAMPLES: base.n,
+        REASONING_EFFORT: spec.prompt.reasoning_effort,
     }
     if base.response_format is not None:
         values[RESPONSE_FORMAT], _ = _format_cell(
@@ -459,6 +475,14 @@ def resolve_sampling(
             )
             if problem:
                 return values, problem
+            continue
+        if field == REASONING_EFFORT:
+            if value not in ("low", "medium", "high"):
+                return values, (
+                    f"column {column!r} (sampling.overrides.reasoning_effort): {value!r} must be "
+                    "low, medium or high"
+                )
+            values[REASONING_EFFORT] = value
             continue
         problem = _check_sampling(field, value)
         if problem:
@@ -489,6 +513,7 @@ class PromptStage:
         if out[ERROR] is not None:
             return out
         try:
+            row = {**row, REASONING_EFFORT: out[REASONING_EFFORT]}
             token_ids: list[int] | PromptError = render_row(row, self.spec, self.tokenizer)
         except PromptError as exc:
             token_ids = exc
@@ -499,7 +524,12 @@ class PromptStage:
         that get that far are rendered together (render_rows)."""
         outs = [self._sampling(row) for row in rows]
         pending = [i for i, out in enumerate(outs) if out[ERROR] is None]
-        rendered = render_rows([rows[i] for i in pending], self.spec, self.tokenizer)
+        # The row's effort (override or the job's) is a stage value, not a read column.
+        rendered = render_rows(
+            [{**rows[i], REASONING_EFFORT: outs[i][REASONING_EFFORT]} for i in pending],
+            self.spec,
+            self.tokenizer,
+        )
         for i, token_ids in zip(pending, rendered, strict=True):
             outs[i] = self._with_prompt(outs[i], token_ids)
         return outs
@@ -550,6 +580,7 @@ class PromptStage:
             RESPONSE_FORMAT: pa.array([r[RESPONSE_FORMAT] for r in results], type=pa.string()),
             LOGPROBS: pa.array([r[LOGPROBS] for r in results], type=pa.int32()),
             SAMPLES: pa.array([r[SAMPLES] for r in results], type=pa.int32()),
+            REASONING_EFFORT: pa.array([r[REASONING_EFFORT] for r in results], type=pa.string()),
             ERROR: pa.array([r[ERROR] for r in results], type=pa.string()),
         }
         for name, array in columns.items():

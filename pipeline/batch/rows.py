@@ -14,6 +14,7 @@ import pyarrow as pa
 
 from engines.api import GenerationResult, ResponseFormat, SamplingParams
 from pipeline.batch.read import ROW
+from pipeline.openai.reasoning import Split
 from pipeline.spec import CostSpec, EngineSpec, JobSpec, ModelSpec, SamplingSpec, StorageSpec
 
 
@@ -35,6 +36,7 @@ class GenerateConfig:
     speculative: bool  # engine.speculative is set: emit spec_proposed/accepted_tokens
     samples: bool  # rows may ask for n > 1: emit `samples`
     prompt_logprobs: bool  # sampling.prompt_logprobs is set: emit `prompt_logprobs`
+    reasoning: str  # prompt.reasoning: none, or the format to split outputs by (emit both)
     max_in_flight: int  # requests in the engine at once, across shards
     batch_size: int  # rows taken from a shard at a time
     rows_per_file: int  # a part holds at most this many rows
@@ -63,6 +65,7 @@ class GenerateConfig:
             speculative=spec.engine.speculative is not None,
             samples=has_samples(spec),
             prompt_logprobs=spec.sampling.prompt_logprobs is not None,
+            reasoning=spec.prompt.reasoning,
             max_in_flight=spec.resources.max_in_flight,
             batch_size=spec.resources.batch_size,
             rows_per_file=spec.output.rows_per_file,
@@ -187,6 +190,8 @@ class RowOutcome:
     spec_verifications: int = 0  # engine steps that verified proposals for this row
     samples: list[dict[str, Any]] | None = None  # n > 1: the `samples` column's value
     prompt_logprobs: list[dict[str, Any] | None] | None = None  # the nested column's value
+    reasoning: str | None = None  # reasoning jobs: the reasoning part (`text` is the answer)
+    reasoning_tokens: int = 0  # its output tokens
 
     @classmethod
     def failed(cls, error: str, prompt_tokens: int, served: bool) -> RowOutcome:
@@ -209,23 +214,31 @@ class RowOutcome:
 
     @classmethod
     def from_result(
-        cls, result: GenerationResult, gpu_seconds: float, fmt: ResponseFormat | None = None
+        cls,
+        result: GenerationResult,
+        gpu_seconds: float,
+        fmt: ResponseFormat | None = None,
+        split: Split | None = None,
     ) -> RowOutcome:
+        """`split`: reasoning jobs, the result's output split (pipeline.openai.reasoning)."""
         from pipeline.formats import conforms
 
         m = result.metrics
+        text = result.text if split is None else split.text
         parsed = None
         if fmt is not None:
             # A cut text (finish "length") or an error row is not a usable answer.
-            parsed = result.finish_reason == "stop" and conforms(fmt, result.text)
+            parsed = result.finish_reason == "stop" and conforms(fmt, text)
         return cls(
+            reasoning=None if split is None else split.reasoning,
+            reasoning_tokens=0 if split is None else split.reasoning_tokens,
             parsed=parsed,
             logprobs=_logprob_rows(result),
             prompt_logprobs=_prompt_logprob_rows(result),
             spec_proposed_tokens=result.spec_proposed_tokens,
             spec_accepted_tokens=result.spec_accepted_tokens,
             spec_verifications=result.spec_verifications,
-            text=result.text,
+            text=text,
             finish_reason=result.finish_reason,
             error=result.error if result.finish_reason == "error" else None,
             prompt_tokens=result.prompt_tokens,
@@ -247,14 +260,16 @@ class RowOutcome:
         results: list[GenerationResult],
         gpu_seconds: float,
         fmt: ResponseFormat | None = None,
+        splits: list[Split | None] | None = None,
     ) -> RowOutcome:
         """One row's outcome from its n samples (in index order): sample 0 speaks for the
         row's text, finish reason, format check and logprobs; completion tokens, device time
         and speculation counts add up over all samples; the timings span them all. A failed
         sample makes the row an error row naming it (retry-errors then redoes the row)."""
+        splits = splits or [None] * len(results)
         if len(results) == 1:
-            return cls.from_result(results[0], gpu_seconds, fmt)
-        each = [cls.from_result(r, 0.0, fmt) for r in results]
+            return cls.from_result(results[0], gpu_seconds, fmt, splits[0])
+        each = [cls.from_result(r, 0.0, fmt, sp) for r, sp in zip(results, splits, strict=True)]
         row = each[0]
         row.samples = [
             {
@@ -266,11 +281,13 @@ class RowOutcome:
                 "parsed": o.parsed,
                 "logprobs": o.logprobs,
                 "completion_token_ids": o.completion_token_ids,
+                "reasoning": o.reasoning,
             }
             for i, o in enumerate(each)
         ]
         row.gpu_seconds = gpu_seconds
         row.completion_tokens = sum(o.completion_tokens for o in each)
+        row.reasoning_tokens = sum(o.reasoning_tokens for o in each)
         row.spec_proposed_tokens = sum(o.spec_proposed_tokens for o in each)
         row.spec_accepted_tokens = sum(o.spec_accepted_tokens for o in each)
         row.spec_verifications = sum(o.spec_verifications for o in each)
@@ -283,6 +300,7 @@ class RowOutcome:
         if failed and row.finish_reason != "error":
             i, o = failed[0]
             row.text, row.finish_reason, row.parsed = "", "error", None
+            row.reasoning = None
             row.error = f"sample {i} of {len(each)} failed: {o.error}"
         return row
 
@@ -340,10 +358,11 @@ def outcomes_to_table(
         LOGPROBS_FIELD,
         PARSED_FIELD,
         PROMPT_LOGPROBS_FIELD,
+        REASONING_FIELDS,
         RESULT_FIELDS,
-        SAMPLES_FIELD,
         SPEC_FIELDS,
         TOKEN_IDS_FIELD,
+        samples_field,
     )
     from pipeline.cost import row_cost
 
@@ -402,19 +421,29 @@ def outcomes_to_table(
         columns[PROMPT_LOGPROBS_FIELD.name] = pa.array(
             [o.prompt_logprobs for o in outcomes], type=PROMPT_LOGPROBS_FIELD.type
         )
+    reasoning = config.reasoning != "none"
     if config.samples:
-        columns[SAMPLES_FIELD.name] = pa.array(
-            [_samples_cell(o, config.include_token_ids) for o in outcomes],
-            type=SAMPLES_FIELD.type,
+        field = samples_field(reasoning)
+        columns[field.name] = pa.array(
+            [_samples_cell(o, config.include_token_ids, reasoning) for o in outcomes],
+            type=field.type,
         )
+    if reasoning:
+        for f in REASONING_FIELDS:
+            columns[f.name] = pa.array([getattr(o, f.name) for o in outcomes], type=f.type)
     return pa.table(columns)
 
 
-def _samples_cell(outcome: RowOutcome, include_token_ids: bool) -> list[dict[str, Any]] | None:
+def _samples_cell(
+    outcome: RowOutcome, include_token_ids: bool, reasoning: bool = False
+) -> list[dict[str, Any]] | None:
     """The `samples` value of a row: its n samples; null for a row of one sample (its answer
     is the row itself) and for a row that never reached the engine."""
     if outcome.samples is None:
         return None
+    samples = outcome.samples
+    if not reasoning:  # the column's struct has no `reasoning` field
+        samples = [{k: v for k, v in s.items() if k != "reasoning"} for s in samples]
     if include_token_ids:
-        return outcome.samples
-    return [{**s, "completion_token_ids": None} for s in outcome.samples]
+        return samples
+    return [{**s, "completion_token_ids": None} for s in samples]

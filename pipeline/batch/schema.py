@@ -88,6 +88,25 @@ SAMPLES_FIELD = pa.field(
     ),
 )
 
+# Jobs with prompt.reasoning: the reasoning the model wrote before its answer (`text` holds
+# the answer alone), null on rows whose output has none, and its output tokens (markers not
+# counted; summed over the samples of n > 1 rows, as completion_tokens is).
+REASONING_FIELDS: tuple[pa.Field, ...] = (
+    pa.field("reasoning", pa.string()),
+    pa.field("reasoning_tokens", pa.int32()),
+)
+
+
+def samples_field(reasoning: bool = False) -> pa.Field:
+    """The `samples` column; with reasoning, each sample has its own `reasoning` too."""
+    if not reasoning:
+        return SAMPLES_FIELD
+    return pa.field(
+        SAMPLES_FIELD.name,
+        pa.list_(pa.struct([*SAMPLES_FIELD.type.value_type, pa.field("reasoning", pa.string())])),
+    )
+
+
 # `input.passthrough_types` names → Arrow types. "json" keeps any value as JSON text.
 PASSTHROUGH_TYPES: dict[str, pa.DataType] = {
     "string": pa.string(),
@@ -119,6 +138,7 @@ def output_schema(
     speculative: bool = False,
     samples: bool = False,
     prompt_logprobs: bool = False,
+    reasoning: bool = False,
 ) -> pa.Schema:
     """The one schema of every part of a job: id, passthrough columns, results."""
     fields = [pa.field("id", pa.string()), *passthrough, *RESULT_FIELDS]
@@ -131,9 +151,11 @@ def output_schema(
     if speculative:
         fields.extend(SPEC_FIELDS)
     if samples:
-        fields.append(SAMPLES_FIELD)
+        fields.append(samples_field(reasoning))
     if prompt_logprobs:
         fields.append(PROMPT_LOGPROBS_FIELD)
+    if reasoning:
+        fields.extend(REASONING_FIELDS)
     return pa.schema(fields)
 
 
@@ -153,6 +175,7 @@ RESERVED_COLUMNS: frozenset[str] = frozenset(
             speculative=True,
             samples=True,
             prompt_logprobs=True,
+            reasoning=True,
         ).names,
     }
 )
@@ -168,6 +191,7 @@ def job_output_schema(spec: JobSpec, passthrough: Iterable[pa.Field] = ()) -> pa
         speculative=spec.engine.speculative is not None,
         samples=has_samples(spec),
         prompt_logprobs=spec.sampling.prompt_logprobs is not None,
+        reasoning=spec.prompt.reasoning != "none",
     )
 
 

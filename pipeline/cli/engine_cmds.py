@@ -16,12 +16,24 @@ def make_tiny_model(
     size: str = typer.Option("tiny", help="Preset: tiny (~0.3M params) or small (~35M)."),
     tied: bool = typer.Option(False, help="Tie the input embedding and the LM head."),
     seed: int = typer.Option(0, help="Seed for the tokenizer corpus and the weights."),
+    reasoning: str = typer.Option(
+        "none",
+        help="Reasoning tokens and chat template: none, think (<think>/</think>, honours "
+        "enable_thinking) or harmony (GPT-OSS message markers).",
+    ),
 ) -> None:
     """Train a byte-level BPE tokenizer locally and save a random model with it."""
     from engines.tiny import make_tiny_model as build
 
     try:
-        path = build(out_dir, arch=arch, size=size, tie_word_embeddings=tied, seed=seed)
+        path = build(
+            out_dir,
+            arch=arch,
+            size=size,
+            tie_word_embeddings=tied,
+            seed=seed,
+            reasoning=reasoning,  # type: ignore[arg-type]  # checked by build
+        )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     typer.echo(f"wrote {arch} ({size}) model to {path}")

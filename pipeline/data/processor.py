@@ -69,7 +69,11 @@ def build_processor(
     those sections). `preprocess` / `postprocess`: row functions run before and after
     generation (Ray Data `map`). Raises SpecError for an invalid config, before any actor
     starts."""
-    return Processor(processor_config(config), preprocess, postprocess)
+    from pipeline.batch.plan import check_reasoning
+
+    checked = processor_config(config)
+    check_reasoning(checked.job_spec())  # prompt.reasoning's tokens, before any actor
+    return Processor(checked, preprocess, postprocess)
 
 
 class Processor:
@@ -159,7 +163,7 @@ class EngineStage:
     def __init__(self, config: ProcessorConfig, book: Any) -> None:
         import ray
 
-        from pipeline.batch.generate import RowServer, current_actor_id
+        from pipeline.batch.generate import RowServer, current_actor_id, reasoning_parser
         from pipeline.batch.prompts import PromptStage
         from pipeline.batch.rows import GenerateConfig
         from pipeline.batch.schema import job_output_schema
@@ -179,7 +183,9 @@ class EngineStage:
             has_step_records=self.engine.info.has_step_records,
         )
         self.meter.record_load(started, time.monotonic())
-        self.rows = RowServer(self.engine, self.meter, spec.sampling)
+        # The prompt stage's tokenizer is the model's: it also splits reasoning outputs.
+        parser = reasoning_parser(spec.prompt.reasoning, spec.model, spec.storage)
+        self.rows = RowServer(self.engine, self.meter, spec.sampling, reasoning=parser)
         self.output = GenerateConfig.from_spec(spec, job_output_schema(spec))
         self.actor_id = current_actor_id()
         self.key = f"{self.actor_id}/{uuid.uuid4().hex[:12]}"  # a restart keeps the actor id

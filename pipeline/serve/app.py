@@ -38,6 +38,7 @@ from engines.api import (
     GenerationResult,
     StreamDelta,
 )
+from pipeline.openai.reasoning import Delta, ReasoningParser, Split, split_output
 from pipeline.serve import batch_routes
 from pipeline.serve.auth import KeyDigests
 from pipeline.serve.board import open_board
@@ -536,9 +537,13 @@ class OpenAIIngress:
             self._tokenize_slots.give()
 
     def _usage_of(
-        self, served: ServedModelSpec, results: list[GenerationResult], seconds: float
+        self,
+        served: ServedModelSpec,
+        results: list[GenerationResult],
+        seconds: float,
+        reasoning_tokens: int = 0,
     ) -> Usage:
-        usage = usage_of_all(served, results, seconds)
+        usage = usage_of_all(served, results, seconds, reasoning_tokens)
         result = results[0]
         name = served.name
         self._metrics.prompt_tokens.labels(name).inc(usage.prompt_tokens)
@@ -632,10 +637,16 @@ class OpenAIIngress:
             failed = result_error(name, result)
             if failed is not None:
                 raise self._failed(call, failed)
-        usage = self._usage_of(prepared.served, results, sum(s.gpu_seconds for s in served))
-        choices = []
         prompt_ids = prepared.engine_request.prompt_token_ids
-        for result in results:
+        splits = [self._split(prepared, prompt_ids, result) for result in results]
+        usage = self._usage_of(
+            prepared.served,
+            results,
+            sum(s.gpu_seconds for s in served),
+            sum(s.reasoning_tokens for s in splits if s is not None),
+        )
+        choices = []
+        for result, split in zip(results, splits, strict=True):
             logprobs = None
             if result.logprobs is not None:
                 builder = self._logprobs(prepared)
@@ -646,7 +657,10 @@ class OpenAIIngress:
                 if head is not None:
                     logprobs = join_completion_logprobs(head, logprobs)
             text = result.text if prepared.echo is None else prepared.echo + result.text
-            choices.append(Choice(text, finish_reason(result), logprobs))
+            reasoning = None
+            if split is not None:
+                text, reasoning = split.text, split.reasoning
+            choices.append(Choice(text, finish_reason(result), logprobs, reasoning))
         body = choices_body(prepared.ids, choices, usage)
         self._finish(prepared, started, 200)
         self._account(call, 200, usage)
@@ -707,6 +721,20 @@ class OpenAIIngress:
             self._account(call, CLIENT_CLOSED, None)
         call.held.close()
 
+    def _reasoning(self, prepared: Prepared) -> ReasoningParser | None:
+        """The model's reasoning parser, for requests whose answers are split (chat)."""
+        if not prepared.split_reasoning:
+            return None
+        return self._tokenizers[prepared.served.name].reasoning
+
+    def _split(
+        self, prepared: Prepared, prompt_ids: list[int], result: GenerationResult
+    ) -> Split | None:
+        parser = self._reasoning(prepared)
+        if parser is None:
+            return None
+        return split_output(parser, prompt_ids, result.output_token_ids, result.text)
+
     def _logprobs(self, prepared: Prepared) -> LogprobsBody:
         return LogprobsBody(
             prepared.ids.endpoint, self._tokenizers[prepared.served.name].token_text
@@ -749,6 +777,12 @@ class OpenAIIngress:
             logprobs = [self._logprobs(prepared) for _ in range(n)]
         results: dict[int, GenerationResult] = {}
         seconds = 0.0
+        # Chat on a reasoning model: one split stream per choice; each delta's text goes to
+        # `reasoning_content` or `content` (held back where a marker may be starting).
+        parser = self._reasoning(prepared)
+        prompt_ids = prepared.engine_request.prompt_token_ids
+        splits = [parser.stream(prompt_ids) for _ in range(n)] if parser is not None else None
+        reasoning_tokens = 0
         echo_pending = set(range(n)) if prepared.echo is not None else set()
         try:
             if ids.endpoint == "chat":
@@ -766,14 +800,26 @@ class OpenAIIngress:
                 entries = None
                 if logprobs is not None and delta.logprobs:
                     entries = logprobs[index].body(delta.logprobs, delta.result)
-                if delta.text or (entries and (entries.get("content") or entries.get("tokens"))):
+                text, reasoning = delta.text, ""
+                if splits is not None:
+                    part = splits[index].feed(delta.token_ids, delta.text)
+                    if delta.finished:  # the end decides what was held back
+                        rest = splits[index].close()
+                        part = Delta(part.reasoning + rest.reasoning, part.text + rest.text)
+                    text, reasoning = part.text, part.reasoning
+                if (
+                    text
+                    or reasoning
+                    or (entries and (entries.get("content") or entries.get("tokens")))
+                ):
                     yield sse(
                         chunk_body(
                             ids,
-                            text=delta.text,
+                            text=text,
                             include_usage=usage_on,
                             logprobs=entries,
                             index=index,
+                            reasoning=reasoning or None,
                         )
                     )
                 if not delta.finished:
@@ -791,6 +837,10 @@ class OpenAIIngress:
                     return
                 results[index] = result
                 seconds += item.gpu_seconds or 0.0
+                if splits is not None:
+                    reasoning_tokens += (
+                        splits[index].result(result.output_token_ids).reasoning_tokens
+                    )
                 end = chunk_body(
                     ids, finish_reason=finish_reason(result), include_usage=usage_on, index=index
                 )
@@ -798,7 +848,9 @@ class OpenAIIngress:
                     yield sse(end)
                     continue
                 finished = True
-                usage = self._usage_of(prepared.served, [results[i] for i in range(n)], seconds)
+                usage = self._usage_of(
+                    prepared.served, [results[i] for i in range(n)], seconds, reasoning_tokens
+                )
                 # Accounted before the last bytes go: a client that leaves after seeing its
                 # finish chunk still got (and is billed for) the whole answer.
                 self._account(call, 200, usage)

@@ -91,7 +91,6 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "modalities": (None, ["text"]),
     "audio": (None,),
     "prediction": (None,),
-    "reasoning_effort": (None,),
     "web_search_options": (None,),
     # vLLM's sampling and decoding extras the engines do not implement.
     "min_p": (None, 0, 0.0),
@@ -222,6 +221,8 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: int | None = Field(None, ge=1)
     # vLLM extension: extra variables for the chat template (e.g. enable_thinking).
     chat_template_kwargs: dict[str, Any] | None = None
+    # Passed to the chat template (GPT-OSS's `Reasoning: low|medium|high`).
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
@@ -462,6 +463,7 @@ class Usage:
     gpu_seconds: float  # device time attributed to this request
     cost_usd: float  # gpu_seconds at the model's device-hour price
     list_price_usd: float | None  # what a token-priced API would charge (if prices given)
+    reasoning_tokens: int = 0  # of completion_tokens, those of reasoning (0: none, or not split)
 
     def body(self) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -469,7 +471,7 @@ class Usage:
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
-            "completion_tokens_details": {"reasoning_tokens": 0},
+            "completion_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
             "gpu_seconds": round(self.gpu_seconds, 9),
             "cost_usd": self.cost_usd,
         }
@@ -509,9 +511,10 @@ class ResponseIds:
 class Choice:
     """One generated answer of a response (there are n of them)."""
 
-    text: str
+    text: str  # the answer (with a reasoning format: without the reasoning)
     finish_reason: str
     logprobs: dict[str, Any] | None = None
+    reasoning: str | None = None  # chat: `reasoning_content`; None: no reasoning part
 
 
 def completion_body(
@@ -532,6 +535,8 @@ def choices_body(ids: ResponseIds, choices: list[Choice], usage: Usage) -> dict:
     for index, c in enumerate(choices):
         if ids.endpoint == "chat":
             message = {"role": "assistant", "content": c.text, "refusal": None}
+            if c.reasoning is not None:
+                message["reasoning_content"] = c.reasoning
             out.append(
                 {
                     "index": index,
@@ -564,15 +569,19 @@ def chunk_body(
     include_usage: bool = False,
     logprobs: dict[str, Any] | None = None,
     index: int = 0,
+    reasoning: str | None = None,
 ) -> dict:
     """One streamed chunk with a single choice (number `index` of n): a role opener, a text
-    delta, or the finish."""
+    delta (chat: and/or a `reasoning_content` delta), or the finish."""
     if ids.endpoint == "chat":
         delta: dict[str, Any] = {}
         if role:
             delta = {"role": "assistant", "content": ""}
-        elif text is not None:
-            delta = {"content": text}
+        else:
+            if reasoning:
+                delta["reasoning_content"] = reasoning
+            if text is not None and (text or not reasoning):
+                delta["content"] = text
         choice: dict[str, Any] = {
             "index": index,
             "delta": delta,

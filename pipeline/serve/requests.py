@@ -46,6 +46,7 @@ class Prepared:
     warnings: tuple[str, ...] = ()  # what was ignored or clamped, for the warning header
     n: int = 1  # choices to generate (samples of engine_request: engines.samples)
     echo: str | None = None  # completions with echo: the prompt text that opens every choice
+    split_reasoning: bool = False  # chat on a model with prompt.reasoning: answers are split
     ids: ResponseIds = field(init=False)
 
     def __post_init__(self) -> None:
@@ -92,7 +93,7 @@ def to_engine_request(
                 code="unsupported_endpoint",
             )
         messages = [{"role": m.role, "content": m.text} for m in request.messages]
-        prompt_ids = tokenizer.chat_ids(messages, request.chat_template_kwargs)
+        prompt_ids = tokenizer.chat_ids(messages, chat_template_kwargs(request, served))
         prompt_param = "messages"
         default_max = served.limits.default_max_tokens
     else:
@@ -155,26 +156,49 @@ def to_engine_request(
         warnings=tuple(warnings),
         n=request.n,
         echo=echo,
+        split_reasoning=endpoint == "chat" and tokenizer.reasoning is not None,
     )
 
 
+def chat_template_kwargs(
+    request: ChatCompletionRequest, served: ServedModelSpec
+) -> dict[str, Any] | None:
+    """The chat template's extra variables: the model's prompt.enable_thinking and
+    reasoning_effort (the request's reasoning_effort over the model's), then the request's
+    own chat_template_kwargs over them."""
+    kwargs = {
+        **(served.prompt.template_kwargs(request.reasoning_effort) or {}),
+        **(request.chat_template_kwargs or {}),
+    }
+    return kwargs or None
+
+
 def usage_of_all(
-    served: ServedModelSpec, results: list[GenerationResult], gpu_seconds: float
+    served: ServedModelSpec,
+    results: list[GenerationResult],
+    gpu_seconds: float,
+    reasoning_tokens: int = 0,
 ) -> Usage:
     """`usage` of n choices of one prompt: the prompt once (its cached tokens as the first
     sample, which computed or found it, reports them), completion tokens and device time
-    summed over all choices."""
+    summed over all choices; `reasoning_tokens`: those of all choices (split answers)."""
     if len(results) == 1:
-        return usage_of(served, results[0], gpu_seconds)
+        return usage_of(served, results[0], gpu_seconds, reasoning_tokens)
     first = results[0]
     combined = dataclasses.replace(
         first, completion_tokens=sum(r.completion_tokens for r in results)
     )
-    return usage_of(served, combined, gpu_seconds)
+    return usage_of(served, combined, gpu_seconds, reasoning_tokens)
 
 
-def usage_of(served: ServedModelSpec, result: GenerationResult, gpu_seconds: float) -> Usage:
+def usage_of(
+    served: ServedModelSpec,
+    result: GenerationResult,
+    gpu_seconds: float,
+    reasoning_tokens: int = 0,
+) -> Usage:
     return Usage(
+        reasoning_tokens=reasoning_tokens,
         prompt_tokens=result.prompt_tokens,
         completion_tokens=result.completion_tokens,
         cached_tokens=result.cached_prompt_tokens,

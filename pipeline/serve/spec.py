@@ -212,7 +212,9 @@ class ServedModelSpec(_Strict):
         default_factory=PromptSpec,
         description="system_prompt is prepended to chats that bring no system message; "
         "chat_template false rejects /v1/chat/completions for this model. template must be "
-        "null (it renders batch rows, not requests).",
+        "null (it renders batch rows, not requests). reasoning (think | harmony) splits chat "
+        "answers into reasoning_content and content; enable_thinking and reasoning_effort are "
+        "chat template variables (a request's reasoning_effort and chat_template_kwargs win).",
     )
     cost: CostSpec = Field(
         default_factory=CostSpec,

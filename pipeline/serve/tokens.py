@@ -12,6 +12,7 @@ import json
 import logging
 from typing import Any
 
+from pipeline.openai.reasoning import ReasoningParser
 from pipeline.serve.protocol import ApiError
 from pipeline.spec import ModelSpec, PromptSpec, StorageSpec
 
@@ -32,6 +33,11 @@ class PromptTokenizer:
         self.has_chat_template = bool(getattr(self._tokenizer, "chat_template", None))
         self.max_bytes_per_token = bytes_per_token_bound(self._tokenizer)
         self._token_texts: dict[int, str] = {}
+        # prompt.reasoning's parser: chat answers are split by it (ReasoningError, naming what
+        # the tokenizer lacks, when the format does not fit the model: the server does not start).
+        from pipeline.openai.reasoning import make_parser
+
+        self.reasoning: ReasoningParser | None = make_parser(prompt.reasoning, self._tokenizer)
 
     def chat_ids(
         self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None

@@ -208,6 +208,7 @@ def test_resolve_sampling_defaults_and_overrides(model_dir: Path) -> None:
         "response_format": None,
         "logprobs": None,
         "num_samples": 1,
+        "reasoning_effort": None,
     }
     values, _ = resolve_sampling({"id": "a", "s": 99}, spec, {"seed": "s"})
     assert values[SEED] == 99  # an explicit per-row seed is used as given

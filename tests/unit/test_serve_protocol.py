@@ -354,6 +354,7 @@ class _FakeTokenizer:
 
     has_chat_template = True
     vocab_size = 1000
+    reasoning = None  # no prompt.reasoning: answers are not split
 
     def __init__(self) -> None:
         self.template_kwargs: dict | None = None

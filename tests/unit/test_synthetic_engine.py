@@ -163,6 +163,7 @@ def test_stop_and_error_fractions(model_dir: Path) -> None:
         ({"output_tokens": 0}, "output_tokens"),
         ({"max_batch_size": True}, "max_batch_size"),
         ({"error_fraction": float("nan")}, "error_fraction"),
+        ({"script": ""}, "script"),
     ],
 )
 def test_bad_settings_name_the_field(settings: dict[str, Any], words: str) -> None:
@@ -202,3 +203,28 @@ def test_a_synthetic_job_refuses_response_format() -> None:
         parse_job_spec(job)
     job["engine"] = {"kind": "reference"}
     assert parse_job_spec(job).sampling.response_format is not None
+
+
+def test_a_script_is_said_exactly_then_eos_or_cut_by_max_tokens(model_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    script = "the river runs north. It is cold."
+    ids = AutoTokenizer.from_pretrained(str(model_dir)).encode(script, add_special_tokens=False)
+    eos = json.loads((model_dir / "config.json").read_text())["eos_token_id"]
+    settings = {"script": script, "ttft_ms": 0, "step_interval_ms": 1}
+    whole, cut, exact = run(
+        model_dir,
+        [
+            *requests_for(1, "w", max_tokens=64),
+            *requests_for(1, "c", max_tokens=3),
+            *requests_for(1, "e", max_tokens=len(ids) + 1),  # room for the script and EOS
+        ],
+        **settings,
+    )[0]
+    assert (whole.output_token_ids, whole.text, whole.finish_reason) == (
+        [*ids, eos],
+        script,
+        "stop",
+    )
+    assert (cut.output_token_ids, cut.finish_reason) == (ids[:3], "length")
+    assert (exact.output_token_ids, exact.finish_reason) == ([*ids, eos], "stop")

@@ -113,6 +113,19 @@ def _sampling_part(spec: JobSpec) -> dict[str, Any]:
     return sampling
 
 
+# Prompt fields that joined the fingerprint later: present only when set, so the fingerprints
+# of jobs that do not use them stay what they were (a running job resumes across an upgrade).
+_PROMPT_FIELDS_WHEN_SET = ("reasoning", "enable_thinking", "reasoning_effort")
+
+
+def _prompt_part(spec: JobSpec) -> dict[str, Any]:
+    prompt = spec.prompt.model_dump(mode="json")
+    for name in _PROMPT_FIELDS_WHEN_SET:
+        if prompt[name] == type(spec.prompt).model_fields[name].default:
+            del prompt[name]
+    return prompt
+
+
 def job_fingerprint(
     spec: JobSpec,
     files: Iterable[Any],
@@ -141,7 +154,7 @@ def job_fingerprint(
         "engine": {"kind": spec.engine.kind, "settings": engine_settings(spec.engine)},
         "sampling": _sampling_part(spec),
         "prompt": {
-            **spec.prompt.model_dump(mode="json"),
+            **_prompt_part(spec),
             "format": spec.input.format,
             "id_column": spec.input.id_column,
             "prompt_column": spec.input.prompt_column,

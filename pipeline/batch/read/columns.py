@@ -16,8 +16,8 @@ Columns of a table that `read_shard` returns (names are the constants below):
   field; a value that is not a number makes the row an error row naming column and value.
 
 openai_batch lines fill the fixed override columns `max_tokens` (body.max_completion_tokens
-or body.max_tokens), `temperature`, `top_p`, `seed` and `response_format` (JSON text; see
-`override_columns`).
+or body.max_tokens), `temperature`, `top_p`, `seed`, `response_format` (JSON text) and
+`reasoning_effort` (see `override_columns`).
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ BATCH_OVERRIDE_COLUMNS: dict[str, str] = {
     "response_format": "response_format",
     "logprobs": "logprobs",
     "n": "num_samples",
+    "reasoning_effort": "reasoning_effort",
 }
 # The Python type each overridable sampling field is coerced to.
 OVERRIDE_TYPES: dict[str, type] = {
@@ -60,6 +61,7 @@ OVERRIDE_TYPES: dict[str, type] = {
     "logprobs": int,
     "n": int,
     "response_format": str,  # JSON text; read and checked by the prompt stage
+    "reasoning_effort": str,  # low | medium | high; checked by the prompt stage
 }
 
 
@@ -98,6 +100,10 @@ def coerce_override(
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return None, None
     where = label or f"column {column!r} (sampling.overrides.{field})"
+    if field == "reasoning_effort":  # a word; the prompt stage checks which
+        if isinstance(value, str):
+            return value, None
+        return None, f"{where}: {value!r} is not low, medium or high"
     if OVERRIDE_TYPES[field] is str:
         if isinstance(value, (dict, list)):
             return json.dumps(value), None

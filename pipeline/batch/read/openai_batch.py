@@ -92,6 +92,7 @@ def parse_batch_request(obj: dict[str, Any]) -> dict[str, Any]:
         "response_format": body.get("response_format"),
         "logprobs": _logprobs(url, body),
         "n": body.get("n"),
+        "reasoning_effort": body.get("reasoning_effort"),  # for the chat template
     }
     for field, value in values.items():
         column = BATCH_OVERRIDE_COLUMNS[field]

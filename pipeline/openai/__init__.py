@@ -1,0 +1,1 @@
+"""The OpenAI-compatible output shared by batch and Serve (see docs/architecture.md)."""
