@@ -283,6 +283,8 @@ def open_dataset(inp: InputSpec, source: SourceFingerprint, storage: StorageSpec
 def _reads_s3_files(reader: Callable[..., Any], kwargs: dict[str, Any]) -> bool:
     if "filesystem" in kwargs or "filesystem" not in inspect.signature(reader).parameters:
         return False
+    if kwargs.get("lines"):
+        return False  # read_json(lines=True) takes no filesystem: Ray's own S3 client reads
     paths = next((kwargs[n] for n in _PATH_ARGS if n in kwargs), None)
     entries = [paths] if isinstance(paths, str) else list(paths or [])
     return bool(entries) and all(str(p).startswith("s3://") for p in entries)

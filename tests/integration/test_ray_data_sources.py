@@ -202,6 +202,12 @@ def test_delta_table_staged_run_rerun_and_changed(
         run_job(spec)
     assert _local_listing(out) == before
 
+    # --fresh stages the table as it is now and starts over.
+    fresh = run_job(spec, fresh=True)
+    assert fresh.status == "complete" and fresh.rows_written == ROWS + 4
+    assert _local_rows(out).num_rows == ROWS + 4
+    assert len(list((out / "_staging").glob("input-*/_snapshot.json"))) == 2
+
 
 # --- simple readers and a function ------------------------------------------------------------
 
@@ -232,9 +238,7 @@ def test_read_json_on_s3(ray_local: Any, s3_server: S3Server, tiny_model_dir: Pa
     s3_server.put(f"s3://{bucket}/in/prompts.jsonl", "".join(json.dumps(x) + "\n" for x in lines))
     spec = make_spec(
         "json-job",
-        _ray_data_input(
-            reader="read_json", reader_args={"paths": f"s3://{bucket}/in/", "lines": True}
-        ),
+        _ray_data_input(reader="read_json", reader_args={"paths": f"s3://{bucket}/in/"}),
         f"s3://{bucket}/out/",
         s3_server,
         tiny_model_dir,
