@@ -89,7 +89,7 @@ cost:
   Parameters that would change results and are not implemented (`best_of`, `echo`, `tools`,
   `stop`, penalties, `logit_bias`, ...) make the row an error row naming the parameter.
 - `ray_data`: any Ray Data source: a `ray.data` reader by name (`input.reader: read_iceberg`,
-  `read_delta`, `read_lance`, `read_csv`, `read_json`, `read_sql`, ...) with
+  `read_delta`, `read_lance`, `read_csv`, `read_json`, `read_parquet`, ...) with
   `input.reader_args`, or `input.dataset: "module:function"` returning a Dataset. The run
   stages it once as Parquet under `<output.uri>/_staging/input-<fingerprint>/` and then reads
   that snapshot as format `parquet` (id column or derived ids, passthrough columns, exactly

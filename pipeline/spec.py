@@ -55,8 +55,9 @@ class InputSpec(_Strict):
     reader: str | None = Field(
         None,
         description="format ray_data: the `ray.data` reader to call, by name (read_iceberg, "
-        "read_delta, read_lance, read_csv, read_json, read_parquet, read_sql, ...), with "
-        "input.reader_args as its keyword arguments. Set this or input.dataset.",
+        "read_delta, read_lance, read_csv, read_json, read_parquet, read_mongo, ...), with "
+        "input.reader_args as its keyword arguments. Readers that take Python objects (read_sql's "
+        "connection_factory) go through input.dataset. Set this or input.dataset.",
     )
     reader_args: dict[str, Any] = Field(
         default_factory=dict,

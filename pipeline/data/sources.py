@@ -118,6 +118,8 @@ class SourceVersion:
     def describe(self) -> str:
         if self.kind == "listing":
             return f"{len(self.value)} file(s)"
+        if self.kind == "none":
+            return "no version"
         return f"{self.kind.replace('_', ' ')} {self.value}"
 
 

@@ -102,6 +102,7 @@ def stage_input(
     where = _snapshot_dir(spec, source.key)
     snapshot = read_snapshot(where)
     if snapshot is not None:
+        _check_files(spec, snapshot, where)
         say(
             f"input: reusing the staged snapshot {snapshot.uri} ({snapshot.num_rows} rows, "
             f"{source.version.describe()}); nothing is read from the source"
@@ -137,6 +138,21 @@ def read_snapshot(where: OutputDir) -> Snapshot | None:
     that did not finish)."""
     found = where.read_versioned(MARKER_NAME)
     return Snapshot.from_json(found.data.decode()) if found is not None else None
+
+
+def _check_files(spec: JobSpec, snapshot: Snapshot, where: OutputDir) -> None:
+    """A reused snapshot must still hold exactly the files its marker lists (SpecError, with
+    what to do, if some were deleted, changed or added)."""
+    try:
+        listed = {f.uri: f.size for f in expand_uri(snapshot.uri, spec.storage, field="input")}
+    except SpecError:
+        listed = {}
+    if listed != {str(f["uri"]): int(f["size"]) for f in snapshot.files}:
+        raise SpecError(
+            f"input: the staged snapshot at {snapshot.uri} no longer holds the files its "
+            f"{MARKER_NAME} lists (deleted or changed); delete {where.uri}/ and rerun with "
+            "--fresh to stage the source again"
+        )
 
 
 def _refuse_another_snapshot(spec: JobSpec, source: SourceFingerprint) -> None:

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from pipeline.data.sources import SourceFingerprint, reader_names, source_fingerprint
+from pipeline.data.stage import MARKER_NAME, STAGING_DIR, Snapshot, stage_input
 from pipeline.spec import InputSpec, SpecError, StorageSpec, parse_job_spec
 
 
@@ -124,3 +125,65 @@ def test_a_function_is_fingerprinted_by_name_and_arguments() -> None:
     a, b = source_fingerprint(one, storage), source_fingerprint(two, storage)
     assert a.version.kind == "none" and a.value != b.value
     assert "input.reader_args of dataset:m:f changed" in b.describe_change(a)
+
+
+# --- reusing a staged snapshot (no Ray: nothing is staged) ------------------------------------
+
+
+def _csv_job(tmp_path: Path) -> Any:
+    data = tmp_path / "in.csv"
+    data.write_text("id,text\n1,a\n")
+    return parse_job_spec(
+        {
+            **_job(
+                {
+                    "format": "ray_data",
+                    "reader": "read_csv",
+                    "reader_args": {"paths": str(data)},
+                    "prompt_column": "text",
+                }
+            ),
+            "output": {"uri": str(tmp_path / "out")},
+        }
+    )
+
+
+def _place_snapshot(spec: Any, with_file: bool) -> Snapshot:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    source = source_fingerprint(spec.input, spec.storage)
+    where = Path(spec.output.uri) / STAGING_DIR / source.key
+    data = where / "attempt"
+    data.mkdir(parents=True)
+    part = data / "p.parquet"
+    pq.write_table(pa.table({"id": [1], "text": ["a"]}), part)
+    snapshot = Snapshot(
+        str(data), source, [{"uri": str(part), "size": part.stat().st_size, "rows": 1}], 1
+    )
+    (where / MARKER_NAME).write_text(snapshot.to_json())
+    if not with_file:
+        part.unlink()
+    return snapshot
+
+
+def test_a_complete_snapshot_is_reused_as_parquet_input(tmp_path: Path) -> None:
+    spec = _csv_job(tmp_path)
+    snapshot = _place_snapshot(spec, with_file=True)
+    said: list[str] = []
+    staged = stage_input(spec, emit=said.append)  # no Ray here: it must not stage
+    assert staged.input.format == "parquet" and staged.input.uri == snapshot.uri
+    assert staged.input.reader is None and staged.input.reader_args == {}
+    assert staged.input.prompt_column == "text"
+    assert said == [
+        f"input: reusing the staged snapshot {snapshot.uri} (1 rows, 1 file(s)); nothing is "
+        "read from the source"
+    ]
+    assert stage_input(staged) is staged  # other formats pass through
+
+
+def test_a_snapshot_missing_files_is_refused_with_what_to_do(tmp_path: Path) -> None:
+    spec = _csv_job(tmp_path)
+    _place_snapshot(spec, with_file=False)
+    with pytest.raises(SpecError, match=r"no longer holds the files.*rerun with --fresh"):
+        stage_input(spec)
