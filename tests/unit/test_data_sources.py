@@ -187,3 +187,10 @@ def test_a_snapshot_missing_files_is_refused_with_what_to_do(tmp_path: Path) -> 
     _place_snapshot(spec, with_file=False)
     with pytest.raises(SpecError, match=r"no longer holds the files.*rerun with --fresh"):
         stage_input(spec)
+
+
+def test_listing_a_ray_data_input_says_it_is_staged_first(tmp_path: Path) -> None:
+    from pipeline.storage import list_input_files
+
+    with pytest.raises(SpecError, match=r"input.format ray_data has no files to list before"):
+        list_input_files(_csv_job(tmp_path))
