@@ -88,6 +88,26 @@ cost:
   continuation (tokenized without the chat template or system prompt), as in the OpenAI API.
   Parameters that would change results and are not implemented (`best_of`, `echo`, `tools`,
   `stop`, penalties, `logit_bias`, ...) make the row an error row naming the parameter.
+- `ray_data`: any Ray Data source: a `ray.data` reader by name (`input.reader: read_iceberg`,
+  `read_delta`, `read_lance`, `read_csv`, `read_json`, `read_parquet`, ...) with
+  `input.reader_args`, or `input.dataset: "module:function"` returning a Dataset. The run
+  stages it once as Parquet under `<output.uri>/_staging/input-<fingerprint>/` and then reads
+  that snapshot as format `parquet` (id column or derived ids, passthrough columns, exactly
+  once). The fingerprint covers the reader, its arguments and the source's version (Iceberg
+  snapshot id, Delta table version, the file listing): a rerun reuses the snapshot; a changed
+  source is refused (`--fresh` stages it anew and starts over). See
+  [python-api.md](python-api.md#a-ray-data-source-as-a-jobs-input-inputformat-ray_data).
+
+```yaml
+input:
+  format: ray_data
+  reader: read_iceberg
+  reader_args:
+    table_identifier: db.prompts
+    catalog_kwargs: {name: main, type: rest, uri: "https://catalog.example.com"}
+  id_column: request_id
+  prompt_column: text
+```
 
 ## Structured output
 

@@ -36,16 +36,44 @@ class _Strict(BaseModel):
 
 
 class InputSpec(_Strict):
-    uri: str | list[str] = Field(
+    uri: str | list[str] | None = Field(
+        None,
         description="Input file(s): local paths, file://, or s3:// URIs; globs (`*`, `**`) and "
         "directories are expanded (names starting with `_` or `.` are skipped). A list reads "
         "several sources as one dataset. Local paths must exist on every node that reads: use "
-        "s3:// on multi-node clusters."
+        "s3:// on multi-node clusters. Required, except with format ray_data (the reader's "
+        "arguments name the source there).",
     )
-    format: Literal["parquet", "jsonl", "openai_batch"] = Field(
+    format: Literal["parquet", "jsonl", "openai_batch", "ray_data"] = Field(
         "parquet",
         description="parquet | jsonl (one JSON object per line) | openai_batch (OpenAI Batch "
-        "API JSONL: custom_id, method, url, body).",
+        "API JSONL: custom_id, method, url, body) | ray_data (any Ray Data source, named by "
+        "input.reader or input.dataset: the run first stages it once as Parquet under "
+        "output.uri's `_staging/`, then reads that snapshot as format parquet; see "
+        "docs/python-api.md).",
+    )
+    reader: str | None = Field(
+        None,
+        description="format ray_data: the `ray.data` reader to call, by name (read_iceberg, "
+        "read_delta, read_lance, read_csv, read_json, read_parquet, read_mongo, ...), with "
+        "input.reader_args as its keyword arguments. Readers that take Python objects (read_sql's "
+        "connection_factory) go through input.dataset. Set this or input.dataset.",
+    )
+    reader_args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="format ray_data: keyword arguments of input.reader (e.g. read_iceberg: "
+        "{table_identifier: db.prompts, catalog_kwargs: {name: main, type: sql, ...}}; "
+        "read_csv: {paths: s3://bucket/prompts/}) or of the input.dataset function. Part of "
+        "the snapshot's fingerprint, except values under secret-looking keys (masked). An "
+        "s3:// `paths` of a file reader is read with the storage section's endpoint.",
+    )
+    dataset: str | None = Field(
+        None,
+        description="format ray_data: 'module:function' returning a ray.data.Dataset, called "
+        "with input.reader_args as keyword arguments on the driver. Its snapshot is "
+        "fingerprinted by the name and the arguments only (a function has no version), so a "
+        "rerun reuses it: to read the source anew, use a new output.uri (or delete "
+        "output.uri's _staging/ and rerun with --fresh). Set this or input.reader.",
     )
     id_column: str | None = Field(
         None,
@@ -111,6 +139,36 @@ class InputSpec(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _source_fields_fit_the_format(self) -> InputSpec:
+        if self.format == "ray_data":
+            from pipeline.data.sources import check_source
+
+            if self.uri is not None:
+                raise ValueError(
+                    "input.uri does not apply to input.format ray_data: the reader's arguments "
+                    "name the source (e.g. input.reader_args.paths); remove input.uri"
+                )
+            check_source(self.reader, self.reader_args, self.dataset)
+            return self
+        set_fields = [
+            name
+            for name, value in (
+                ("reader", self.reader),
+                ("reader_args", self.reader_args),
+                ("dataset", self.dataset),
+            )
+            if value
+        ]
+        if set_fields:
+            raise ValueError(
+                f"input.{set_fields[0]} applies to input.format ray_data only; set "
+                f"input.format: ray_data, or remove input.{set_fields[0]} (format {self.format})"
+            )
+        if self.uri is None:
+            raise ValueError(f"input.uri is required for input.format {self.format}")
+        return self
+
+    @model_validator(mode="after")
     def _typed_columns_are_passed_through(self) -> InputSpec:
         unknown = sorted(set(self.passthrough_types) - set(self.passthrough_columns))
         if unknown:
@@ -122,7 +180,9 @@ class InputSpec(_Strict):
 
     @field_validator("uri")
     @classmethod
-    def _non_empty_uris(cls, value: str | list[str]) -> str | list[str]:
+    def _non_empty_uris(cls, value: str | list[str] | None) -> str | list[str] | None:
+        if value is None:
+            return value
         uris = [value] if isinstance(value, str) else value
         if not uris or any(not u.strip() for u in uris):
             raise ValueError("give at least one non-empty path or URI")
@@ -130,6 +190,9 @@ class InputSpec(_Strict):
 
     @property
     def uris(self) -> list[str]:
+        """The input.uri entries ([] for format ray_data before it is staged)."""
+        if self.uri is None:
+            return []
         return [self.uri] if isinstance(self.uri, str) else list(self.uri)
 
 

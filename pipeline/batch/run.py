@@ -1,9 +1,10 @@
 """run_job: the one place the stages of a batch job are chained.
 
-    preflight ─▶ shard plan + output schema ─▶ fingerprint ─▶ lease ─▶ resume state (manifest,
-    adopted parts) ─▶ Ray: prompt actors (read + render) ─▶ engine actors (generate + write
-    parts) ─▶ commits into the manifest ─▶ finish: status, totals, `_SUCCESS`
-    (the CLI writes the run report from the manifest: pipeline.cli.job_cmds)
+    [format ray_data: staged once as Parquet] ─▶ preflight ─▶ shard plan + output schema ─▶
+    fingerprint ─▶ lease ─▶ resume state (manifest, adopted parts) ─▶ Ray: prompt actors (read
+    + render) ─▶ engine actors (generate + write parts) ─▶ commits into the manifest ─▶ finish:
+    status, totals, `_SUCCESS` (the CLI writes the run report from the manifest:
+    pipeline.cli.job_cmds)
 
 The driver moves shards and part records, never rows (pipeline.batch.scheduler); the commit
 protocol that makes the output exactly-once is in pipeline.batch.commit.
@@ -53,6 +54,7 @@ from pipeline.batch.schema import (
 )
 from pipeline.batch.shards import ShardPlan, plan_shards
 from pipeline.batch.units import PartWritten, WorkUnit
+from pipeline.data.stage import stage_input
 from pipeline.spec import JobSpec
 from pipeline.storage import InputFile, OutputDir, RetryPolicy
 
@@ -193,6 +195,7 @@ def run_job(
     """Run (or resume) a job; see the module docstring for the order of the stages."""
     say = emit or (lambda line: logger.info(line))
     stop = stop or threading.Event()
+    spec = stage_input(spec, fresh=fresh, emit=say)  # ray_data: a Parquet snapshot, as parquet
     files = _preflight(spec)  # fails here, before any actor, on bad input or storage
     check_cpu_headroom(spec, known_cluster_cpus())
     out = OutputDir(spec.output.uri, spec.storage, RetryPolicy(spec.storage.retry_s))

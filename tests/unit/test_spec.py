@@ -72,7 +72,7 @@ def test_minimal_job_gets_documented_defaults() -> None:
         ),
         (
             {"input": {"format": "csv"}},
-            "input.format: Input should be 'parquet', 'jsonl' or 'openai_batch'",
+            "input.format: Input should be 'parquet', 'jsonl', 'openai_batch' or 'ray_data'",
         ),
         ({"sampling": {"max_tokens": 0}}, "sampling.max_tokens: Input should be greater than"),
         ({"sampling": {"temperature": "hot"}}, "sampling.temperature: Input should be a valid"),
