@@ -138,6 +138,7 @@ def to_engine_request(
             response_format=response_format,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            **request.sampling_values,  # penalties, min_p, logit_bias... (pipeline.openai)
         )
     except ValueError as exc:
         raise ApiError(400, str(exc), code="invalid_value") from None

@@ -228,3 +228,45 @@ def test_counts_grow_incrementally_and_slots_are_reused() -> None:
     logits = torch.zeros(1, VOCAB)
     processing.apply(logits, [0], [fresh])
     assert torch.equal(logits, torch.zeros(1, VOCAB))
+
+
+# --- the job spec ------------------------------------------------------------------------------
+
+
+def test_job_sampling_fields_reach_every_rows_params() -> None:
+    from pipeline.batch.rows import row_sampling
+    from pipeline.spec import SamplingSpec
+
+    spec = SamplingSpec(
+        frequency_penalty=0.5,
+        presence_penalty=-0.5,
+        repetition_penalty=1.1,
+        min_p=0.05,
+        min_tokens=2,
+        logit_bias={7: -100, 3: 2.5},
+        bad_words=["foo"],
+    )
+    params = row_sampling({"id": "r"}, spec)
+    assert (params.frequency_penalty, params.presence_penalty) == (0.5, -0.5)
+    assert (params.repetition_penalty, params.min_p, params.min_tokens) == (1.1, 0.05, 2)
+    assert params.logit_bias == ((3, 2.5), (7, -100.0)) and params.bad_words == ("foo",)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("frequency_penalty", 3),
+        ("repetition_penalty", 0),
+        ("min_p", 2),
+        ("min_tokens", -1),
+        ("logit_bias", {1: 200}),
+        ("bad_words", [" "]),
+    ],
+)
+def test_job_spec_refuses_bad_values_by_field(field: str, value: object) -> None:
+    from pydantic import ValidationError
+
+    from pipeline.spec import SamplingSpec
+
+    with pytest.raises(ValidationError, match=field):
+        SamplingSpec(**{field: value})

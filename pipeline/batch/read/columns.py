@@ -17,7 +17,7 @@ Columns of a table that `read_shard` returns (names are the constants below):
 
 openai_batch lines fill the fixed override columns `max_tokens` (body.max_completion_tokens
 or body.max_tokens), `temperature`, `top_p`, `seed` and `response_format` (JSON text; see
-`override_columns`).
+`override_columns`), and `body_sampling` (BODY_SAMPLING: the shared table's parameters).
 """
 
 from __future__ import annotations
@@ -39,6 +39,10 @@ PROMPT = "prompt"
 MESSAGES = "messages"
 ERROR = "error"
 CORE_COLUMNS = (ID, PROMPT, MESSAGES, ERROR)
+# openai_batch: the body's parameters of the shared table (pipeline.openai.params: penalties,
+# min_p, min_tokens, logit_bias, bad_words, stop, stop_token_ids) as canonical JSON text of
+# SamplingParams values; null when the body sets none.
+BODY_SAMPLING = "body_sampling"
 
 # openai_batch: sampling field -> the column its per-request value lands in.
 BATCH_OVERRIDE_COLUMNS: dict[str, str] = {
@@ -164,6 +168,8 @@ def column_types(spec: JobSpec, passthrough: list[pa.Field]) -> dict[str, pa.Dat
     for field, column in override_columns(spec).items():
         kind = OVERRIDE_TYPES[field]
         types[column] = pa.int64() if kind is int else pa.string() if kind is str else pa.float64()
+    if spec.input.format == "openai_batch":
+        types[BODY_SAMPLING] = pa.string()
     return types
 
 
@@ -173,6 +179,8 @@ def output_names(spec: JobSpec) -> list[str]:
     for name in [*extra_columns(spec), *override_columns(spec).values()]:
         if name not in names:
             names.append(name)
+    if spec.input.format == "openai_batch":
+        names.append(BODY_SAMPLING)
     return names
 
 
