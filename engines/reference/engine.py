@@ -130,7 +130,6 @@ class _Live:
     sent_tokens: int = 0  # output tokens already streamed
     sent_chars: int = 0  # text characters already streamed
     stop_ids: frozenset[int] = field(default_factory=frozenset)
-    bad_words: list[list[int]] = field(default_factory=list)  # token ids of sampling.bad_words
     ngram: Any = None  # speculative.NgramIndex when the request may speculate
     is_drafting: bool = False  # may speculate with draft-model proposals (method draft)
     draft_probs: Any = None  # torch.Tensor [k, V]: q of its pending draft proposals
@@ -442,9 +441,6 @@ class ReferenceEngine:
 
         metrics = RequestMetrics(arrival_time=time.monotonic())
         error, max_tokens = self._check(request)
-        bad_words: list[list[int]] = []
-        if error is None and request.sampling.bad_words:
-            bad_words = bad_words_token_ids(self.tokenizer, request.sampling.bad_words)
         grammar = None
         if error is None and request.sampling.response_format is not None:
             # Compiled on the caller's thread: a bad format is this row's error at once, and
@@ -470,7 +466,6 @@ class ReferenceEngine:
                 metrics=metrics,
                 is_stream=is_stream,
                 grammar=grammar,
-                bad_words=bad_words,
             )
             self._in_flight.add(request.request_id)
             self._inbox.append(live)
@@ -576,12 +571,15 @@ class ReferenceEngine:
             live.sched.use_prefix_cache = False
         live.stop_ids = frozenset(sampling.stop_token_ids)
         if sampling.uses_logits_processing:
+            # Tokenized here, on the thread that detokenizes: a fast tokenizer's encode resets
+            # its truncation settings, which must not race a decode on another thread.
+            bad_words = bad_words_token_ids(self.tokenizer, sampling.bad_words)
             self._processing.admit(
                 live.request.request_id,
                 sampling,
                 live.request.prompt_token_ids,
                 self.config.eos_token_ids,
-                live.bad_words,
+                bad_words,
             )
         spec = self._speculative
         # Constrained rows would need their grammar matcher advanced through the proposals and
