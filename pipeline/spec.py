@@ -476,7 +476,12 @@ class SamplingSpec(_Strict):
         default_factory=dict,
         description="Per-row overrides: sampling field -> input column, e.g. "
         "{max_tokens: max_tokens_col}. A null cell keeps the default. response_format's "
-        "column holds a format as JSON text or an object (a row may carry its own schema).",
+        "column holds a format as JSON text or an object (a row may carry its own schema); "
+        "stop (a string or a list), stop_token_ids, logit_bias ({token id: bias}) and "
+        "bad_words columns hold lists / objects, or them as JSON text. Fields: max_tokens, "
+        "temperature, top_p, top_k, seed, response_format, logprobs, n, stop, stop_token_ids, "
+        "frequency_penalty, presence_penalty, repetition_penalty, min_p, min_tokens, "
+        "logit_bias, bad_words.",
     )
 
     @functools.cached_property
@@ -521,6 +526,16 @@ class SamplingSpec(_Strict):
             "response_format",
             "logprobs",
             "n",
+            # The parameters Serve and openai_batch lines share (pipeline.openai.params).
+            "stop",
+            "stop_token_ids",
+            "frequency_penalty",
+            "presence_penalty",
+            "repetition_penalty",
+            "min_p",
+            "min_tokens",
+            "logit_bias",
+            "bad_words",
         }
         unknown = sorted(set(value) - allowed)
         if unknown:
