@@ -370,7 +370,7 @@ ERROR_CASES = [
         auth(),
         with_(presence_penalty=2.5),
         400,
-        None,
+        "presence_penalty",
         "invalid_value",
     ),
     # Unknown fields are only refused in strict mode (the tolerant path: test_serve_tolerance).

@@ -84,6 +84,8 @@ def test_invalid_values_are_refused_by_both_naming_the_parameter(name: str) -> N
     with pytest.raises(ApiError) as caught:
         _serve({name: bad})
     assert caught.value.status == 400 and name in str(caught.value)
+    if name in params.SAMPLING:  # read by the table: the error names it as its param
+        assert caught.value.body()["error"]["param"] == name
     batched, error = _batch({name: bad})
     assert batched is None and name in error
 
