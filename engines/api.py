@@ -121,12 +121,33 @@ class SamplingParams:
     # tokens before it and the k most likely alternatives there. The whole prompt is then
     # computed, never taken from the prefix cache, whose blocks hold no logits.
     prompt_logprobs: int | None = None
+    # Logits processing (vLLM's semantics and order: docs/sampling.md). The neutral values
+    # below cost nothing per step; `uses_logits_processing` says whether a request needs any.
+    # OpenAI's: subtract penalty x (times the token was generated) / (1 if it was at all).
+    frequency_penalty: float = 0.0  # in [-2, 2]; counts generated tokens only
+    presence_penalty: float = 0.0  # in [-2, 2]; generated tokens only
+    # Hugging Face's / vLLM's: a token seen in the prompt or the output has its logit divided
+    # by this when positive, multiplied when negative. > 0; 1 disables.
+    repetition_penalty: float = 1.0
+    # Drop tokens whose probability (after temperature) is below min_p x the top token's.
+    min_p: float = 0.0  # in [0, 1]; 0 disables
+    # EOS and stop_token_ids cannot be generated (and stop strings do not match) before this
+    # many output tokens.
+    min_tokens: int = 0
+    # Token id -> bias in [-100, 100] added to its logit (OpenAI's logit_bias); given as a
+    # dict or pairs, kept as sorted (id, bias) pairs so the params stay hashable.
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # Words the output must not contain: each is tokenized (as is and with a leading space,
+    # as vLLM does), and a word's last token is banned wherever the output ends with the
+    # tokens before it.
+    bad_words: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         # Normalize lists (from YAML / JSON) to tuples so the params stay hashable.
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        problems = []
+        object.__setattr__(self, "bad_words", tuple(self.bad_words))
+        problems = _bias_problems(self)
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             problems.append(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not _finite(self.temperature) or self.temperature < 0:
@@ -151,12 +172,87 @@ class SamplingParams:
                 problems.append(
                     f"{name} must be null or an integer in [0, {MAX_LOGPROBS}], got {value!r}"
                 )
+        problems += _processing_problems(self)
         if problems:
             raise ValueError("invalid sampling params: " + "; ".join(problems))
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+    @property
+    def uses_logits_processing(self) -> bool:
+        """Whether any logits processing before temperature is asked for (penalties, bias,
+        min_tokens, bad words); False for the neutral values, whose rows skip it."""
+        return bool(
+            self.frequency_penalty
+            or self.presence_penalty
+            or self.repetition_penalty != 1.0
+            or self.min_tokens
+            or self.logit_bias
+            or self.bad_words
+        )
+
+    @property
+    def uses_penalties(self) -> bool:
+        """Whether the frequency, presence or repetition penalty is set."""
+        return bool(
+            self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0
+        )
+
+
+# OpenAI's limits for these parameters.
+MAX_PENALTY = 2.0
+MAX_LOGIT_BIAS = 100.0
+
+
+def _bias_problems(params: SamplingParams) -> list[str]:
+    """Normalize logit_bias to sorted (id, bias) pairs; what is wrong with it."""
+    raw = params.logit_bias
+    try:
+        pairs = list(raw.items()) if isinstance(raw, dict) else [tuple(p) for p in raw]
+    except TypeError:
+        return [f"logit_bias must map token ids to numbers, got {raw!r}"]
+    problems = []
+    seen: dict[int, float] = {}
+    for pair in pairs:
+        token, bias = pair if len(pair) == 2 else (None, None)
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            problems.append(f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
+        elif not _finite(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            problems.append(
+                f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                f"got {bias!r} for token {token}"
+            )
+        else:
+            seen[token] = float(bias)
+    object.__setattr__(params, "logit_bias", tuple(sorted(seen.items())))
+    return problems
+
+
+def _processing_problems(params: SamplingParams) -> list[str]:
+    problems = []
+    for name in ("frequency_penalty", "presence_penalty"):
+        value = getattr(params, name)
+        if not _finite(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
+            problems.append(f"{name} must be in [-2, 2], got {value!r}")
+    if not _finite(params.repetition_penalty) or params.repetition_penalty <= 0:
+        problems.append(
+            f"repetition_penalty must be a number > 0 (1 disables), got "
+            f"{params.repetition_penalty!r}"
+        )
+    if not _finite(params.min_p) or not 0 <= params.min_p <= 1:
+        problems.append(f"min_p must be in [0, 1], got {params.min_p!r}")
+    min_tokens = params.min_tokens
+    if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or min_tokens < 0:
+        problems.append(f"min_tokens must be an integer >= 0, got {min_tokens!r}")
+    elif isinstance(params.max_tokens, int) and min_tokens > params.max_tokens:
+        problems.append(
+            f"min_tokens ({min_tokens}) must not exceed max_tokens ({params.max_tokens})"
+        )
+    if any(not isinstance(w, str) or not w.strip() for w in params.bad_words):
+        problems.append(f"bad_words must be non-blank strings, got {params.bad_words!r}")
+    return problems
 
 
 def _finite(x: object) -> bool:

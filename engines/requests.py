@@ -2,8 +2,8 @@
 
 One place decides what a request may ask for, so the same request gets the same answer from
 every engine kind (the contract suite in tests/contract checks this):
-- an empty prompt, a token id outside the vocabulary or a prompt that leaves no room for one
-  output token is a row error (finish_reason "error") naming what to change;
+- an empty prompt, a token id outside the vocabulary (prompt or logit_bias) or a prompt that
+  leaves no room for one output token is a row error (finish_reason "error") naming what to change;
 - max_tokens beyond the context is clipped to what fits, and the request finishes with
   "length" when it reaches that point, as OpenAI's and vLLM's servers do for a completion
   that runs into the context.
@@ -51,6 +51,11 @@ def admit(request: GenerationRequest, *, vocab_size: int, max_model_len: int) ->
                 f"prompt token id {token!r} is outside the vocabulary [0, {vocab_size}) "
                 "(tokenized with a different tokenizer?)",
                 0,
+            )
+    for token, _ in request.sampling.logit_bias:
+        if token >= vocab_size:
+            return Admission(
+                f"logit_bias token id {token} is outside the vocabulary [0, {vocab_size})", 0
             )
     if len(prompt) >= max_model_len:
         return Admission(
@@ -110,3 +115,21 @@ def eos_token_ids(config: dict[str, Any], model_dir: str | Path) -> tuple[int, .
             if isinstance(token, int) and not isinstance(token, bool) and token not in ids:
                 ids.append(token)
     return tuple(ids)
+
+
+# --- bad words ---------------------------------------------------------------------------------
+
+
+def bad_words_token_ids(tokenizer: Any, words: tuple[str, ...]) -> list[list[int]]:
+    """The token sequences each bad word is banned as, by vLLM's rule (so engines agree): the
+    word as given (left-stripped) and, when that spelling is a different first token of the
+    same length, with a leading space, since a word in running text usually carries the space
+    of the token before it."""
+    sequences: list[list[int]] = []
+    for word in words:
+        plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        sequences.append(plain)
+        if plain and spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+            sequences.append(spaced)
+    return [s for s in sequences if s]

@@ -32,6 +32,10 @@ against tests/standins/tensorrt_llm, a stand-in written to the same signatures a
   (SamplingParams.seed is not read), so seeded sampled rows are not reproducible there. The
   adapter logs that once per engine and lists it in `limitations`; the TensorRT backend
   honours seeds.
+- Penalties, logit bias, min_tokens, bad words and min_p: 1.2's default sampler ignores its
+  own penalty fields, so a per-request logits processor applies them with the reference
+  engine's code (engines/trtllm_logits.py). PyTorch backend only, without speculation, and
+  min_tokens not with stop strings: anything else is refused before any work.
 - A request that fails inside the executor (tensorrt_llm.executor.RequestError) is a row error;
   any other failure is the engine's.
 - Structured output: the LLM is built with guided_decoding_backend "xgrammar" (the backend both
@@ -92,6 +96,7 @@ from engines.api import (
     GenerationResult,
     RequestMetrics,
     ResponseFormat,
+    SamplingParams,
     StepRecord,
     StreamDelta,
     TokenLogprob,
@@ -99,11 +104,13 @@ from engines.api import (
 from engines.parallel import engine_devices
 from engines.requests import (
     admit,
+    bad_words_token_ids,
     context_length,
     eos_token_ids,
     error_result,
     read_config,
 )
+from engines.trtllm_logits import SamplingProcessor, needs_processor, processing_fields
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +138,20 @@ PROMPT_LOGPROBS_UNSUPPORTED = (
     "prompt_logprobs are not supported on engine.kind trtllm: TensorRT-LLM 1.2 returns the "
     "top-k at each prompt position, not the prompt token's own logprob; use engine.kind "
     "reference or vllm"
+)
+PROCESSING_TENSORRT_UNSUPPORTED = (
+    "{names} need engine.extra.backend pytorch on engine.kind trtllm (they are applied by a "
+    "per-request logits processor, which the TensorRT backend does not run per request); use "
+    "backend pytorch, or engine.kind reference or vllm"
+)
+PROCESSING_SPECULATIVE_UNSUPPORTED = (
+    "{names} cannot be combined with engine.speculative on engine.kind trtllm (a logits "
+    "processor sees one position per step, not the proposals a speculative step verifies); "
+    "turn speculation off, or use engine.kind reference or vllm"
+)
+MIN_TOKENS_STOP_UNSUPPORTED = (
+    "min_tokens with stop strings is not supported on engine.kind trtllm (TensorRT-LLM matches "
+    "stop strings from the first token); send one of them, or use engine.kind reference or vllm"
 )
 SEED_LIMITATION = (
     "TensorRT-LLM 1.2's PyTorch backend ignores per-request seeds (its sampler draws every "
@@ -278,6 +299,9 @@ class TrtllmEngine:
         self._max_model_len = max_model_len or context_length(config)
         self._eos_ids = eos_token_ids(config, model_dir)
         self._backend = backend
+        self._model_dir = model_dir
+        self._speculative = spec is not None
+        self._tokenizer: Any = None  # the checkpoint's own, for bad_words (loaded on first use)
         self.limitations: tuple[str, ...] = (SEED_LIMITATION,) if backend == "pytorch" else ()
         self._seed_warned = False
         if check_gpu:
@@ -410,6 +434,9 @@ class TrtllmEngine:
             return PROMPT_LOGPROBS_UNSUPPORTED, 0
         if request.sampling.logprobs is not None and self._backend != "pytorch":
             return LOGPROBS_TENSORRT_UNSUPPORTED, 0
+        problem = self._processing_problem(request.sampling)
+        if problem is not None:
+            return problem, 0
         num_prompt = len(request.prompt_token_ids)
         if not self._chunked_prefill and num_prompt > self._max_num_tokens:
             return (
@@ -418,6 +445,47 @@ class TrtllmEngine:
                 "engine.enable_chunked_prefill or raise max_num_tokens"
             ), 0
         return None, admission.max_tokens
+
+    def _processing_problem(self, s: SamplingParams) -> str | None:
+        """Why this kind cannot apply the request's penalties, bias, min_tokens, bad words or
+        min_p (engines/trtllm_logits.py applies them on the PyTorch backend); None: it can."""
+        if not needs_processor(s):
+            return None
+        names = ", ".join(processing_fields(s))
+        if self._backend != "pytorch":
+            return PROCESSING_TENSORRT_UNSUPPORTED.format(names=names)
+        if self._speculative:
+            return PROCESSING_SPECULATIVE_UNSUPPORTED.format(names=names)
+        if s.min_tokens and s.stop:
+            return MIN_TOKENS_STOP_UNSUPPORTED
+        if s.bad_words and self._bad_words_tokenizer() is None:
+            return "bad_words need a tokenizer, and the model directory has none"
+        return None
+
+    def _bad_words_tokenizer(self) -> Any:
+        """The checkpoint's tokenizer (the one the reference engine tokenizes bad words with)."""
+        if self._tokenizer is None:
+            from engines.reference.resources import load_tokenizer
+
+            self._tokenizer = load_tokenizer(self._model_dir) or False
+        return self._tokenizer or None
+
+    def _processor(self, request: GenerationRequest) -> list[Any] | None:
+        """The request's logits processor list (PyTorch backend), None when it needs none."""
+        s = request.sampling
+        if not needs_processor(s):
+            return None
+        bad_words: list[list[int]] = []
+        if s.bad_words:
+            bad_words = bad_words_token_ids(self._bad_words_tokenizer(), s.bad_words)
+        return [
+            SamplingProcessor(
+                s,
+                len(request.prompt_token_ids),
+                self._eos_ids,
+                tuple(tuple(w) for w in bad_words),
+            )
+        ]
 
     def _stop_rules(self, request: GenerationRequest) -> _StopRules:
         s = request.sampling
@@ -458,6 +526,9 @@ class TrtllmEngine:
             guided_decoding=guided_decoding(s.response_format, self._guided_cls),
             # TensorRT-LLM reads logprobs=0 as "off": ask for one and report none of it.
             logprobs=None if s.logprobs is None else max(s.logprobs, 1),
+            # Penalties, logit bias, min_tokens, bad words and min_p: see trtllm_logits.py
+            # (1.2's own fields for them are ignored by its default sampler).
+            logits_processor=self._processor(request),
         )
 
     def _note_seed(self) -> None:

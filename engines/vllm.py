@@ -11,6 +11,9 @@ transformers release differs from the one the quantization step pins.
 - Requests are checked by `engines.requests.admit` first (the check every engine kind shares),
   so an empty prompt, an out-of-vocabulary id or a prompt that fills the context is a row error
   here exactly as in the reference engine, and max_tokens is clipped to the context.
+- Sampling parameters map one to one (vLLM's SamplingParams has the same names: penalties,
+  min_p, min_tokens, logit_bias, bad_words), and the reference engine applies them as vLLM's
+  sampler does, so the kinds agree (tests/vllm/test_sampling_vllm.py).
 - Token accounting matches the reference engine: the EOS or stop token id stays in
   output_token_ids and is counted; a matched stop string is cut from the text (vLLM's default,
   `include_stop_str_in_output=False`) while its token ids stay.
@@ -257,6 +260,16 @@ class VllmEngine:
             structured_outputs=_structured(s.response_format),
             logprobs=s.logprobs,  # vLLM's default mode reports the raw model logprobs too
             prompt_logprobs=s.prompt_logprobs,
+            # Same names, ranges and order of application as the reference engine's, which
+            # follows vLLM's sampler; bad words are tokenized by vLLM with the rule
+            # engines.requests.bad_words_token_ids copies.
+            frequency_penalty=s.frequency_penalty,
+            presence_penalty=s.presence_penalty,
+            repetition_penalty=s.repetition_penalty,
+            min_p=s.min_p,
+            min_tokens=min(s.min_tokens, max_tokens),  # vLLM refuses more than max_tokens
+            logit_bias=dict(s.logit_bias) or None,
+            bad_words=list(s.bad_words) or None,
         )
 
     def _start(self, request: GenerationRequest, streaming: bool):

@@ -83,11 +83,14 @@ cost:
 - `openai_batch`: OpenAI Batch API lines (`custom_id`, `method`, `url`, `body`). Supported
   urls: `/v1/chat/completions` (`body.messages`) and `/v1/completions` (`body.prompt`).
   `body.max_tokens` / `max_completion_tokens`, `temperature`, `top_p`, `seed`,
-  `response_format`, `logprobs` / `top_logprobs` and `n` override the job's sampling for that
-  row; `body.model` is ignored (the job's model answers). A `/v1/completions` prompt is a raw
-  continuation (tokenized without the chat template or system prompt), as in the OpenAI API.
-  Parameters that would change results and are not implemented (`best_of`, `echo`, `tools`,
-  `stop`, penalties, `logit_bias`, ...) make the row an error row naming the parameter.
+  `response_format`, `logprobs` / `top_logprobs`, `n`, `stop`, `stop_token_ids`,
+  `frequency_penalty`, `presence_penalty`, `repetition_penalty`, `min_p`, `min_tokens`,
+  `logit_bias` and `bad_words` override the job's sampling for that row (the same parameters,
+  read by the same table, as the Serve endpoint's: docs/sampling.md); `body.model` is ignored
+  (the job's model answers). A `/v1/completions` prompt is a raw continuation (tokenized
+  without the chat template or system prompt), as in the OpenAI API. Parameters that would
+  change results and are not implemented (`best_of`, `echo`, `tools`, `stream`, ...), and
+  invalid values, make the row an error row naming the parameter.
 - `ray_data`: any Ray Data source: a `ray.data` reader by name (`input.reader: read_iceberg`,
   `read_delta`, `read_lance`, `read_csv`, `read_json`, `read_parquet`, ...) with
   `input.reader_args`, or `input.dataset: "module:function"` returning a Dataset. The run

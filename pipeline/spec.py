@@ -512,6 +512,51 @@ class SamplingSpec(_Strict):
         "`prompt_logprobs` output column (its first entry null). Such rows compute their "
         "whole prompt (the prefix cache keeps no logits). Null: none.",
     )
+    frequency_penalty: float = Field(
+        0.0,
+        ge=-2,
+        le=2,
+        description="OpenAI's: subtract this x the times a token was already generated from "
+        "its logit (generated tokens only, not the prompt). 0 disables.",
+    )
+    presence_penalty: float = Field(
+        0.0,
+        ge=-2,
+        le=2,
+        description="OpenAI's: subtract this from the logit of every token already generated. "
+        "0 disables.",
+    )
+    repetition_penalty: float = Field(
+        1.0,
+        gt=0,
+        description="Hugging Face's / vLLM's: a token seen in the prompt or the output has its "
+        "logit divided by this when positive, multiplied when negative (> 1 discourages "
+        "repeats). 1 disables.",
+    )
+    min_p: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="Drop tokens whose probability (after temperature) is below min_p x the "
+        "most likely token's, before top_k / top_p. 0 disables.",
+    )
+    min_tokens: int = Field(
+        0,
+        ge=0,
+        description="EOS and stop_token_ids cannot end a row (and stop strings do not match) "
+        "before this many output tokens.",
+    )
+    logit_bias: dict[int, float] = Field(
+        default_factory=dict,
+        description="Token id -> bias in [-100, 100] added to its logit (OpenAI's logit_bias); "
+        "-100 all but bans a token, 100 all but forces it.",
+    )
+    bad_words: list[str] = Field(
+        default_factory=list,
+        description="Words the output must not contain: each is tokenized as given and with a "
+        "leading space, and its last token is banned wherever the output ends with the tokens "
+        "before it (vLLM's rule).",
+    )
     n: int = Field(
         1,
         ge=1,
@@ -528,8 +573,14 @@ class SamplingSpec(_Strict):
         default_factory=dict,
         description="Per-row overrides: sampling field -> input column, e.g. "
         "{max_tokens: max_tokens_col}. A null cell keeps the default. response_format's "
-        "column holds a format as JSON text or an object (a row may carry its own schema). "
-        "reasoning_effort (low | medium | high) replaces prompt.reasoning_effort for the row.",
+        "column holds a format as JSON text or an object (a row may carry its own schema); "
+        "stop (a string or a list), stop_token_ids, logit_bias ({token id: bias}) and "
+        "bad_words columns hold lists / objects, or them as JSON text; reasoning_effort "
+        "(low | medium | high) replaces prompt.reasoning_effort for the row. Fields: "
+        "max_tokens, "
+        "temperature, top_p, top_k, seed, response_format, logprobs, n, stop, stop_token_ids, "
+        "frequency_penalty, presence_penalty, repetition_penalty, min_p, min_tokens, "
+        "logit_bias, bad_words, reasoning_effort.",
     )
 
     @functools.cached_property
@@ -547,6 +598,21 @@ class SamplingSpec(_Strict):
         parse_response_format(value, "sampling.response_format")
         return value
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_range(cls, value: dict[int, float]) -> dict[int, float]:
+        bad = {t: b for t, b in value.items() if t < 0 or not -100 <= b <= 100}
+        if bad:
+            raise ValueError(f"logit_bias needs token ids >= 0 and biases in [-100, 100]: {bad}")
+        return value
+
+    @field_validator("bad_words")
+    @classmethod
+    def _words(cls, value: list[str]) -> list[str]:
+        if any(not w.strip() for w in value):
+            raise ValueError("bad_words must be non-blank strings")
+        return value
+
     @field_validator("overrides")
     @classmethod
     def _known_override_fields(cls, value: dict[str, str]) -> dict[str, str]:
@@ -560,6 +626,16 @@ class SamplingSpec(_Strict):
             "logprobs",
             "n",
             "reasoning_effort",
+            # The parameters Serve and openai_batch lines share (pipeline.openai.params).
+            "stop",
+            "stop_token_ids",
+            "frequency_penalty",
+            "presence_penalty",
+            "repetition_penalty",
+            "min_p",
+            "min_tokens",
+            "logit_bias",
+            "bad_words",
         }
         unknown = sorted(set(value) - allowed)
         if unknown:

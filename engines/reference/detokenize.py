@@ -45,8 +45,9 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def add(self, token_id: int) -> str | None:
-        """Take one output token; return the stop string it completed, if any."""
+    def add(self, token_id: int, search: bool = True) -> str | None:
+        """Take one output token; return the stop string it completed, if any (none when
+        `search` is False: the output is still shorter than min_tokens)."""
         self._ids.append(token_id)
         prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
         full = self._decode(self._ids[self._prefix_offset :])
@@ -55,7 +56,7 @@ class IncrementalDetokenizer:
         before = len(self.text)
         self.text += full[len(prefix) :]
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-        if not self.stop:
+        if not self.stop or not search:
             return None
         search_from = max(0, before - self._max_stop + 1)
         best: tuple[int, str] | None = None

@@ -55,7 +55,7 @@ from engines.reference.grammar import limitations as grammar_limitations
 from engines.reference.groups import SampleGroups
 from engines.reference.logprobs import prompt_rows, record_logprobs, record_prompt_logprobs
 from engines.reference.profiling import NO_PROFILER, NoProfiler, StepProfiler
-from engines.requests import admit
+from engines.requests import admit, bad_words_token_ids
 
 _log = logging.getLogger(__name__)
 
@@ -212,6 +212,7 @@ class ReferenceEngine:
         self.drafter: Any = None  # method draft: set by _load
         self._grammars: Any = None  # engines.reference.grammar.Grammars, on first use
         self._grammars_lock = threading.Lock()
+        self._processing: Any = None  # processing.LogitsProcessing, made by _load
         self._test_step_delay_s = testhooks.step_delay_s()  # 0 outside tests
         self._cv = threading.Condition()
         self._inbox: deque[_Live] = deque()
@@ -359,6 +360,9 @@ class ReferenceEngine:
                 dtype=self._torch_dtype,
                 device=self._torch_device,
             )
+        from engines.reference.processing import LogitsProcessing
+
+        self._processing = LogitsProcessing(self.config.vocab_size, self._torch_device)
         self._default_generator = torch.Generator(device=self._torch_device)
         self._default_generator.manual_seed(int.from_bytes(os.urandom(4), "little"))
 
@@ -476,6 +480,8 @@ class ReferenceEngine:
             return admission.error, 0
         if request.sampling.stop and self.tokenizer is None:
             return "stop strings need a tokenizer, and the model directory has none", 0
+        if request.sampling.bad_words and self.tokenizer is None:
+            return "bad_words need a tokenizer, and the model directory has none", 0
         max_tokens = admission.max_tokens
         return self.scheduler.admission_error(len(request.prompt_token_ids), max_tokens), max_tokens
 
@@ -564,11 +570,25 @@ class ReferenceEngine:
             live.prompt_logprobs = [None]
             live.sched.use_prefix_cache = False
         live.stop_ids = frozenset(sampling.stop_token_ids)
+        if sampling.uses_logits_processing:
+            # Tokenized here, on the thread that detokenizes: a fast tokenizer's encode resets
+            # its truncation settings, which must not race a decode on another thread.
+            bad_words = bad_words_token_ids(self.tokenizer, sampling.bad_words)
+            self._processing.admit(
+                live.request.request_id,
+                sampling,
+                live.request.prompt_token_ids,
+                self.config.eos_token_ids,
+                bad_words,
+            )
         spec = self._speculative
         # Constrained rows would need their grammar matcher advanced through the proposals and
         # rolled back on rejection; logprob rows would need every emitted position's
-        # alternatives. Both decode one token a step instead (correct, just not faster).
-        if spec is not None and live.matcher is None and live.logprobs is None:
+        # alternatives; rows with logits processing or min_p would need each proposal's
+        # position processed with the counts and output of the positions before it. All
+        # decode one token a step instead (correct, just not faster).
+        may_speculate = not (sampling.uses_logits_processing or sampling.min_p)
+        if spec is not None and live.matcher is None and live.logprobs is None and may_speculate:
             from engines.reference.speculative import NgramIndex
 
             if spec.method == "draft":
@@ -731,6 +751,9 @@ class ReferenceEngine:
                     [first_rows[i] for i in constrained],
                     [lives[i].matcher for i in constrained],
                 )
+            # Penalties, logit bias, min_tokens and bad words (rows that use them never carry
+            # proposals); temperature, min_p, top-k and top-p follow in the sampler.
+            self._processing.apply(logits, first_rows, lives)
             params = [lv.request.sampling for lv in lives]
             generators = [lv.generator for lv in lives]
             if speculating:
@@ -865,7 +888,8 @@ class ReferenceEngine:
         stop_string = None
         if live.detok is not None:
             with self._profiler.phase("detokenize"):
-                stop_string = live.detok.add(token)
+                # Like EOS, stop strings cannot end the output before min_tokens (vLLM's rule).
+                stop_string = live.detok.add(token, search=num_output > sampling.min_tokens)
         if stop_string is not None:
             return {"reason": "stop", "stop_reason": stop_string}
         if num_output >= live.sched.max_tokens:
@@ -888,6 +912,7 @@ class ReferenceEngine:
             if waiter.request.request_id in self._live:
                 self.scheduler.add_request(waiter.sched)
         sched = self.scheduler.finish_request(request_id)
+        self._processing.free(request_id)
         if self.drafter is not None:
             self.drafter.free(request_id)
         output_ids = list(sched.output_token_ids) if sched is not None else []

@@ -1,8 +1,9 @@
 """Pick each sampling row's next token from its logits, all rows at once.
 
 One step costs a few batched tensor ops and ONE device-to-host copy (the final token ids):
-greedy rows take the argmax; random rows go through temperature, top-k, top-p and
-inverse-CDF sampling as [R, V] tensor ops with per-row parameters.
+greedy rows take the argmax; random rows go through temperature, min_p, top-k, top-p and
+inverse-CDF sampling as [R, V] tensor ops with per-row parameters. (Penalties, logit bias,
+min_tokens and bad words edit the raw logits before this: processing.py.)
 
 How a random row is drawn, and why: each random row consumes exactly one uniform number per
 step, from its own torch.Generator when the request has a seed (else from the engine's shared
@@ -104,6 +105,21 @@ def _sorted_pick(scaled: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor) -> 
     return _pick(values.softmax(-1), ids, top_p, u)
 
 
+def _min_p(
+    scaled: torch.Tensor,  # [R, V] logits after temperature
+    params: list[SamplingParams],
+) -> torch.Tensor:  # [R, V], tokens below min_p x the top probability at -inf
+    """min_p after temperature and before top-k / top-p, as vLLM orders them. Rows without it
+    come out unchanged (a zero threshold drops nothing), and a batch where no row uses it
+    pays nothing."""
+    if not any(p.min_p for p in params):
+        return scaled
+    min_p = torch.tensor([p.min_p for p in params], device=scaled.device)
+    probs = scaled.softmax(-1)
+    threshold = min_p[:, None] * probs.amax(-1, keepdim=True)
+    return scaled.masked_fill(probs < threshold, -torch.inf)
+
+
 def _draw(
     logits: torch.Tensor,  # [R, V] float32
     params: list[SamplingParams],  # R rows, all non-greedy, all of the same _width
@@ -112,7 +128,7 @@ def _draw(
 ) -> torch.Tensor:  # [R] int64 token ids
     device, vocab = logits.device, logits.shape[-1]
     temperature = torch.tensor([p.temperature for p in params], device=device)
-    scaled = logits / temperature[:, None]
+    scaled = _min_p(logits / temperature[:, None], params)
     if width is None:
         return _pick(scaled.softmax(-1), None, None, u)
     # top_p = 1 keeps all (a cumsum rounding to 1.0 must not drop a tiny tail).

@@ -14,7 +14,8 @@ ends, as a real engine's are. Steps are recorded (StepRecord) like the reference
 a request's first token step counts its prompt as prefill, later ones one decode token.
 
 Departures from a real engine, by design: the text means nothing; logprobs are made up (well
-formed: the chosen token is the most likely); response_format is refused as a row error; there
+formed: the chosen token is the most likely); response_format, and the logits processing
+parameters (penalties, min_p, min_tokens, logit_bias, bad_words), are refused as row errors; there
 is no KV cache, so nothing is ever cached or preempted.
 """
 
@@ -57,12 +58,19 @@ __all__ = ["SETTINGS", "SyntheticEngine"]
 LIMITATIONS = (
     "engine.kind synthetic is a test and capacity tool: it generates random token ids at a "
     "configured rate, so its text means nothing",
-    "engine.kind synthetic refuses response_format (row error), makes up logprobs and has no "
-    "prefix cache (cached_prompt_tokens is always 0)",
+    "engine.kind synthetic refuses response_format, penalties, min_p, min_tokens, logit_bias "
+    "and bad_words (row errors), makes up logprobs and has no prefix cache "
+    "(cached_prompt_tokens is always 0)",
 )
 FORMAT_REFUSAL = (
     f"{FORMAT_ERROR_PREFIX} is not supported by engine.kind synthetic: it generates random "
     "token ids and cannot constrain the text"
+)
+
+
+PROCESSING_REFUSAL = (
+    "penalties, min_p, min_tokens, logit_bias and bad_words are not supported by engine.kind "
+    "synthetic: it generates random token ids, not from logits"
 )
 
 
@@ -151,6 +159,8 @@ class SyntheticEngine:
             return error_result(request, f"request_id {rid!r} is already in flight", arrival)
         if request.sampling.response_format is not None:
             return error_result(request, FORMAT_REFUSAL, arrival)
+        if request.sampling.uses_logits_processing or request.sampling.min_p:
+            return error_result(request, PROCESSING_REFUSAL, arrival)
         loop = self._start_loop()
         stop = request.sampling.stop
         live = _Live(

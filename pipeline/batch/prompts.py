@@ -48,6 +48,7 @@ from engines import testhooks
 from pipeline.batch.read import ERROR, ID, MESSAGES, PROMPT, override_columns
 from pipeline.batch.shards import RowRanges, RowSelection
 from pipeline.batch.units import PreparedInfo, WorkUnit
+from pipeline.openai import params
 from pipeline.spec import JobSpec, ModelSpec, PromptSpec, StorageSpec
 
 if TYPE_CHECKING:
@@ -465,6 +466,8 @@ def resolve_sampling(
     seed_overridden = False
     for field, column in overrides.items():
         value = row.get(column)
+        if field in params.BATCH_SAMPLING:  # read into the row's BODY_SAMPLING by the reader
+            continue
         if value is None or (isinstance(value, float) and math.isnan(value)):
             continue
         if field == RESPONSE_FORMAT:

@@ -6,7 +6,9 @@ tests: no Ray, no storage.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +16,7 @@ import pyarrow as pa
 
 from engines.api import GenerationResult, ResponseFormat, SamplingParams
 from pipeline.batch.read import ROW
+from pipeline.batch.read.columns import BODY_SAMPLING
 from pipeline.openai.reasoning import Split
 from pipeline.spec import CostSpec, EngineSpec, JobSpec, ModelSpec, SamplingSpec, StorageSpec
 
@@ -116,10 +119,11 @@ def row_sampling(
         None if seed is None else int(seed),
         row_format(row),
         _row_logprobs(row, sampling),
+        row.get(BODY_SAMPLING),
     )
     params = None if cache is None else cache.get(key)
     if params is None:
-        max_tokens, temperature, top_p, top_k, seed, response_format, logprobs = key
+        max_tokens, temperature, top_p, top_k, seed, response_format, logprobs, body = key
         params = SamplingParams(
             max_tokens=max_tokens,
             temperature=temperature,
@@ -132,12 +136,30 @@ def row_sampling(
             response_format=response_format,
             logprobs=logprobs,
             prompt_logprobs=sampling.prompt_logprobs,
+            frequency_penalty=sampling.frequency_penalty,
+            presence_penalty=sampling.presence_penalty,
+            repetition_penalty=sampling.repetition_penalty,
+            min_p=sampling.min_p,
+            min_tokens=sampling.min_tokens,
+            logit_bias=sampling.logit_bias,
+            bad_words=tuple(sampling.bad_words),
         )
+        if body:
+            params = dataclasses.replace(params, **_body_values(body))
         if cache is not None:
             if len(cache) >= SAMPLING_CACHE_SIZE:
                 cache.clear()
             cache[key] = params
     return params
+
+
+def _body_values(text: str) -> dict[str, Any]:
+    """An openai_batch line's shared-table sampling values (the reader's BODY_SAMPLING JSON,
+    already checked there), over the job's."""
+    values = json.loads(text)
+    if "logit_bias" in values:  # JSON keys are text
+        values["logit_bias"] = {int(k): v for k, v in values["logit_bias"].items()}
+    return values
 
 
 def row_samples(row: dict[str, Any], sampling: SamplingSpec) -> int:

@@ -1,1 +1,2 @@
-"""The OpenAI-compatible output shared by batch and Serve (see docs/architecture.md)."""
+"""The OpenAI wire format shared by Serve and batch: one table of request parameters
+(params.py) and reasoning output (reasoning.py); see docs/architecture.md."""

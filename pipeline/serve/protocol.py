@@ -25,6 +25,7 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from engines.api import MAX_LOGPROBS, MAX_SAMPLES
+from pipeline.openai import params
 
 WARNING_HEADER = "x-tokenmill-warning"  # what the server ignored or changed in a request
 STRICT_HEADER = "x-tokenmill-strict"  # "1": unknown request fields are a 400, not a warning
@@ -75,41 +76,8 @@ class ApiError(Exception):
 
 # --- requests --------------------------------------------------------------------------------
 
-# OpenAI (and vLLM) parameters this server does not implement, each with the values that mean
-# "off" and are therefore harmless to accept (clients often send defaults explicitly). Any other
-# value changes what the answer means, so it is a 400 even outside strict mode.
-_NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "best_of": (None, 1),
-    "suffix": (None, ""),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
-    "functions": (None, []),
-    "function_call": (None, "none"),
-    "logit_bias": (None, {}),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
-    "modalities": (None, ["text"]),
-    "audio": (None,),
-    "prediction": (None,),
-    "web_search_options": (None,),
-    # vLLM's sampling and decoding extras the engines do not implement.
-    "min_p": (None, 0, 0.0),
-    "repetition_penalty": (None, 1, 1.0),
-    "min_tokens": (None, 0),
-    "use_beam_search": (None, False),
-    "length_penalty": (None, 1, 1.0),
-    "include_stop_str_in_output": (None, False),
-    "prompt_logprobs": (None, 0),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
-    "structured_outputs": (None,),
-    "add_generation_prompt": (None, True),
-    "continue_final_message": (None, False),
-    "chat_template": (None,),
-    "documents": (None,),
-}
+# The parameters Serve shares with batch input lines (supported sampling ones, and those refused
+# unless "off") are in one table: pipeline/openai/params.py.
 
 # Names apply_chat_template (or the template itself) already uses: a chat_template_kwargs key
 # among them would replace the conversation, the template or the tokenization, not add a variable.
@@ -165,11 +133,18 @@ class _Request(BaseModel):
     response_format: dict[str, Any] | None = None
 
     _ignored: tuple[str, ...] = PrivateAttr(default=())
+    # SamplingParams values of the shared table's parameters (penalties, min_p, logit_bias...).
+    _sampling: dict[str, Any] = PrivateAttr(default_factory=dict)
 
     @property
     def ignored_fields(self) -> tuple[str, ...]:
         """Unknown fields the request carried, dropped before validation (not strict mode)."""
         return self._ignored
+
+    @property
+    def sampling_values(self) -> dict[str, Any]:
+        """SamplingParams keyword values read by pipeline.openai.params (shared with batch)."""
+        return dict(self._sampling)
 
     @property
     def top_k_value(self) -> int:
@@ -294,19 +269,18 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
     return data
 
 
-def _check_unsupported(data: dict[str, Any]) -> None:
-    for name, neutral in _NEUTRAL.items():
-        value = data.get(name)
-        if name in data and not any(type(value) is type(v) and value == v for v in neutral):
-            raise ApiError(
-                400,
-                f"'{name}' is not supported by this server (got {json.dumps(data[name])[:80]}); "
-                "remove it or send its default",
-                param=name,
-                code="unsupported_parameter",
-            )
-    for name in _NEUTRAL:
+def _shared_params(data: dict[str, Any]) -> dict[str, Any]:
+    """Check and remove the shared table's parameters from `data` (the caller's copy): refused
+    ones unless "off", supported ones read into SamplingParams values (returned)."""
+    try:
+        params.check_refused(data)
+        values = params.sampling_values(data)
+    except params.ParamError as exc:
+        code = "unsupported_parameter" if exc.unsupported else "invalid_value"
+        raise ApiError(400, str(exc), param=exc.name, code=code) from None
+    for name in (*params.REFUSED, *params.SAMPLING):
         data.pop(name, None)
+    return values
 
 
 def strict_mode(header: str | None, default: bool) -> bool:
@@ -329,7 +303,7 @@ def strict_mode(header: str | None, default: bool) -> bool:
 def _pop_unknown(data: dict[str, Any], model: type[_Request]) -> list[str]:
     """Remove the fields neither the model nor the known-unsupported list knows; their names
     (nested ones as `stream_options.x`). `data` is the caller's own copy."""
-    known = set(model.model_fields) | set(_NEUTRAL)
+    known = set(model.model_fields) | set(params.REFUSED) | set(params.SAMPLING)
     unknown = [name for name in data if name not in known]
     for name in unknown:
         del data[name]
@@ -366,7 +340,7 @@ def ignored_warning(names: tuple[str, ...]) -> str:
 
 def _parse(data: dict[str, Any], model: type[RequestT], strict: bool) -> RequestT:
     data = dict(data)
-    _check_unsupported(data)
+    sampling = _shared_params(data)
     unknown = _pop_unknown(data, model)
     if unknown and strict:
         raise _unknown_error(unknown)
@@ -375,6 +349,7 @@ def _parse(data: dict[str, Any], model: type[RequestT], strict: bool) -> Request
     except ValidationError as exc:
         raise _validation_error(exc) from None
     request._ignored = tuple(unknown)
+    request._sampling = sampling
     _check_stop(request)
     return request
 

@@ -139,9 +139,12 @@ def to_engine_request(
             response_format=response_format,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            **request.sampling_values,  # penalties, min_p, logit_bias... (pipeline.openai)
         )
     except ValueError as exc:
-        raise ApiError(400, str(exc), code="invalid_value") from None
+        # The shared parameters keep their names in SamplingParams: name the one refused.
+        param = next((n for n in request.sampling_values if f"{n} " in str(exc)), None)
+        raise ApiError(400, str(exc), param=param, code="invalid_value") from None
     warnings = []
     if request.ignored_fields:
         warnings.append(ignored_warning(request.ignored_fields))

@@ -410,3 +410,27 @@ async def _wait_for_tokens(h: EngineHarness, request_id: str, timeout: float = 6
         if loop.time() > deadline:
             raise AssertionError(f"{request_id} never started")
         await asyncio.sleep(0.01)
+
+
+# --- logits processing -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("harness", KINDS, indirect=True)
+def test_logit_bias_and_min_tokens_act_alike(harness: EngineHarness) -> None:
+    eos = harness.engine.info.eos_token_ids[0]
+    forced = generate(harness, PROMPT, greedy(4, logit_bias={5: 100}), "bias")
+    held = generate(
+        harness,
+        PROMPT,
+        SamplingParams(max_tokens=12, temperature=0.0, logit_bias={eos: 100}, min_tokens=3),
+        "min-tokens",
+    )
+    if harness.kind == "synthetic":  # random ids, not from logits: refused
+        assert forced.finish_reason == held.finish_reason == "error"
+        assert "not supported by engine.kind synthetic" in forced.error
+        return
+    assert forced.output_token_ids == [5] * 4 and forced.finish_reason == "length"
+    assert_counted(forced, PROMPT)
+    assert held.finish_reason == "stop" and held.stop_reason is None
+    assert len(held.output_token_ids) == 4 and held.output_token_ids[-1] == eos
+    assert_counted(held, PROMPT)

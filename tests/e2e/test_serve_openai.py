@@ -368,14 +368,21 @@ ERROR_CASES = [
     (
         "penalty",
         auth(),
-        with_(presence_penalty=0.5),
+        with_(presence_penalty=2.5),
         400,
         "presence_penalty",
-        "unsupported_parameter",
+        "invalid_value",
     ),
     # Unknown fields are only refused in strict mode (the tolerant path: test_serve_tolerance).
     ("unknown-strict", strict(), with_(foo=1), 400, "foo", "unknown_parameter"),
-    ("min_p", auth(), with_(min_p=0.2), 400, "min_p", "unsupported_parameter"),
+    (
+        "length_penalty",
+        auth(),
+        with_(length_penalty=0.2),
+        400,
+        "length_penalty",
+        "unsupported_parameter",
+    ),
     (
         "long-prompt",
         auth(),

@@ -436,3 +436,41 @@ def test_parquet_passthrough_types_unify_across_files(tmp_path: Path) -> None:
     _, passthrough = plan_input(spec, list_input_files(spec))
     assert passthrough == [pa.field("u", pa.int64())]
     assert read_all(spec).column("u").to_pylist() == [1, 2**40]
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
+def test_overrides_of_shared_sampling_fields_reach_each_rows_params(
+    tmp_path: Path, fmt: str
+) -> None:
+    from pipeline.batch.rows import row_sampling
+
+    rows = [
+        {"q": "a", "stops": ["END", "STOP"], "ids": [5, 9], "bias": {"7": 3.0}, "pen": 0.5},
+        {"q": "b", "stops": None, "ids": None, "bias": None, "pen": None},
+        {"q": "c", "stops": [""], "ids": [1], "bias": {"x": 1}, "pen": 0.0},
+    ]
+    path = tmp_path / f"in.{fmt}"
+    if fmt == "parquet":  # objects as JSON text in Parquet (a struct cannot have id keys)
+        cells = [{**r, "bias": None if r["bias"] is None else json.dumps(r["bias"])} for r in rows]
+        pq.write_table(pa.Table.from_pylist(cells), path)
+    else:
+        path.write_text("\n".join(json.dumps(r) for r in rows))
+    overrides = {
+        "stop": "stops",
+        "stop_token_ids": "ids",
+        "logit_bias": "bias",
+        "presence_penalty": "pen",
+    }
+    spec = make_spec(
+        StorageSpec(),
+        {"uri": str(path), "format": fmt, "prompt_column": "q"},
+        sampling={"stop": ["job"], "frequency_penalty": 1.0, "overrides": overrides},
+    )
+    read = read_all(spec).to_pylist()
+    first = row_sampling(read[0], spec.sampling)
+    assert first.stop == ("END", "STOP") and first.stop_token_ids == (5, 9)
+    assert first.logit_bias == ((7, 3.0),) and first.presence_penalty == 0.5
+    assert first.frequency_penalty == 1.0  # the job's, where no column overrides it
+    second = row_sampling(read[1], spec.sampling)  # null cells keep the job's values
+    assert second.stop == ("job",) and second.logit_bias == () and second.presence_penalty == 0
+    assert read[2]["error"] is not None and "sampling.overrides.stop" in read[2]["error"]

@@ -89,8 +89,8 @@ def test_minimal_job_gets_documented_defaults() -> None:
         ({"output": None}, "output: required field is missing"),
         ({"storage": {"endpoint_url": 5}}, "storage.endpoint_url: Input should be a valid string"),
         (
-            {"sampling": {"overrides": {"frequency_penalty": "col"}}},
-            "sampling.overrides: unknown sampling.overrides field(s) ['frequency_penalty']",
+            {"sampling": {"overrides": {"length_penalty": "col"}}},
+            "sampling.overrides: unknown sampling.overrides field(s) ['length_penalty']",
         ),
         (
             {"resources": {"num_actors": None, "min_actors": 1}},

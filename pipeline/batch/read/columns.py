@@ -14,14 +14,18 @@ Columns of a table that `read_shard` returns (names are the constants below):
   `prompt.template` reads (nested JSON values as JSON text).
 - override source columns (`sampling.overrides` values), int64 or float64 as the sampling
   field; a value that is not a number makes the row an error row naming column and value.
+  Columns of the shared table's fields (stop, penalties, logit_bias, ...) are kept as text
+  (lists and objects as JSON) and read into `body_sampling`.
 
 openai_batch lines fill the fixed override columns `max_tokens` (body.max_completion_tokens
 or body.max_tokens), `temperature`, `top_p`, `seed`, `response_format` (JSON text) and
-`reasoning_effort` (see `override_columns`).
+`reasoning_effort` (see `override_columns`), and `body_sampling` (BODY_SAMPLING: the shared
+table's parameters).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -31,6 +35,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from pipeline.openai import params
 from pipeline.spec import JobSpec
 
 ROW = "_row"
@@ -39,6 +44,10 @@ PROMPT = "prompt"
 MESSAGES = "messages"
 ERROR = "error"
 CORE_COLUMNS = (ID, PROMPT, MESSAGES, ERROR)
+# The row's own values of the shared table's parameters (pipeline.openai.params: penalties,
+# min_p, min_tokens, logit_bias, bad_words, stop, stop_token_ids), from an openai_batch body or
+# `sampling.overrides` columns, as canonical JSON text of SamplingParams values; null: none.
+BODY_SAMPLING = "body_sampling"
 
 # openai_batch: sampling field -> the column its per-request value lands in.
 BATCH_OVERRIDE_COLUMNS: dict[str, str] = {
@@ -63,6 +72,13 @@ OVERRIDE_TYPES: dict[str, type] = {
     "response_format": str,  # JSON text; read and checked by the prompt stage
     "reasoning_effort": str,  # low | medium | high; checked by the prompt stage
 }
+
+
+def has_row_sampling(spec: JobSpec) -> bool:
+    """Whether rows carry BODY_SAMPLING: openai_batch input, or an override of a table field."""
+    return spec.input.format == "openai_batch" or any(
+        field in params.BATCH_SAMPLING for field in spec.sampling.overrides
+    )
 
 
 def override_columns(spec: JobSpec) -> dict[str, str]:
@@ -124,14 +140,43 @@ def coerce_override(
 def apply_overrides(
     spec: JobSpec, row: dict[str, Any], source: Mapping[str, Any], where: str
 ) -> None:
-    """Coerce the override source columns of `row` (taken from `source`) in place."""
+    """Coerce the override source columns of `row` (taken from `source`) in place; a shared
+    table field's value (stop, penalties, ...) also joins the row's BODY_SAMPLING."""
     for field, column in override_columns(spec).items():
         if column not in source:
+            continue
+        if field in params.BATCH_SAMPLING:
+            problem = _row_sampling_value(row, field, column, source[column])
+            cell = source[column]
+            row[column] = None if cell is None or isinstance(cell, str) else json.dumps(cell)
+            if problem and row.get(ERROR) is None:
+                row[ERROR] = f"{where}: {problem}"
             continue
         value, problem = coerce_override(field, column, source[column])
         row[column] = value
         if problem and row.get(ERROR) is None:
             row[ERROR] = f"{where}: {problem}"
+
+
+def _row_sampling_value(row: dict[str, Any], field: str, column: str, value: Any) -> str | None:
+    """Read one override cell of a shared-table field into the row's BODY_SAMPLING JSON (over
+    what an openai_batch body set); the problem as text, or None."""
+    if isinstance(value, str) and field not in ("stop", "bad_words"):
+        # A list or an object kept as JSON text (a string column, a mixed JSON column).
+        with contextlib.suppress(json.JSONDecodeError):
+            value = json.loads(value)
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return None
+    if hasattr(value, "tolist"):  # Arrow / NumPy values of list columns
+        value = value.tolist()
+    try:
+        read = params.BATCH_SAMPLING[field].read(field, value)
+    except params.ParamError as exc:
+        return f"column {column!r} (sampling.overrides.{field}): {exc}"
+    values = json.loads(row[BODY_SAMPLING]) if row.get(BODY_SAMPLING) else {}
+    values[params.BATCH_SAMPLING[field].field] = read
+    row[BODY_SAMPLING] = json.dumps(values, sort_keys=True)
+    return None
 
 
 def json_cell(value: Any) -> Any:
@@ -168,8 +213,10 @@ def column_types(spec: JobSpec, passthrough: list[pa.Field]) -> dict[str, pa.Dat
     for field in passthrough:
         types[field.name] = field.type
     for field, column in override_columns(spec).items():
-        kind = OVERRIDE_TYPES[field]
+        kind = OVERRIDE_TYPES.get(field, str)  # table fields: the cell as JSON text
         types[column] = pa.int64() if kind is int else pa.string() if kind is str else pa.float64()
+    if has_row_sampling(spec):
+        types[BODY_SAMPLING] = pa.string()
     return types
 
 
@@ -179,6 +226,8 @@ def output_names(spec: JobSpec) -> list[str]:
     for name in [*extra_columns(spec), *override_columns(spec).values()]:
         if name not in names:
             names.append(name)
+    if has_row_sampling(spec):
+        names.append(BODY_SAMPLING)
     return names
 
 

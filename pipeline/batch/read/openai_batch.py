@@ -10,8 +10,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from engines.api import SamplingParams
 from pipeline.batch.read.columns import (
     BATCH_OVERRIDE_COLUMNS,
+    BODY_SAMPLING,
     ERROR,
     ID,
     MESSAGES,
@@ -20,25 +22,18 @@ from pipeline.batch.read.columns import (
     coerce_override,
     json_cell,
 )
+from pipeline.openai import params
 from pipeline.spec import JobSpec
 
 SUPPORTED_BATCH_URLS = ("/v1/chat/completions", "/v1/completions")
 # openai_batch: sampling field -> the column its per-request value lands in.
 # Request body parameters that would change results and that the pipeline does not implement:
 # name -> predicate on the value saying "this value needs the feature".
+# Batch-only refusals; the parameters Serve refuses too are in pipeline.openai.params.REFUSED,
+# and the supported sampling ones (penalties, logit_bias, stop, ...) in its BATCH_SAMPLING.
 UNSUPPORTED_BODY: dict[str, Any] = {
-    "best_of": lambda v: v not in (None, 1),
     "echo": lambda v: bool(v),
-    "suffix": lambda v: bool(v),
     "stream": lambda v: bool(v),
-    "tools": lambda v: bool(v),
-    "tool_choice": lambda v: v not in (None, "none"),
-    "functions": lambda v: bool(v),
-    "function_call": lambda v: v not in (None, "none"),
-    "logit_bias": lambda v: bool(v),
-    "presence_penalty": lambda v: v not in (None, 0, 0.0),
-    "frequency_penalty": lambda v: v not in (None, 0, 0.0),
-    "stop": lambda v: bool(v),
 }
 
 
@@ -46,7 +41,7 @@ def parse_batch_request(obj: dict[str, Any]) -> dict[str, Any]:
     """One OpenAI Batch API line → custom_id, prompt/messages, override values, or an error.
 
     Returns a dict with keys `custom_id` (may be None), `prompt`, `messages` (JSON text),
-    the BATCH_OVERRIDE_COLUMNS and `error`.
+    the BATCH_OVERRIDE_COLUMNS, BODY_SAMPLING and `error`.
     """
     out: dict[str, Any] = {"custom_id": None, PROMPT: None, MESSAGES: None, ERROR: None}
     custom_id = obj.get("custom_id")
@@ -70,6 +65,24 @@ def parse_batch_request(obj: dict[str, Any]) -> dict[str, Any]:
         if name in body and needs_feature(body[name]):
             out[ERROR] = f"unsupported body parameter {name}={body[name]!r}"
             return out
+    try:
+        params.check_refused(body)
+        shared = params.sampling_values(body, params.BATCH_SAMPLING)
+        # Ranges now, so a bad value is this line's error before any rendering.
+        SamplingParams(max_tokens=max(1, shared.get("min_tokens", 0)), **shared)
+    except params.ParamError as exc:
+        if exc.unsupported:
+            value = body[exc.name]
+            out[ERROR] = (
+                f"unsupported body parameter {exc.name}={value!r}: remove it or send its default"
+            )
+        else:
+            out[ERROR] = f"body.{exc.name}: {exc}"
+        return out
+    except ValueError as exc:
+        out[ERROR] = f"body: {exc}"
+        return out
+    out[BODY_SAMPLING] = json.dumps(shared, sort_keys=True) if shared else None
     if url == "/v1/chat/completions":
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
@@ -119,7 +132,7 @@ def batch_row(spec: JobSpec, obj: dict[str, Any], row: dict[str, Any], where: st
     parsed = parse_batch_request(obj)
     if parsed["custom_id"] is not None:
         row[ID] = parsed["custom_id"]
-    for name in (PROMPT, MESSAGES, *BATCH_OVERRIDE_COLUMNS.values()):
+    for name in (PROMPT, MESSAGES, BODY_SAMPLING, *BATCH_OVERRIDE_COLUMNS.values()):
         row[name] = parsed.get(name)
     for name in spec.input.passthrough_columns:
         row[name] = json_cell(obj.get(name))

@@ -14,6 +14,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline.batch.read.columns import (
+    BODY_SAMPLING,
     ERROR,
     ID,
     MESSAGES,
@@ -95,6 +96,7 @@ def read_parquet_shard(
     overrides = {c: values(c) for c in spec.sampling.overrides.values() if c in present}
     core: dict[str, list[Any]] = {ID: [], PROMPT: [], MESSAGES: [], ERROR: []}
     coerced: dict[str, list[Any]] = {c: [] for c in overrides}
+    row_sampling: list[Any] = []  # BODY_SAMPLING, when overrides set shared-table fields
     where: list[str] = []
     for i, index in enumerate(keep):
         place = f"{shard.uri} row {shard.start + index}"
@@ -113,6 +115,7 @@ def read_parquet_shard(
             core[name].append(row.get(name))
         for name in coerced:
             coerced[name].append(row.get(name))
+        row_sampling.append(row.get(BODY_SAMPLING))
         where.append(place)
 
     types = column_types(spec, passthrough)
@@ -124,6 +127,8 @@ def read_parquet_shard(
             continue
         if name in coerced:
             arrays[name] = pa.array(coerced[name], type=types[name])
+        elif name == BODY_SAMPLING:
+            arrays[name] = pa.array(row_sampling, type=pa.string())
         elif name in present and name in fixed:
             column = table.column(name)
             try:

@@ -39,7 +39,7 @@ IS_STANDIN = True
 
 @dataclass
 class SamplingParams:
-    """1.2 fields the adapter uses (defaults as in the real class: max_tokens=32).
+    """1.2 fields the adapter uses or may (defaults as in the real class: max_tokens=32).
 
     Behaviours copied from the real class: None means "the runtime default" (top_k 0, top_p 0,
     temperature 1), `_setup` fills end_id from the tokenizer and tokenizes stop strings only
@@ -49,9 +49,16 @@ class SamplingParams:
     end_id: int | None = None
     pad_id: int | None = None
     max_tokens: int = 32
+    bad: str | list[str] | None = None
+    bad_token_ids: list[int] | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
+    embedding_bias: Any = None  # torch.Tensor [vocab_size] float32
+    # A LogitsProcessor (req_id, logits, token_ids, stream_ptr, client_id) or, on the PyTorch
+    # backend only, a list of them applied in order.
+    logits_processor: Any = None
+    apply_batched_logits_processor: bool = False
     n: int = 1
     best_of: int | None = None
     use_beam_search: bool = False
@@ -60,6 +67,10 @@ class SamplingParams:
     temperature: float | None = None
     seed: int | None = None
     min_tokens: int | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    min_p: float | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     guided_decoding: GuidedDecodingParams | None = None

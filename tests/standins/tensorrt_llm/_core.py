@@ -29,6 +29,10 @@ What it copies from TensorRT-LLM 1.2 (see the notes at each place):
   as soon as the grammar may. "llguidance" is refused on the TensorRT backend, any other name
   on both. A guide sent to an LLM built without a guided decoding backend is ignored here (the
   worst case: the adapter must set the backend);
+- logits processors: SamplingParams.logits_processor (a list on the PyTorch backend only) is
+  called on a toy logits row peaking at the toy token, with the request's tokens so far; the
+  processed row's argmax is the token (the penalty fields themselves are accepted and, as in
+  1.2's default sampler, not applied);
 - logprobs: SamplingParams.logprobs k (0 and None: none) gives one {token id: Logprob(logprob,
   rank)} per output token, the top k by rank plus the chosen token, from a toy distribution
   that peaks at the greedy toy token (log-softmax of -0.7 * |t - greedy|, before any guide or
@@ -272,6 +276,8 @@ class RequestOutput:
             if self._fail_after is not None and len(ids) >= self._fail_after[1]:
                 raise RequestError(self._fail_after[0])
             token = self._llm._next_token(self.prompt_token_ids, len(ids), p, self._rng)
+            if p.logits_processor is not None:
+                token = self._llm._processed_token(self, ids, token)
             if self._matcher is not None:
                 token = self._llm._guide.constrain(self._matcher, token, p.end_id)
             if p.logprobs:
@@ -480,6 +486,23 @@ class LlmCore:
     def _next_token(self, prompt: list[int], i: int, p: Any, rng: random.Random) -> int:
         offset = 0 if self._is_greedy(p) else rng.randint(1, 4)
         return (sum(prompt) + 7 * i + offset) % 50 + 10
+
+    def _processed_token(self, out: RequestOutput, ids: list[int], token: int) -> int:
+        """The PyTorch backend's logits post-processors: each is called in place on this
+        request's logits row ([1, V] here) with its tokens so far (prompt + output, beam 0),
+        before sampling. The toy logits peak at the toy token (-0.7 * |t - token|); the
+        processed row's argmax is the token taken."""
+        import torch
+
+        processors = out._params.logits_processor
+        if isinstance(processors, list) and self.backend != "pytorch":
+            raise ValueError("a list of logits processors needs the PyTorch backend")
+        logits = -0.7 * (torch.arange(self._vocab_size, dtype=torch.float32) - token).abs()
+        logits = logits[None, :]
+        tokens = [[*out.prompt_token_ids, *ids]]
+        for processor in processors if isinstance(processors, list) else [processors]:
+            processor(out.request_id, logits, tokens, None, None)
+        return int(logits[0].argmax())
 
     def _matcher_for(self, p: Any) -> Any:
         """A grammar matcher for a guided request; None for free text (or no backend)."""
