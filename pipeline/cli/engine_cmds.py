@@ -12,16 +12,23 @@ from pipeline.cli.app import app
 @app.command("make-tiny-model")
 def make_tiny_model(
     out_dir: Path = typer.Argument(..., help="Directory to write the Hugging Face model to."),
-    arch: str = typer.Option("llama", help="Architecture: llama, qwen2, qwen3 or qwen3_moe."),
+    arch: str = typer.Option(
+        "llama", help="Architecture: llama, qwen2, qwen3, qwen3_moe or gpt_oss."
+    ),
     size: str = typer.Option("tiny", help="Preset: tiny (~0.3M params) or small (~35M)."),
     tied: bool = typer.Option(False, help="Tie the input embedding and the LM head."),
     seed: int = typer.Option(0, help="Seed for the tokenizer corpus and the weights."),
+    mxfp4: bool = typer.Option(
+        False, help="gpt_oss: store the experts MXFP4-packed, as the released checkpoints."
+    ),
 ) -> None:
     """Train a byte-level BPE tokenizer locally and save a random model with it."""
     from engines.tiny import make_tiny_model as build
 
     try:
-        path = build(out_dir, arch=arch, size=size, tie_word_embeddings=tied, seed=seed)
+        path = build(
+            out_dir, arch=arch, size=size, tie_word_embeddings=tied, seed=seed, mxfp4=mxfp4
+        )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     typer.echo(f"wrote {arch} ({size}) model to {path}")
