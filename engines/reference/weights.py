@@ -100,6 +100,7 @@ def _split_fused_experts(tensors: dict[str, torch.Tensor], origin: dict[str, Pat
 
 
 _MXFP4_BLOCKS = (".mlp.experts.gate_up_proj_blocks", ".mlp.experts.down_proj_blocks")
+_MXFP4_SCALES = (".mlp.experts.gate_up_proj_scales", ".mlp.experts.down_proj_scales")
 
 
 def _split_gpt_oss_experts(
@@ -125,6 +126,9 @@ def _split_gpt_oss_experts(
         except ValueError as exc:
             raise EngineError(f"{path}: {name!r}: {exc}") from exc
         tensors[stem], origin[stem] = weight.transpose(1, 2), path  # [E, C, R]
+    for name in [n for n in tensors if n.endswith(_MXFP4_SCALES)]:
+        blocks = name.removesuffix("_scales") + "_blocks"
+        raise EngineError(f"{origin[name]}: {name!r} has no {blocks!r} beside it")
     for name in [n for n in tensors if n.endswith(".mlp.experts.gate_up_proj")]:
         prefix = name.removesuffix("gate_up_proj")
         path = origin.pop(name)
