@@ -23,6 +23,7 @@ _MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 FP4_VALUES = (*_MAGNITUDES, *(-m for m in _MAGNITUDES))  # code -> value; bit 3 is the sign
 GROUP = 32  # columns per scale
 SCALE_BIAS = 127
+_ROWS_PER_CHUNK = 4096  # weight rows dequantized at a time
 
 
 def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -36,12 +37,21 @@ def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -
             f"MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not match: "
             f"expected blocks [..., G, {GROUP // 2}] and scales [..., G]"
         )
+    # Each byte's two values at once: one gather from a [256, 2] table per byte; each scale
+    # one gather from the 256 powers of two. Products of the two are exact in bf16 and fp32.
     lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
-    low = lut[(blocks & 0x0F).long()]  # [..., G, 16] even columns
-    high = lut[(blocks >> 4).long()]  # odd columns
-    values = torch.stack([low, high], dim=-1).flatten(-2)  # [..., G, 32]
-    exponents = scales.to(torch.int32).unsqueeze(-1) - SCALE_BIAS  # [..., G, 1]
-    return torch.ldexp(values, exponents).flatten(-2).to(dtype)  # [..., G * 32]
+    pairs = torch.stack([lut.repeat(16), lut.repeat_interleave(16)], dim=-1).to(dtype)  # [256, 2]
+    powers = torch.ldexp(torch.ones(256), torch.arange(256) - SCALE_BIAS).to(dtype)  # [256]
+    rows = blocks.reshape(-1, blocks.shape[-2], GROUP // 2)  # [N, G, 16]
+    row_scales = scales.reshape(-1, scales.shape[-1])  # [N, G]
+    out = torch.empty(rows.shape[0], rows.shape[1], GROUP, dtype=dtype)  # [N, G, 32]
+    # In chunks of rows: the intermediates of a whole expert tensor of a released checkpoint
+    # would take several times its dequantized size.
+    for start in range(0, rows.shape[0], _ROWS_PER_CHUNK):
+        chunk = slice(start, start + _ROWS_PER_CHUNK)
+        values = pairs[rows[chunk].int()].flatten(-2)  # [n, G, 32]
+        torch.mul(values, powers[row_scales[chunk].int()].unsqueeze(-1), out=out[chunk])
+    return out.view(*blocks.shape[:-2], -1)
 
 
 def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
