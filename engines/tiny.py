@@ -1,6 +1,6 @@
 """Build tiny Hugging Face checkpoints locally: a byte-level BPE tokenizer trained on built-in
-text and a small random Llama / Qwen2 / Qwen3 / Qwen3-MoE model, saved as a normal HF
-directory.
+text and a small random Llama / Qwen2 / Qwen3 / Qwen3-MoE / GPT-OSS model, saved as a normal HF
+directory (GPT-OSS optionally with MXFP4-packed experts, as the released checkpoints).
 
 Nothing can be downloaded where tokenmill is built and tested, so tests, the demo and the
 benchmarks all run on models made here. Weights are random but drawn with a wide init so that
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-Arch = Literal["llama", "qwen2", "qwen3", "qwen3_moe"]
-ARCHS: tuple[str, ...] = ("llama", "qwen2", "qwen3", "qwen3_moe")
+Arch = Literal["llama", "qwen2", "qwen3", "qwen3_moe", "gpt_oss"]
+ARCHS: tuple[str, ...] = ("llama", "qwen2", "qwen3", "qwen3_moe", "gpt_oss")
 
 _WORDS = (
     "the a an one every some batch token model engine prompt answer question request row job "
@@ -129,6 +129,34 @@ def moe_fields(shape: TinyModelSize) -> dict[str, Any]:
     )
 
 
+# GPT-OSS's window in the tiny models: far shorter than the test prompts (up to ~80 tokens), so
+# the sliding layers' masks matter.
+GPT_OSS_TINY_WINDOW = 8
+
+
+def gpt_oss_fields(shape: TinyModelSize) -> dict[str, Any]:
+    """GPT-OSS's settings for a shape: 8 experts of the dense MLP's width rounded down to a
+    multiple of 32 (MXFP4 packs 32 columns per scale), top-2, sliding and full layers
+    alternating, and YaRN over a short original context so the scaling changes the
+    frequencies the tests run at (as gpt-oss-20b's: factor 32, beta 32 / 1, no truncation)."""
+    return dict(
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        intermediate_size=max(32, shape.intermediate_size // 2 // 32 * 32),
+        head_dim=shape.hidden_size // shape.num_attention_heads,
+        sliding_window=GPT_OSS_TINY_WINDOW,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": shape.max_position_embeddings // 32,
+        },
+    )
+
+
 def shape_fields(shape: TinyModelSize) -> dict[str, int]:
     """The transformers config fields a shape sets (vocab aside: the tokenizer decides it)."""
     return dict(
@@ -186,6 +214,7 @@ def make_tiny_model(
     torch_dtype: str = "float32",
     config_overrides: dict[str, Any] | None = None,
     reasoning: Reasoning = "none",
+    mxfp4: bool = False,
 ) -> Path:
     """Write a random `arch` model of preset `size` and its tokenizer to `out_dir`.
 
@@ -193,7 +222,9 @@ def make_tiny_model(
     template (see THINK_CHAT_TEMPLATE); the default leaves the tokenizer as it always was.
 
     `config_overrides` are extra transformers config fields (e.g. attention_bias=True,
-    mlp_bias=True) for tests of config variants whose weights differ in shape or count."""
+    mlp_bias=True) for tests of config variants whose weights differ in shape or count.
+    `mxfp4` (gpt_oss only) stores the expert weights MXFP4-packed (`*_blocks` / `*_scales`,
+    `quantization_config` in config.json), as the released GPT-OSS checkpoints do."""
     import torch
     import transformers
 
@@ -203,6 +234,8 @@ def make_tiny_model(
         raise ValueError(f"unsupported arch {arch!r}; choose one of {', '.join(ARCHS)}")
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; choose one of {', '.join(SIZES)}")
+    if mxfp4 and arch != "gpt_oss":
+        raise ValueError("mxfp4 packing is for arch gpt_oss only")
     shape = SIZES[size]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -232,6 +265,11 @@ def make_tiny_model(
             **common, rope_theta=1000000.0, head_dim=shape.hidden_size // shape.num_attention_heads
         )
         model_cls = transformers.Qwen3ForCausalLM
+    elif arch == "gpt_oss":
+        fields = {**common, **gpt_oss_fields(shape)}
+        fields.update(config_overrides or {})
+        config = transformers.GptOssConfig(**fields)
+        model_cls = transformers.GptOssForCausalLM
     else:
         config = transformers.Qwen3MoeConfig(
             **{**moe_fields(shape), **common},
@@ -248,15 +286,48 @@ def make_tiny_model(
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.uniform_(0.5, 1.5)
-            elif name.endswith(".bias"):
+            elif name.endswith((".bias", "_bias")):
                 param.normal_(0.0, initializer_range)
+            elif name.endswith(".sinks"):  # GPT-OSS: large enough to take a visible share
+                param.normal_(0.0, 1.0)
     model = model.to(getattr(torch, torch_dtype))
     model.save_pretrained(out, safe_serialization=True)
+    if mxfp4:
+        _pack_experts_mxfp4(out)
     tokenizer.save_pretrained(out)
     (out / "tokenmill_tiny.json").write_text(
         json.dumps({"arch": arch, "size": size, "seed": seed, "tied": tie_word_embeddings})
     )
     return out
+
+
+def _pack_experts_mxfp4(model_dir: Path) -> None:
+    """Rewrite a saved GPT-OSS checkpoint with MXFP4 experts: `gate_up_proj` [E, H, 2I] and
+    `down_proj` [E, I, H] become `*_blocks` / `*_scales` of their transposes (rows are output
+    features, see engines.reference.mxfp4), biases unchanged; config.json gains the
+    `quantization_config` transformers reads such checkpoints with."""
+    from safetensors.torch import load_file, save_file
+
+    from engines.reference import mxfp4
+
+    path = model_dir / "model.safetensors"
+    tensors = load_file(str(path))
+    for name in [n for n in tensors if n.endswith((".experts.gate_up_proj", ".experts.down_proj"))]:
+        blocks, scales = mxfp4.quantize(tensors.pop(name).transpose(1, 2))
+        tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    config_path = model_dir / "config.json"
+    config = json.loads(config_path.read_text())
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
+    }
+    config_path.write_text(json.dumps(config, indent=2))
 
 
 def make_truncated_model(source_dir: str | Path, out_dir: str | Path, num_layers: int) -> Path:

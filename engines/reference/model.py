@@ -1,5 +1,5 @@
-"""The decoder-only transformer (Llama / Mistral / Qwen2 / Qwen3 / Qwen3-MoE) over a flattened
-token batch.
+"""The decoder-only transformer (Llama / Mistral / Qwen2 / Qwen3 / Qwen3-MoE / GPT-OSS) over a
+flattened token batch.
 
 Every step runs ONE batch of T tokens drawn from many requests (prefill chunks and decode
 tokens mixed): the linears see a [T, hidden] matrix, which is where batching pays. Attention
@@ -15,6 +15,14 @@ Module and parameter names match the Hugging Face checkpoints exactly
 replace any projection before `fuse_projections` merges q/k/v and gate/up for speed. A
 Qwen3-MoE sparse layer's MLP is engines.reference.moe.SparseMoeBlock, whose experts are the same
 MLP as a dense layer's.
+
+GPT-OSS's attention has a learned per-head sink (one more logit in each softmax, attending to
+nothing) and, in every other layer, a sliding window. The paged CPU kernel does neither, so
+such a model attends through the SDPA paths (decode groups and per-request prefill, see
+ModelConfig.masked_attention): the window is part of the boolean mask the runner builds
+(DecodeGroup.window_mask / PrefillSeq.window_mask), and the sink is one extra key of zeros
+whose additive mask entry is the sink logit, so SDPA's softmax has the sink in its
+denominator while its value adds nothing (attend_with_sinks).
 """
 
 from __future__ import annotations
@@ -42,6 +50,8 @@ class PrefillSeq:
     context_start: int  # position of the chunk's first token = tokens already in the cache
     gather: torch.Tensor | None  # [L] flat cache slots of the whole context; None: no history
     mask: torch.Tensor | None  # [n, L] bool, True where a query may attend; None: plain causal
+    # [n, L] bool: `mask` narrowed to the sliding window (models with window layers only).
+    window_mask: torch.Tensor | None = None
 
 
 @dataclass
@@ -56,6 +66,8 @@ class DecodeGroup:
     # [1, B, 1, L] for n = 1 (shared by the G heads); [1, B, n * G, L], query-major, for n > 1.
     mask: torch.Tensor
     num_queries: int = 1  # n
+    # `mask` narrowed to the sliding window, same shape (models with window layers only).
+    window_mask: torch.Tensor | None = None
 
 
 @dataclass
@@ -80,12 +92,19 @@ class AttentionBatch:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
+    def __init__(self, size: int, eps: float, fp32_weight: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(size))
         self.eps = eps
+        # GPT-OSS: the weight stays fp32 in a bf16 model (the loader reads `param_dtype`) and
+        # the product is rounded once, after the multiply, as transformers' GptOssRMSNorm.
+        self.param_dtype = torch.float32 if fp32_weight else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight.dtype != x.dtype:
+            x32 = x.float()
+            x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+            return (self.weight * x32).to(x.dtype)
         if cpu_kernels.use_kernels(x.device):
             return cpu_kernels.rms_norm(x, self.weight, self.eps)
         # Same order of operations as transformers (fp32 statistics) so greedy ids match.
@@ -106,8 +125,30 @@ def fake_quant_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
     return (q.float() * scale).to(x.dtype)
 
 
+def attend_with_sinks(
+    q: torch.Tensor,  # [..., Hq, n, D]
+    k: torch.Tensor,  # [..., Hk, L, D]
+    v: torch.Tensor,  # [..., Hk, L, D]
+    mask: torch.Tensor,  # bool, broadcastable to [..., Hq, n, L]: True where a query may attend
+    sinks: torch.Tensor,  # broadcastable to [..., Hq, n, 1]: each row's sink logit
+    enable_gqa: bool = False,
+) -> torch.Tensor:  # [..., Hq, n, D]
+    """SDPA whose softmax also counts a sink: softmax over [q·k * scale, sink], the sink's
+    share dropped (transformers' GPT-OSS eager attention). The sink rides as one more key of
+    zeros (score 0) whose additive mask entry is the sink logit, with a value of zeros."""
+    shape = (*q.shape[:-1], k.shape[-2])  # [..., Hq, n, L]
+    bias = torch.zeros(shape, dtype=q.dtype, device=q.device)
+    bias.masked_fill_(~mask.expand(shape), float("-inf"))
+    sink = sinks.to(q.dtype).expand(*shape[:-1], 1)
+    bias = torch.cat([bias, sink], dim=-1)  # [..., Hq, n, L + 1]
+    zeros = k.new_zeros(*k.shape[:-2], 1, k.shape[-1])
+    k = torch.cat([k, zeros], dim=-2)  # [..., Hk, L + 1, D]
+    v = torch.cat([v, zeros], dim=-2)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=enable_gqa)
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, index: int = 0) -> None:
         super().__init__()
         self.num_heads = cfg.num_heads
         self.num_kv_heads = cfg.num_kv_heads
@@ -121,6 +162,10 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        # GPT-OSS: a learned logit per query head in each softmax; None elsewhere.
+        self.sinks = nn.Parameter(torch.empty(cfg.num_heads)) if cfg.attention_sinks else None
+        # This layer's window when it slides under a mask (GPT-OSS), else None.
+        self.window = cfg.masked_window if index in cfg.window_layers else None
         self.qkv_proj: nn.Module | None = None  # set by fuse_projections
         # FP8 KV cache scales (ModelOpt `k_scale` / `v_scale`); None keeps K/V unrounded.
         self.k_scale: float | None = None
@@ -220,7 +265,13 @@ class Attention(nn.Module):
         qd = qd.permute(2, 0, 1, 3, 4).reshape(kvh, num_seqs, n * per_kv, dim)  # [KVH, B, nG, D]
         kd = k_cache.index_select(1, group.blocks).view(kvh, num_seqs, -1, dim)  # [KVH, B, L, D]
         vd = v_cache.index_select(1, group.blocks).view(kvh, num_seqs, -1, dim)  # [KVH, B, L, D]
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=group.mask)  # [KVH, B, nG, D]
+        mask = group.window_mask if self.window is not None else group.mask
+        if self.sinks is None:
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask)  # [KVH, B, nG, D]
+        else:
+            # Row (query j, head g) of KV head h carries head h * G + g's sink.
+            sinks = self.sinks.view(kvh, 1, 1, per_kv).expand(kvh, 1, n, per_kv)
+            od = attend_with_sinks(qd, kd, vd, mask, sinks.reshape(kvh, 1, n * per_kv, 1))
         od = od.unflatten(2, (n, per_kv)).permute(1, 2, 0, 3, 4)  # [B, n, KVH, G, D]
         return od.reshape(num_seqs * n, self.num_heads, dim)  # [B * n, H, D]
 
@@ -232,8 +283,16 @@ class Attention(nn.Module):
             ks = k_flat.index_select(1, seq.gather)  # [KVH, L, D]
             vs = v_flat.index_select(1, seq.gather)
         ks, vs = ks.unsqueeze(0), vs.unsqueeze(0)  # [1, KVH, L, D]
+        mask = seq.window_mask if self.window is not None else seq.mask
+        if self.sinks is not None:
+            if mask is None:  # no history, no window: plain causal, spelled out
+                n = qs.shape[2]
+                mask = torch.ones(n, n, dtype=torch.bool, device=qs.device).tril()
+            sinks = self.sinks.view(1, -1, 1, 1)  # [1, H, 1, 1]
+            o = attend_with_sinks(qs, ks, vs, mask, sinks, enable_gqa=True)  # [1, H, n, D]
+            return o.squeeze(0).transpose(0, 1)  # [n, H, D]
         o = F.scaled_dot_product_attention(
-            qs, ks, vs, attn_mask=seq.mask, is_causal=seq.mask is None, enable_gqa=True
+            qs, ks, vs, attn_mask=mask, is_causal=mask is None, enable_gqa=True
         )  # [1, H, n, D]
         return o.squeeze(0).transpose(0, 1)  # [n, H, D]
 
@@ -241,18 +300,19 @@ class Attention(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, index)
         self.mlp: MLP | SparseMoeBlock
         if cfg.is_moe_layer(index):
             self.mlp = SparseMoeBlock(cfg.hidden_size, cfg.moe)
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.fp32_norms)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.fp32_norms)
 
     def forward(self, x, cos, sin, batch, k_cache, v_cache) -> torch.Tensor:
         attn = self.self_attn(self.input_layernorm(x), cos, sin, batch, k_cache, v_cache)
-        if cpu_kernels.use_kernels(x.device):
+        fused_norm = self.post_attention_layernorm.weight.dtype == x.dtype
+        if fused_norm and cpu_kernels.use_kernels(x.device):
             norm = self.post_attention_layernorm
             # x += attn in place (x is this step's own residual stream), fused with the norm;
             # the MLP's residual add rides in the down projection's epilogue.
@@ -266,7 +326,7 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.fp32_norms)
 
 
 class CausalLM(nn.Module):
@@ -332,6 +392,8 @@ def fuse_projections(model: CausalLM) -> None:
             del attn.q_proj, attn.k_proj, attn.v_proj
         mlps = layer.mlp.experts if isinstance(layer.mlp, SparseMoeBlock) else [layer.mlp]
         for mlp in mlps:
+            if not isinstance(mlp, MLP):  # GPT-OSS experts: gate/up already one linear
+                continue
             gate_up = _fuse_linears([mlp.gate_proj, mlp.up_proj])
             if gate_up is not None:
                 mlp.gate_up_proj = gate_up

@@ -1,5 +1,6 @@
-"""The Mixture-of-Experts MLP of Qwen3-MoE: a router picks k experts per token, each expert is a
-SwiGLU MLP, and the token's output is the routing-weighted sum of its experts' outputs.
+"""The Mixture-of-Experts MLP of Qwen3-MoE and GPT-OSS: a router picks k experts per token, each
+expert is a SwiGLU MLP, and the token's output is the routing-weighted sum of its experts'
+outputs.
 
 Tokens are grouped by expert rather than each token visiting its experts: the step's T * k
 (token, expert) pairs are sorted by expert, so each active expert runs ONE matmul over all of
@@ -8,6 +9,8 @@ weighted outputs go back to their tokens in one index_add. Experts no token chos
 
 Module and parameter names match the checkpoints (`mlp.gate.weight`,
 `mlp.experts.{e}.gate_proj.weight`, ...), so weights load by name like the dense model's.
+GPT-OSS's router is `mlp.router` (with a bias) and its stacked expert tensors are split by the
+loader into `mlp.experts.{e}.gate_up_proj` / `down_proj` linears (GptOssExpert).
 """
 
 from __future__ import annotations
@@ -17,6 +20,10 @@ from torch import nn
 
 from engines.reference.config import MoeConfig
 from engines.reference.mlp import MLP
+
+# GPT-OSS's clamped SwiGLU (GptOssExperts: alpha and limit are constants of the model).
+GPT_OSS_ALPHA = 1.702
+GPT_OSS_LIMIT = 7.0
 
 
 def route(
@@ -34,16 +41,51 @@ def route(
     return weights.to(logits.dtype), experts
 
 
+def route_top_logits(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPT-OSS's routing (GptOssTopKRouter): the k largest logits, softmax over those k only,
+    in the logits' dtype. Weights [T, k], expert ids [T, k] (int64)."""
+    top, experts = torch.topk(logits, top_k, dim=-1)
+    return torch.softmax(top, dim=-1, dtype=top.dtype), experts
+
+
+class GptOssExpert(nn.Module):
+    """One GPT-OSS expert: gate/up in one biased linear, the clamped SwiGLU
+    `(clamp(up, ±limit) + 1) * g * sigmoid(alpha * g)` with g = clamp(gate, max=limit), then a
+    biased down projection. The checkpoint interleaves gate and up columns (gate at even,
+    up at odd); the loader stores the rows as [gate | up] so each half is one contiguous
+    slice (same numbers, no strided reads)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=True)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # 2 x [T, intermediate]
+        gate = gate.clamp(max=GPT_OSS_LIMIT)
+        up = up.clamp(min=-GPT_OSS_LIMIT, max=GPT_OSS_LIMIT)
+        glu = gate * torch.sigmoid(gate * GPT_OSS_ALPHA)
+        return self.down_proj((up + 1) * glu)
+
+
 class SparseMoeBlock(nn.Module):
     def __init__(self, hidden_size: int, moe: MoeConfig) -> None:
         super().__init__()
         self.num_experts = moe.num_experts
         self.top_k = moe.num_experts_per_tok
         self.norm_topk_prob = moe.norm_topk_prob
-        self.gate = nn.Linear(hidden_size, moe.num_experts, bias=False)  # the router
-        self.experts = nn.ModuleList(
-            MLP(hidden_size, moe.intermediate_size, bias=False) for _ in range(moe.num_experts)
-        )
+        self.style = moe.style
+        self.experts: nn.ModuleList
+        if moe.style == "gpt_oss":
+            self.router = nn.Linear(hidden_size, moe.num_experts, bias=True)
+            self.experts = nn.ModuleList(
+                GptOssExpert(hidden_size, moe.intermediate_size) for _ in range(moe.num_experts)
+            )
+        else:
+            self.gate = nn.Linear(hidden_size, moe.num_experts, bias=False)  # the router
+            self.experts = nn.ModuleList(
+                MLP(hidden_size, moe.intermediate_size, bias=False) for _ in range(moe.num_experts)
+            )
         # Tokens each expert computed in the last forward ([E] int64), for the step's expert
         # load figures; read after the step (ModelRunner.expert_load), never inside it.
         self.last_counts: torch.Tensor | None = None
@@ -62,7 +104,10 @@ class SparseMoeBlock(nn.Module):
 
     def _combine(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Adds each token's weighted expert outputs into `out` [T, hidden], returns it."""
-        weights, experts = route(self.gate(x), self.top_k, self.norm_topk_prob)  # [T, k] each
+        if self.style == "gpt_oss":
+            weights, experts = route_top_logits(self.router(x), self.top_k)  # [T, k] each
+        else:
+            weights, experts = route(self.gate(x), self.top_k, self.norm_topk_prob)
         flat = experts.reshape(-1)  # [T * k] expert of each (token, slot) pair
         order = flat.argsort(stable=True)  # pairs grouped by expert, tokens in order inside
         rows = order // self.top_k  # [T * k] token row of each grouped pair

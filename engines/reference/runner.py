@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from engines.reference import cpu_kernels, hugepages
-from engines.reference.config import ModelConfig, rope_inv_freq
+from engines.reference.config import ModelConfig, rope_inv_freq, rope_scaling_factor
 from engines.reference.model import AttentionBatch, CausalLM, DecodeGroup, PagedRows, PrefillSeq
 from engines.reference.profiling import NO_PROFILER, NoProfiler
 from engines.reference.scheduler import ScheduledChunk
@@ -123,8 +123,11 @@ class ModelRunner:
         self._linear_macs = linear_macs_per_token(cfg)
         self._moe_blocks = model.moe_blocks()  # empty for a dense model
         self._attention_macs = 2 * cfg.q_size  # per (query, key) pair: q·k, then p·v
-        # Every chunk's attention through the CPU kernel, reading the cache in place.
-        self._paged_kernel = cpu_kernels.use_kernels(device)
+        # Every chunk's attention through the CPU kernel, reading the cache in place; not for
+        # attention sinks or window masks, which the kernel lacks (GPT-OSS: SDPA paths).
+        self._paged_kernel = cpu_kernels.use_kernels(device) and not cfg.masked_attention
+        # Sliding-window layers' window (GPT-OSS), for their masks; None: no such layers.
+        self._window = cfg.masked_window if cfg.window_layers else None
         # Per layer: K and V pools, [KVH, num_blocks, block_size, D]. KV heads outermost so a
         # gather of whole blocks is directly SDPA's [KVH, B, L, D] (see Attention._decode).
         # On huge pages where the OS allows: decode walks blocks scattered over the pool.
@@ -138,8 +141,9 @@ class ModelRunner:
         positions = torch.arange(max_model_len, dtype=torch.int64).float()
         freqs = torch.outer(positions, inv_freq)  # [max_len, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_len, D]
-        self.cos = emb.cos().to(dtype).to(device)
-        self.sin = emb.sin().to(dtype).to(device)
+        scaling = rope_scaling_factor(cfg.rope)  # YaRN's attention factor, applied in fp32
+        self.cos = (emb.cos() * scaling).to(dtype).to(device)
+        self.sin = (emb.sin() * scaling).to(dtype).to(device)
 
     def _slots(self, block_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return (
@@ -174,7 +178,12 @@ class ModelRunner:
             heads = 1 if n == 1 else per_kv
             limits = [lens[i] - n + 1 + j for i in members for j in range(n) for _ in range(heads)]
             context = torch.arange(max_blocks * self.block_size)  # [L]
-            mask = context[None, :] < torch.tensor(limits)[:, None]  # [B * n * heads, L]
+            limit_t = torch.tensor(limits)[:, None]
+            mask = context[None, :] < limit_t  # [B * n * heads, L]
+            window_mask = None
+            if self._window is not None:  # query at limit - 1 sees keys from limit - window on
+                window_mask = mask & (context[None, :] >= limit_t - self._window)
+                window_mask = self._upload(window_mask.view(1, len(members), n * heads, -1))
             groups.append(
                 DecodeGroup(
                     rows=self._upload(
@@ -183,6 +192,7 @@ class ModelRunner:
                     blocks=self._upload(torch.tensor(blocks, dtype=torch.int64)),
                     mask=self._upload(mask.view(1, len(members), n * heads, -1)),
                     num_queries=n,
+                    window_mask=window_mask,
                 )
             )
         return groups
@@ -301,14 +311,18 @@ class ModelRunner:
                 lens.append(start + n)
                 tables.append(blocks)
             else:
-                gather = mask = None
+                gather = mask = window_mask = None
+                context = torch.arange(start + n)
+                queries = torch.arange(start, start + n)
                 if start > 0:  # attend to cached history: gather the whole context
                     table = torch.tensor(blocks, dtype=torch.int64)
-                    context = torch.arange(start + n)
                     gather = self._upload(self._slots(table, context))
-                    queries = torch.arange(start, start + n)
                     mask = self._upload(context[None, :] <= queries[:, None])  # [n, L]
-                prefills.append(PrefillSeq(row, n, start, gather, mask))
+                if self._window is not None:  # keys within the window of each query
+                    keep = context[None, :] <= queries[:, None]
+                    keep &= context[None, :] > queries[:, None] - self._window
+                    window_mask = self._upload(keep)  # [n, L]
+                prefills.append(PrefillSeq(row, n, start, gather, mask, window_mask))
             # The last real token's row, then one per proposal: verification needs them all.
             logits_rows.extend(range(row + n - chunk.num_logits, row + n))
             first = row + item.prompt_offset

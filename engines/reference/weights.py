@@ -1,7 +1,8 @@
 """Load a Hugging Face checkpoint (safetensors, single file or sharded) into CausalLM.
 
 Order: build the model on the meta device (no memory, no random init) → read every tensor →
-split stacked Mixture-of-Experts tensors into the per-expert names the model uses → if
+split stacked Mixture-of-Experts tensors into the per-expert names the model uses (GPT-OSS's
+MXFP4-packed experts dequantized first, engines.reference.mxfp4) → if
 `hf_quant_config.json` exists, hand the model and tensors to
 `engines.reference.quant.apply_quantized_checkpoint`, which swaps linears for quantized ones
 and consumes their scale tensors → fill every parameter still on meta from the tensor of the
@@ -19,6 +20,7 @@ from pathlib import Path
 import torch
 
 from engines.api import EngineError
+from engines.reference import mxfp4
 from engines.reference.config import ModelConfig
 from engines.reference.linear import pack_linears
 from engines.reference.model import CausalLM, fuse_projections
@@ -97,6 +99,73 @@ def _split_fused_experts(tensors: dict[str, torch.Tensor], origin: dict[str, Pat
             tensors[split], origin[split] = fused[expert], path
 
 
+_MXFP4_BLOCKS = (".mlp.experts.gate_up_proj_blocks", ".mlp.experts.down_proj_blocks")
+_MXFP4_SCALES = (".mlp.experts.gate_up_proj_scales", ".mlp.experts.down_proj_scales")
+
+
+def _split_gpt_oss_experts(
+    tensors: dict[str, torch.Tensor], origin: dict[str, Path], dtype: torch.dtype
+) -> None:
+    """GPT-OSS experts as per-expert linears (GptOssExpert), in place.
+
+    Checkpoints hold per layer `mlp.experts.gate_up_proj` [E, H, 2I] (x @ W layout, gate and up
+    columns interleaved) with `gate_up_proj_bias` [E, 2I], and `down_proj` [E, I, H] with
+    `down_proj_bias` [E, H]; the released ones store the two weights MXFP4-packed instead
+    (`*_blocks` / `*_scales`), dequantized here into `dtype`. Each expert becomes
+    `mlp.experts.{e}.gate_up_proj` ([gate | up] rows, [2I, H]) and `down_proj` ([H, I])."""
+    for name in [n for n in tensors if n.endswith(_MXFP4_BLOCKS)]:
+        stem = name.removesuffix("_blocks")
+        path = origin.pop(name)
+        blocks = tensors.pop(name)
+        scales = tensors.pop(f"{stem}_scales", None)
+        origin.pop(f"{stem}_scales", None)
+        if scales is None:
+            raise EngineError(f"{path}: {name!r} has no {stem + '_scales'!r} beside it")
+        try:
+            weight = mxfp4.dequantize(blocks, scales, dtype)  # [E, R, C]
+        except ValueError as exc:
+            raise EngineError(f"{path}: {name!r}: {exc}") from exc
+        tensors[stem], origin[stem] = weight.transpose(1, 2), path  # [E, C, R]
+    for name in [n for n in tensors if n.endswith(_MXFP4_SCALES)]:
+        blocks = name.removesuffix("_scales") + "_blocks"
+        raise EngineError(f"{origin[name]}: {name!r} has no {blocks!r} beside it")
+    for name in [n for n in tensors if n.endswith(".mlp.experts.gate_up_proj")]:
+        prefix = name.removesuffix("gate_up_proj")
+        path = origin.pop(name)
+        weight = tensors.pop(name)  # [E, H, 2I]
+        bias = tensors.pop(f"{name}_bias", None)  # [E, 2I]
+        origin.pop(f"{name}_bias", None)
+        if weight.dim() != 3 or weight.shape[2] % 2 or bias is None:
+            raise EngineError(
+                f"{path}: tensor {name!r} has shape {tuple(weight.shape)}"
+                f"{'' if bias is not None else ' and no gate_up_proj_bias'}; expected "
+                "[num_local_experts, hidden_size, 2 * intermediate_size] and its bias"
+            )
+        for expert in range(weight.shape[0]):
+            rows = weight[expert].t()  # [2I, H], gate at even rows, up at odd
+            split = f"{prefix}{expert}.gate_up_proj"
+            tensors[f"{split}.weight"] = torch.cat([rows[0::2], rows[1::2]])
+            tensors[f"{split}.bias"] = torch.cat([bias[expert, 0::2], bias[expert, 1::2]])
+            origin[f"{split}.weight"] = origin[f"{split}.bias"] = path
+    for name in [n for n in tensors if n.endswith(".mlp.experts.down_proj")]:
+        prefix = name.removesuffix("down_proj")
+        path = origin.pop(name)
+        weight = tensors.pop(name)  # [E, I, H]
+        bias = tensors.pop(f"{name}_bias", None)  # [E, H]
+        origin.pop(f"{name}_bias", None)
+        if weight.dim() != 3 or bias is None:
+            raise EngineError(
+                f"{path}: tensor {name!r} has shape {tuple(weight.shape)}"
+                f"{'' if bias is not None else ' and no down_proj_bias'}; expected "
+                "[num_local_experts, intermediate_size, hidden_size] and its bias"
+            )
+        for expert in range(weight.shape[0]):
+            split = f"{prefix}{expert}.down_proj"
+            tensors[f"{split}.weight"] = weight[expert].t()
+            tensors[f"{split}.bias"] = bias[expert]
+            origin[f"{split}.weight"] = origin[f"{split}.bias"] = path
+
+
 def _apply_quantization(model: CausalLM, tensors: dict[str, torch.Tensor], model_dir: Path):
     quant_path = model_dir / "hf_quant_config.json"
     if not quant_path.exists():
@@ -160,7 +229,8 @@ def _fill_meta(
                         f"config.json implies {tuple(value.shape)}"
                     )
                 if tensor.is_floating_point():
-                    tensor = tensor.to(dtype)
+                    # A module may pin its parameters' dtype (GPT-OSS's fp32 norm weights).
+                    tensor = tensor.to(getattr(module, "param_dtype", None) or dtype)
                 if kind == "_parameters":
                     tensor = torch.nn.Parameter(tensor, requires_grad=False)
                 filled[id(value)] = tensor
@@ -199,7 +269,7 @@ def _check_all_used(
         f"{cfg.model_type} model that config.json describes: {shown}{more} "
         f"(in {', '.join(files)}); config.json and the weights disagree (e.g. a bias flag such "
         "as attention_bias / mlp_bias, tie_word_embeddings, num_hidden_layers, or "
-        "num_experts / mlp_only_layers / decoder_sparse_step)"
+        "num_experts / num_local_experts / mlp_only_layers / decoder_sparse_step)"
     )
 
 
@@ -210,7 +280,9 @@ def load_model(
     model_dir = Path(model_dir)
     files = checkpoint_files(model_dir)
     tensors, origin = read_tensors(files)
-    if cfg.moe is not None:
+    if cfg.moe is not None and cfg.moe.style == "gpt_oss":
+        _split_gpt_oss_experts(tensors, origin, dtype)
+    elif cfg.moe is not None:
         _split_fused_experts(tensors, origin)
     with torch.device("meta"):
         model = CausalLM(cfg)

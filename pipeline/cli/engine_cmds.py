@@ -12,7 +12,9 @@ from pipeline.cli.app import app
 @app.command("make-tiny-model")
 def make_tiny_model(
     out_dir: Path = typer.Argument(..., help="Directory to write the Hugging Face model to."),
-    arch: str = typer.Option("llama", help="Architecture: llama, qwen2, qwen3 or qwen3_moe."),
+    arch: str = typer.Option(
+        "llama", help="Architecture: llama, qwen2, qwen3, qwen3_moe or gpt_oss."
+    ),
     size: str = typer.Option("tiny", help="Preset: tiny (~0.3M params) or small (~35M)."),
     tied: bool = typer.Option(False, help="Tie the input embedding and the LM head."),
     seed: int = typer.Option(0, help="Seed for the tokenizer corpus and the weights."),
@@ -20,6 +22,9 @@ def make_tiny_model(
         "none",
         help="Reasoning tokens and chat template: none, think (<think>/</think>, honours "
         "enable_thinking) or harmony (GPT-OSS message markers).",
+    ),
+    mxfp4: bool = typer.Option(
+        False, help="gpt_oss: store the experts MXFP4-packed, as the released checkpoints."
     ),
 ) -> None:
     """Train a byte-level BPE tokenizer locally and save a random model with it."""
@@ -33,6 +38,7 @@ def make_tiny_model(
             tie_word_embeddings=tied,
             seed=seed,
             reasoning=reasoning,  # type: ignore[arg-type]  # checked by build
+            mxfp4=mxfp4,
         )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc

@@ -1,5 +1,6 @@
 """Greedy ids of the reference engine == transformers `generate`, one prompt at a time, for
-Llama / Qwen2 / Qwen3 (tied and untied) and Qwen3-MoE, whatever the batching features do
+Llama / Qwen2 / Qwen3 (tied and untied), Qwen3-MoE and GPT-OSS (sliding window of 8 tokens
+under prompts of up to ~80: the window masks matter), whatever the batching features do
 underneath."""
 
 from __future__ import annotations
@@ -11,7 +12,13 @@ from tests.engine_fixtures import greedy_requests, hf_greedy, run_all, tiny_mode
 
 pytestmark = pytest.mark.timeout(300)
 
-MODELS = [("llama", False), ("qwen2", False), ("qwen3", True), ("qwen3_moe", False)]
+MODELS = [
+    ("llama", False),
+    ("qwen2", False),
+    ("qwen3", True),
+    ("qwen3_moe", False),
+    ("gpt_oss", False),
+]
 
 # name -> (engine settings, seconds between submissions)
 VARIANTS = {

@@ -18,7 +18,13 @@ pytestmark = pytest.mark.timeout(600)
 
 SPEC = {"method": "ngram", "num_tokens": 4, "disable_above_batch_size": 64}
 # (arch, tied): the families the parity tests cover.
-MODELS = [("llama", False), ("qwen2", False), ("qwen3", True), ("qwen3_moe", False)]
+MODELS = [
+    ("llama", False),
+    ("qwen2", False),
+    ("qwen3", True),
+    ("qwen3_moe", False),
+    ("gpt_oss", False),
+]
 # name -> engine settings (as test_reference_equality's variants)
 VARIANTS = {
     "default": {},

@@ -76,8 +76,8 @@ def test_unsupported_and_broken_configs_are_named(tmp_path) -> None:
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(EngineError, match=r"not valid JSON"):
         load_model_config(tmp_path)
-    _write(tmp_path, rope_parameters={"rope_type": "yarn", "factor": 2.0})
-    with pytest.raises(EngineError, match=r"yarn.*default, llama3"):
+    _write(tmp_path, rope_parameters={"rope_type": "longrope", "factor": 2.0})
+    with pytest.raises(EngineError, match=r"longrope.*default, llama3, yarn"):
         load_model_config(tmp_path)
 
 
