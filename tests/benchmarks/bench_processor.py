@@ -25,13 +25,14 @@ most --max-num-seqs sequences in the engine. Both vLLM sides get the same engine
 
 Measured per run, from calling `processor(ds)` until every row is materialized (so actor
 start-up and model load are included): rows/s and output tokens/s end to end. And without
-start-up: a postprocess stamps each row with the time it left the engine stage; the steady
+start-up: the postprocess stamps each row with the time it gets there (after the engine and,
+for Ray Data LLM, its detokenize stage: each side's whole pipeline up to the user); the steady
 rate is the rows after the first output batch over the time from that batch to the last row
 (so model load, pipeline warm-up and the first batch's own latency are left out); it is nan
-when that window is under a quarter of the run (too few batches, e.g. a smoke run). Each side
-must return every row and the same output token count. Printed per run, then per side the
-medians over the rounds and the ratios tokenmill / Ray Data LLM. Numbers from a busy machine
-are only a smoke check.
+with fewer than 4 batches (a smoke run). Each side must return every row and the same output
+token count; how many greedy texts the two vLLM sides agree on is printed. Printed per run,
+then per side the medians over the rounds and the ratios tokenmill / Ray Data LLM. Numbers
+from a busy machine are only a smoke check.
 """
 
 from __future__ import annotations
@@ -58,9 +59,9 @@ BASELINE = "ray-data-llm"
 # Dataset never starts.
 CPU_STAGE_CPUS = 0.2
 ROW_MAP_CPUS = 0.1
-# The rate without start-up is printed (not nan) when its window is at least this share of
-# the run: it needs many batches (--rows well above --batch-size).
-STEADY_MIN_SHARE = 0.25
+# The rate without start-up needs a few batches after the first: with fewer, the last ones
+# leave the engine together and there is no window to measure over (printed as nan).
+STEADY_MIN_BATCHES = 4
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,7 @@ class Run:
     steady_tokens: int  # their output tokens
     steady_s: float  # first output batch -> last row out
     texts: dict[str, str]  # row id -> generated text
+    num_batches: int  # Ray Data batches of --batch-size rows
 
     @property
     def rows_per_s(self) -> float:
@@ -87,9 +89,7 @@ class Run:
 
     @property
     def is_steady_measured(self) -> bool:
-        # With a few batches only, the last ones leave the engine together: no window to
-        # measure a rate over.
-        return self.steady_s >= STEADY_MIN_SHARE * self.end_to_end_s
+        return self.num_batches >= STEADY_MIN_BATCHES and self.steady_s > 0
 
     @property
     def steady_rows_per_s(self) -> float:
@@ -244,6 +244,7 @@ def run_side(side: str, model: Path, rows: list[dict[str, Any]], args: argparse.
         steady_rows=len(later),
         steady_tokens=sum(tokens[i] for i in later),
         steady_s=max(out_at) - min(out_at),
+        num_batches=-(-len(out_at) // args.batch_size),
         texts=dict(
             zip(table.column("id").to_pylist(), table.column("text").to_pylist(), strict=True)
         ),

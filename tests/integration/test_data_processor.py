@@ -33,7 +33,8 @@ from pipeline.storage import filesystem_for
 from tests.integration.s3_server import S3Server
 from tests.integration.test_pipeline import make_spec
 
-pytestmark = pytest.mark.timeout(420)
+# The second engine actor's start-up is on the critical path (the barrier waits for it).
+pytestmark = pytest.mark.timeout(600)
 
 NUM_ROWS = 24
 # Rows per Ray Data block and batch: 8 tasks, more than the 4 one actor holds at once
