@@ -2,7 +2,7 @@
 
     .venv-vllm/bin/python tests/benchmarks/bench_processor.py [--rows 2000] [--rounds 3]
         [--size small] [--max-tokens 16] [--batch-size 64] [--max-num-seqs 64]
-        [--max-concurrent-batches 4] [--engine-cpus 1] [--kv-cache-gb 0.25]
+        [--max-concurrent-batches 8] [--engine-cpus 1] [--kv-cache-gb 0.25]
 
 Three sides, alternated for --rounds rounds in one invocation, each on a fresh local Ray
 instance with every core of the machine:
@@ -22,6 +22,9 @@ model built locally (`engines.tiny.make_tiny_model`, --size), the same chat prom
 every row generates exactly --max-tokens tokens, --batch-size rows per Ray Data batch and at
 most --max-num-seqs sequences in the engine. Both vLLM sides get the same engine arguments
 (float32 as tokenmill uses on CPU, eager mode, prefix caching, the same KV cache bytes).
+--engine-cpus is what Ray reserves for the engine actor; inside it, vLLM's CPU backend binds
+its own OpenMP threads and the reference engine uses torch threads on every core, as each does
+by default.
 
 Measured per run, from calling `processor(ds)` until every row is materialized (so actor
 start-up and model load are included): rows/s and output tokens/s end to end. And without
@@ -29,10 +32,14 @@ start-up: the postprocess stamps each row with the time it gets there (after the
 for Ray Data LLM, its detokenize stage: each side's whole pipeline up to the user); the steady
 rate is the rows after the first output batch over the time from that batch to the last row
 (so model load, pipeline warm-up and the first batch's own latency are left out); it is nan
-with fewer than 4 batches (a smoke run). Each side must return every row and the same output
-token count; how many greedy texts the two vLLM sides agree on is printed. Printed per run,
-then per side the medians over the rounds and the ratios tokenmill / Ray Data LLM. Numbers
-from a busy machine are only a smoke check.
+with fewer than 4 batches (a smoke run). It means something only when the rows far outnumber
+what a pipeline holds before its first output (engine sequences plus the batches queued in
+front of it): with few rows, a pipeline whose first output comes late has every row generated
+by then and its "steady" rate is just how fast it hands them on.
+
+Each side must return every row and the same output token count; how many greedy texts the
+two vLLM sides agree on is printed. Printed per run, then per side the medians over the rounds
+and the ratios tokenmill / Ray Data LLM. Numbers from a busy machine are only a smoke check.
 """
 
 from __future__ import annotations
@@ -313,7 +320,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64, help="rows per Ray Data batch")
     parser.add_argument("--max-num-seqs", type=int, default=64, help="sequences in the engine")
     parser.add_argument(
-        "--max-concurrent-batches", type=int, default=4, help="Ray Data LLM's, per engine actor"
+        "--max-concurrent-batches", type=int, default=8, help="Ray Data LLM's (its default)"
     )
     parser.add_argument("--engine-cpus", type=float, default=1.0, help="CPUs per engine actor")
     parser.add_argument("--kv-cache-gb", type=float, default=0.25)
