@@ -17,8 +17,14 @@ TOKENMILL_TEST_PROMPT_EXIT_ON: a prompt actor asked to tokenize a shard with a r
 contains this text exits at once (os._exit), as a tokenizer that segfaults or runs out of
 memory on one input would.
 
+TOKENMILL_TEST_PROCESSOR_BARRIER: a number n of engine actors; a Ray Data processor's engine
+actors hold every batch until n different actors have a batch. An autoscaling test then sees
+the pool grow and the new actor take rows on any machine: the first actor's batches cannot
+finish before the second actor has one.
+
 The batch driver passes these variables on to its engine and prompt actors
-(pipeline.batch.cluster), so they reach actors on a cluster the driver joined too.
+(pipeline.batch.cluster), and a processor to its engine actors (pipeline.data.processor), so
+they reach actors on a cluster the driver joined too.
 """
 
 from __future__ import annotations
@@ -31,7 +37,15 @@ STEP_DELAY_ENV = "TOKENMILL_TEST_STEP_DELAY_S"
 ONEDNN_REFUSES_ENV = "TOKENMILL_TEST_ONEDNN_REFUSES"
 PAUSE_AT_ENV = "TOKENMILL_TEST_PAUSE_AT"
 PROMPT_EXIT_ENV = "TOKENMILL_TEST_PROMPT_EXIT_ON"
-_FORWARDED = (HOOKS_ENV, STEP_DELAY_ENV, ONEDNN_REFUSES_ENV, PAUSE_AT_ENV, PROMPT_EXIT_ENV)
+PROCESSOR_BARRIER_ENV = "TOKENMILL_TEST_PROCESSOR_BARRIER"
+_FORWARDED = (
+    HOOKS_ENV,
+    STEP_DELAY_ENV,
+    ONEDNN_REFUSES_ENV,
+    PAUSE_AT_ENV,
+    PROMPT_EXIT_ENV,
+    PROCESSOR_BARRIER_ENV,
+)
 # Exit status of a prompt actor the hook kills (EX_SOFTWARE), to tell it apart in logs.
 PROMPT_EXIT_STATUS = 70
 
@@ -63,6 +77,11 @@ def pause_point(name: str) -> None:
 def prompt_exit_marker() -> str | None:
     """The text that makes a prompt actor exit (None unless the hooks are on and it is set)."""
     return (os.environ.get(PROMPT_EXIT_ENV) or None) if enabled() else None
+
+
+def processor_barrier() -> int:
+    """Engine actors a processor's batches wait for (0: none, unless the hooks are on)."""
+    return int(os.environ.get(PROCESSOR_BARRIER_ENV) or 0) if enabled() else 0
 
 
 def exit_prompt_actor() -> None:

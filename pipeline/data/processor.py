@@ -142,18 +142,36 @@ class Processor:
             return []
         return [ActorAccount.from_dict(a) for a in ray.get(self._book.accounts.remote())]
 
+    def arrivals(self) -> dict[str, tuple[float, float]]:
+        """Test hook data (TOKENMILL_TEST_PROCESSOR_BARRIER): per engine actor that reached
+        the barrier, (monotonic time its constructor started, time of its first batch)."""
+        import ray
+
+        return {} if self._book is None else ray.get(self._book.arrivals.remote())
+
 
 class AccountBook:
     """Ray actor: the latest account of each engine actor of one processor."""
 
     def __init__(self) -> None:
         self._accounts: dict[str, dict[str, Any]] = {}  # actor id/incarnation -> account
+        # actor id -> (constructor start, first batch), monotonic; test hook only
+        self._arrivals: dict[str, tuple[float, float]] = {}
 
     def report(self, key: str, account: dict[str, Any]) -> None:
         self._accounts[key] = account
 
     def accounts(self) -> list[dict[str, Any]]:
         return [self._accounts[key] for key in sorted(self._accounts)]
+
+    def arrive(self, actor_id: str, started: float, now: float) -> int:
+        """Test hook (TOKENMILL_TEST_PROCESSOR_BARRIER): `actor_id` has a batch; returns how
+        many engine actors have had one."""
+        self._arrivals.setdefault(actor_id, (started, now))
+        return len(self._arrivals)
+
+    def arrivals(self) -> dict[str, tuple[float, float]]:
+        return dict(self._arrivals)
 
 
 class EngineStage:
@@ -163,6 +181,7 @@ class EngineStage:
     def __init__(self, config: ProcessorConfig, book: Any) -> None:
         import ray
 
+        from engines import testhooks
         from pipeline.batch.generate import RowServer, current_actor_id, reasoning_parser
         from pipeline.batch.prompts import PromptStage
         from pipeline.batch.rows import GenerateConfig
@@ -190,6 +209,8 @@ class EngineStage:
         self.actor_id = current_actor_id()
         self.key = f"{self.actor_id}/{uuid.uuid4().hex[:12]}"  # a restart keeps the actor id
         self.book = book
+        self.started = started
+        self._barrier = testhooks.processor_barrier()  # 0 outside tests
         self._slots: asyncio.Semaphore | None = None  # made on the event loop that uses it
         ray.get(self._report())  # a loaded actor is paid for even if it never gets a batch
 
@@ -197,6 +218,8 @@ class EngineStage:
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.spec.resources.max_in_flight)
         slots = self._slots
+        if self._barrier:
+            await self._wait_for_peers()
         prepared = prepare_rows(batch, self.spec, self.prompts)
 
         async def serve(row: dict[str, Any]) -> Any:
@@ -214,6 +237,14 @@ class EngineStage:
         account = self.meter.account(time.monotonic())
         account.actor_id = self.actor_id
         return account.to_dict()
+
+    async def _wait_for_peers(self) -> None:
+        """Test hook: hold this batch until `_barrier` engine actors have had a batch."""
+        book = self.book
+        while await book.arrive.remote(self.actor_id, self.started, time.monotonic()) < (
+            self._barrier
+        ):
+            await asyncio.sleep(0.05)
 
     def _report(self) -> Any:
         return self.book.report.remote(self.key, self.account())

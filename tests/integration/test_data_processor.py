@@ -3,11 +3,19 @@
 The same rows and the same job file go through `tokenmill run` (in-process) and through the
 processor: greedy texts, finish reasons, token counts and error messages must be equal, bad
 rows must be error rows, and the engine actors' accounts must add up.
+
+The pool autoscales from one engine actor to two. Ray Data starts `min_actors` (1) and adds
+one when the pool's tasks in flight reach `actor_pool_util_upscaling_threshold` x its
+concurrency; whether the new actor then gets rows would be a race with the first actor's
+speed. The processor barrier hook (engines.testhooks) makes it certain: every batch waits
+until two actors have one, so the first actor's batches pile up (utilization 2.0, above the
+1.75 threshold) and the blocks it cannot take wait for the second.
 """
 
 from __future__ import annotations
 
 import io
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +24,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
+from engines import testhooks
 from pipeline.batch.commit.parts import table_to_parquet
 from pipeline.batch.run import run_job
 from pipeline.batch.schema import RESULT_FIELDS
@@ -24,9 +33,13 @@ from pipeline.storage import filesystem_for
 from tests.integration.s3_server import S3Server
 from tests.integration.test_pipeline import make_spec
 
-pytestmark = pytest.mark.timeout(420)
+# The second engine actor's start-up is on the critical path (the barrier waits for it).
+pytestmark = pytest.mark.timeout(600)
 
 NUM_ROWS = 24
+# Rows per Ray Data block and batch: 8 tasks, more than the 4 one actor holds at once
+# (2 running, 2 queued), so blocks are left for the actor the autoscaler adds.
+BATCH_ROWS = 3
 
 
 def question(i: int) -> str:
@@ -73,7 +86,12 @@ def job(
         tiny_model_dir,
         engine={"max_model_len": 256},
         # Autoscaling between one and two engine actors, small batches so there are several.
-        resources={"num_actors": None, "min_actors": 1, "max_actors": 2, "batch_size": 6},
+        resources={
+            "num_actors": None,
+            "min_actors": 1,
+            "max_actors": 2,
+            "batch_size": BATCH_ROWS,
+        },
         limits={"max_error_fraction": 0.5},
     )
     result = run_job(spec)
@@ -106,8 +124,12 @@ def processed(
 
     spec, path, source = job
     processor = build_processor(path)
-    ds = read_s3_dataset(source, spec).repartition(4)  # several blocks: both actors can work
-    return processor, processor(ds).take_all()
+    ds = read_s3_dataset(source, spec).repartition(NUM_ROWS // BATCH_ROWS)
+    with pytest.MonkeyPatch.context() as env:
+        # Read when the Dataset runs: the engine actors get the hook, later calls do not.
+        env.setenv(testhooks.HOOKS_ENV, "1")
+        env.setenv(testhooks.PROCESSOR_BARRIER_ENV, "2")
+        return processor, processor(ds).take_all()
 
 
 def test_texts_equal_tokenmill_run_on_the_same_rows(
@@ -143,7 +165,7 @@ def test_bad_rows_are_error_rows(processed: tuple[Any, list[dict[str, Any]]]) ->
 def test_accounts_add_up(processed: tuple[Any, list[dict[str, Any]]]) -> None:
     processor, rows = processed
     accounts = processor.accounts()
-    assert 1 <= len(accounts) <= 2, accounts
+    assert len(accounts) == 2, accounts
     for account in accounts:
         parts = account.attributed_s + account.pending_s + account.idle_s + account.load_s
         assert parts == pytest.approx(account.total_s, rel=1e-6, abs=1e-6)
@@ -154,6 +176,19 @@ def test_accounts_add_up(processed: tuple[Any, list[dict[str, Any]]]) -> None:
         sum(r["gpu_seconds"] for r in served), rel=1e-6
     )
     assert {r["actor_id"] for r in served} <= {a.actor_id for a in accounts}
+
+
+def test_the_pool_grows_from_one_actor_to_two(processed: tuple[Any, list[dict[str, Any]]]) -> None:
+    processor, rows = processed
+    accounts = processor.accounts()
+    # Two engine actors served rows, and each one's account has exactly the rows it served.
+    per_actor = Counter(r["actor_id"] for r in rows if r["actor_id"] is not None)
+    assert len(per_actor) == 2, per_actor
+    assert {a.actor_id: a.num_rows for a in accounts} == dict(per_actor)
+    # The pool started with one (min_actors): the second actor's constructor began only after
+    # the first actor had a batch, i.e. the autoscaler added it once the first was busy.
+    (first_start, first_batch), (second_start, _) = sorted(processor.arrivals().values())
+    assert first_start < first_batch < second_start
 
 
 def test_a_missing_column_makes_error_rows_not_a_failed_dataset(

@@ -48,3 +48,12 @@ def test_pause_and_exit_hooks_reach_the_actors(monkeypatch: pytest.MonkeyPatch) 
         testhooks.PAUSE_AT_ENV: "finish",
         testhooks.PROMPT_EXIT_ENV: "POISON",
     }
+
+
+def test_the_processor_barrier_only_with_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(testhooks.PROCESSOR_BARRIER_ENV, "2")
+    monkeypatch.delenv(testhooks.HOOKS_ENV, raising=False)
+    assert testhooks.processor_barrier() == 0
+    monkeypatch.setenv(testhooks.HOOKS_ENV, "1")
+    assert testhooks.processor_barrier() == 2
+    assert testhooks.forwarded_env()[testhooks.PROCESSOR_BARRIER_ENV] == "2"
