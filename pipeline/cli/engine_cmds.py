@@ -43,7 +43,8 @@ def make_tiny_model(
 def bench(
     model: Path | None = typer.Option(
         None,
-        help="Hugging Face model dir. Default: a ~35M-parameter tiny model of --arch built once.",
+        help="Hugging Face model dir. Default: the `small` tiny model of --arch (~35M parameters "
+        "as a Llama), built once.",
     ),
     arch: str = typer.Option(
         "llama",
