@@ -19,6 +19,9 @@ Reported per mode: useful generated tokens/s, TTFT p50/p95 (all requests arrive 
 RSS. Also the CPU's fp32 matmul FLOP/s measured in the same run, and the reference engine's
 achieved matmul FLOP/s over its pure-decode steps with batch >= 32 (from its step records:
 2 x linear params x tokens / step time; attention left out, so this is a lower bound).
+On a Mixture-of-Experts model the linear params are those one token multiplies (the router
+and its k experts), and the reference mode also reports the expert load from its step
+records: tokens per expert per step, the busiest expert's and the mean (ExpertLoadSummary).
 """
 
 from __future__ import annotations
@@ -33,10 +36,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engines.api import StepRecord
 
 MODES = ("reference", "hf-static", "hf-continuous", "vllm")
 # Where `make setup-vllm` puts vLLM's environment, relative to the repository.
@@ -46,7 +52,8 @@ _DECODE_BATCH_FOR_FLOPS = 32  # decode steps at least this wide count for achiev
 
 @dataclass(frozen=True)
 class BenchConfig:
-    model: str | None = None  # HF model dir; None builds engines.tiny "small" into cache_dir
+    model: str | None = None  # HF model dir; None builds engines.tiny `arch` "small" in cache_dir
+    arch: str = "llama"  # the engines.tiny architecture built when model is None
     cache_dir: str = str(Path.home() / ".cache" / "tokenmill" / "bench")
     num_prompts: int = 128  # requests in the workload
     prompt_len: tuple[int, int] = (16, 512)  # prompt lengths drawn uniformly in [lo, hi]
@@ -81,6 +88,8 @@ class ModeResult:
     decode_flops_per_s: float | None = None  # reference only: achieved in wide decode steps
     decode_steps_counted: int = 0
     profile: dict | None = None  # reference with profile_dir: profiling.PhaseTable as a dict
+    # reference on a Mixture-of-Experts model: ExpertLoadSummary as a dict; None when dense
+    expert_load: dict | None = None
     error: str | None = None
     round: int = 0  # the pass over the modes it ran in (BenchConfig.rounds), from 0
 
@@ -208,24 +217,69 @@ def make_workload(config: BenchConfig, vocab_size: int) -> tuple[list[list[int]]
 def ensure_model(config: BenchConfig) -> Path:
     if config.model:
         return Path(config.model)
-    out = Path(config.cache_dir) / "llama-small"
+    out = Path(config.cache_dir) / f"{config.arch}-small"
     if not (out / "config.json").exists():
         from engines.tiny import make_tiny_model
 
-        make_tiny_model(out, arch="llama", size="small")
+        make_tiny_model(out, arch=config.arch, size="small")  # type: ignore[arg-type]
     return out
 
 
 def matmul_params(model_dir: Path) -> int:
-    """Weights multiplied per token: every linear in the layers plus the LM head."""
+    """Weights multiplied per token: every linear in the layers plus the LM head. A sparse
+    (Mixture-of-Experts) layer counts its router and the k experts a token runs, not all E."""
     cfg = json.loads((model_dir / "config.json").read_text())
     hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
     heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or hidden // heads
     kv = cfg.get("num_key_value_heads") or heads
+    layers = cfg["num_hidden_layers"]
     attn = hidden * head_dim * (2 * heads + 2 * kv)  # q, o, k, v
-    mlp = 3 * hidden * inter
-    return cfg["num_hidden_layers"] * (attn + mlp) + hidden * cfg["vocab_size"]
+    mlps = layers * 3 * hidden * inter
+    if cfg.get("num_experts") or cfg.get("num_local_experts"):
+        # Which layers are sparse is the reference engine's reading of the config (one rule).
+        from engines.reference.config import load_model_config
+
+        moe = load_model_config(model_dir).moe
+        if moe is not None:
+            sparse = hidden * (
+                moe.num_experts + 3 * moe.num_experts_per_tok * moe.intermediate_size
+            )
+            num_sparse = len(moe.sparse_layers)
+            mlps = num_sparse * sparse + (layers - num_sparse) * 3 * hidden * inter
+    return layers * attn + mlps + hidden * cfg["vocab_size"]
+
+
+@dataclass(frozen=True)
+class ExpertLoadSummary:
+    """A run's expert load from the reference engine's step records: how evenly the router
+    spread each step's tokens over the experts. max / mean = 1 is perfectly even; a busy
+    expert bounds a grouped-expert step, so the ratio is the MoE layers' lost parallelism."""
+
+    num_steps: int  # engine steps that ran the model
+    tokens_max: float  # the busiest expert's tokens in a step (of any layer), mean over steps
+    tokens_mean: float  # tokens per expert in a step (tokens x k / E), mean over steps
+    tokens_peak: int  # the busiest expert's tokens in the busiest step
+    max_over_mean: float  # sum of the steps' max / sum of their mean: token-weighted imbalance
+
+
+def summarize_expert_load(records: Sequence[StepRecord]) -> ExpertLoadSummary | None:
+    """The expert load over a run's StepRecords; None for a dense model (no expert figures)."""
+    loads = [
+        (r.expert_tokens_max, r.expert_tokens_mean)
+        for r in records
+        if r.expert_tokens_max is not None and r.expert_tokens_mean is not None
+    ]
+    if not loads:
+        return None
+    maxes, means = [m for m, _ in loads], [m for _, m in loads]
+    return ExpertLoadSummary(
+        num_steps=len(loads),
+        tokens_max=statistics.fmean(maxes),
+        tokens_mean=statistics.fmean(means),
+        tokens_peak=max(maxes),
+        max_over_mean=sum(maxes) / sum(means) if sum(means) else 0.0,
+    )
 
 
 def _best_seconds(run: Callable[[], object], repeats: int) -> float:
@@ -329,6 +383,7 @@ def _run_reference(spec: dict) -> ModeResult:
             flops_tokens += len(rec.decode_tokens)
             steps += 1
     useful = sum(r.completion_tokens for r in results)
+    expert_load = summarize_expert_load(records)
     profile = None
     if engine.profile_trace is not None:
         from engines.reference.profiling import read_phase_table
@@ -345,6 +400,7 @@ def _run_reference(spec: dict) -> ModeResult:
         else None,
         decode_steps_counted=steps,
         profile=profile,
+        expert_load=asdict(expert_load) if expert_load else None,
     )
 
 
@@ -622,9 +678,19 @@ def format_result(r: ModeResult) -> str:
     ttft = (
         f"TTFT p50 {r.ttft_p50_s:.2f}s p95 {r.ttft_p95_s:.2f}s" if r.ttft_p50_s is not None else ""
     )
-    return (
+    line = (
         f"{r.mode:14s} {r.tokens_per_s:9.1f} tok/s  ({r.useful_tokens} tokens in "
         f"{r.seconds:.1f}s)  {ttft}  peak RSS {r.peak_rss_mb:.0f} MB"
+    )
+    return line + (f"\n{'':14s} {format_expert_load(r.expert_load)}" if r.expert_load else "")
+
+
+def format_expert_load(load: dict) -> str:
+    """One line from an ExpertLoadSummary dict (ModeResult.expert_load)."""
+    return (
+        f"expert load, tokens per expert per step: max {load['tokens_max']:.1f}, "
+        f"mean {load['tokens_mean']:.1f} (max/mean {load['max_over_mean']:.2f}), "
+        f"peak {load['tokens_peak']} over {load['num_steps']} steps"
     )
 
 

@@ -48,7 +48,14 @@ def make_tiny_model(
 @app.command("bench")
 def bench(
     model: Path | None = typer.Option(
-        None, help="Hugging Face model dir. Default: a ~35M-parameter tiny Llama built once."
+        None,
+        help="Hugging Face model dir. Default: the `small` tiny model of --arch (~35M parameters "
+        "as a Llama), built once.",
+    ),
+    arch: str = typer.Option(
+        "llama",
+        help="Without --model: the tiny model built (llama, qwen2, qwen3 or qwen3_moe; "
+        "qwen3_moe also reports the reference engine's expert load).",
     ),
     num_prompts: int = typer.Option(128, min=1, help="Requests in the workload."),
     min_prompt_len: int = typer.Option(16, min=1, help="Shortest prompt, in tokens."),
@@ -99,6 +106,7 @@ def bench(
     import json
 
     from engines.bench import MODES, BenchConfig, format_summary, run_bench
+    from engines.tiny import ARCHS
 
     chosen = tuple(m.strip() for m in modes.split(",") if m.strip())
     unknown = [m for m in chosen if m not in MODES]
@@ -106,8 +114,11 @@ def bench(
         raise typer.BadParameter(f"unknown mode(s) {unknown}; choose from {', '.join(MODES)}")
     if min_prompt_len > max_prompt_len or min_max_tokens > max_max_tokens:
         raise typer.BadParameter("each --min-* must be <= its --max-*")
+    if arch not in ARCHS:
+        raise typer.BadParameter(f"unknown --arch {arch!r}; choose from {', '.join(ARCHS)}")
     config = BenchConfig(
         model=str(model) if model else None,
+        arch=arch,
         num_prompts=num_prompts,
         prompt_len=(min_prompt_len, max_prompt_len),
         max_tokens=(min_max_tokens, max_max_tokens),

@@ -80,3 +80,26 @@ def test_bench_rejects_unknown_modes() -> None:
     result = CliRunner().invoke(app, ["bench", "--modes", "reference,sglang"])
     assert result.exit_code != 0
     assert "sglang" in result.output
+
+
+def test_bench_reports_the_expert_load_on_a_moe_model(tmp_path) -> None:
+    """Qwen3-MoE: the reference rounds carry tokens per expert per step (max and mean) in the
+    JSON and the printed line."""
+    out = tmp_path / "bench.json"
+    args = ["bench", "--model", str(tiny_model("qwen3_moe")), "--num-prompts", "4"]
+    args += ["--min-prompt-len", "4", "--max-prompt-len", "16", "--min-max-tokens", "2"]
+    args += ["--max-max-tokens", "6", "--threads", "1", "--modes", "reference"]
+    result = CliRunner().invoke(app, [*args, "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    load = data["results"][0]["expert_load"]
+    assert load["num_steps"] > 0
+    assert 0 < load["tokens_mean"] <= load["tokens_max"] <= load["tokens_peak"]
+    assert load["max_over_mean"] >= 1.0
+    assert "tokens per expert per step: max" in result.output
+
+
+def test_bench_rejects_an_unknown_arch() -> None:
+    result = CliRunner().invoke(app, ["bench", "--arch", "mixtral", "--modes", "reference"])
+    assert result.exit_code != 0
+    assert "mixtral" in result.output

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -9,11 +10,14 @@ import pytest
 from engines.bench import (
     BenchConfig,
     BenchReport,
+    ExpertLoadSummary,
     ModeResult,
     _percentile,
+    format_result,
     format_summary,
     make_workload,
     matmul_params,
+    summarize_expert_load,
 )
 
 
@@ -105,3 +109,53 @@ def test_ratios_are_taken_per_round_and_the_median_reported() -> None:
     text = format_summary(report)
     assert "reference vs vllm: 1.20x" in text and "median of 3 rounds: 1.20x, 1.05x, 1.50x" in text
     assert report.to_json()["ratios_vs_vllm"] == pytest.approx([1.2, 1.05, 1.5])
+
+
+def test_matmul_params_counts_a_tokens_router_and_k_experts(tmp_path) -> None:
+    """Qwen3-MoE: a sparse layer's token multiplies the router and its k experts, a dense layer
+    (mlp_only_layers) its dense MLP."""
+    import transformers
+
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        mlp_only_layers=[1],
+    )
+    (tmp_path / "config.json").write_text(json.dumps(config.to_dict()))
+    attention = 64 * 16 * (2 * 4 + 2 * 2)
+    sparse = 64 * 8 + 2 * 3 * 64 * 32
+    dense = 3 * 64 * 96
+    assert matmul_params(tmp_path) == 3 * attention + 2 * sparse + dense + 64 * 300
+
+
+def test_expert_load_is_summarized_over_the_steps_that_ran_experts() -> None:
+    from engines.api import StepRecord
+
+    def step(max_tokens: int | None, mean: float | None) -> StepRecord:
+        return StepRecord(
+            0.0, 1.0, {"a": 4}, {}, expert_tokens_max=max_tokens, expert_tokens_mean=mean
+        )
+
+    assert summarize_expert_load([step(None, None)]) is None  # a dense model
+    load = summarize_expert_load([step(6, 2.0), step(3, 1.0), step(9, 3.0)])
+    assert load == ExpertLoadSummary(
+        num_steps=3, tokens_max=6.0, tokens_mean=2.0, tokens_peak=9, max_over_mean=3.0
+    )
+    text = format_result(
+        ModeResult(
+            "reference",
+            tokens_per_s=1.0,
+            ttft_p50_s=0.1,
+            ttft_p95_s=0.2,
+            expert_load=dataclasses.asdict(load),
+        )
+    )
+    assert "tokens per expert per step: max 6.0, mean 2.0 (max/mean 3.00), peak 9" in text
