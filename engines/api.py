@@ -466,6 +466,8 @@ class EngineInfo:
     # from its usual path on this machine (e.g. a slower fallback the CPU forces), one sentence
     # each; surfaced in the run's manifest and logs so a user learns them up front.
     limitations: tuple[str, ...] = ()
+    # Values in one embedding (the model's hidden size) where the engine embeds; else None.
+    embedding_size: int | None = None
 
 
 @dataclass(frozen=True)

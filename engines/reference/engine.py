@@ -291,6 +291,7 @@ class ReferenceEngine:
             eos_token_ids=self.config.eos_token_ids,
             load_seconds=time.monotonic() - started,
             limitations=self.limitations + grammar_limitations(),
+            embedding_size=self.config.hidden_size,
         )
 
     def _load(
