@@ -967,8 +967,8 @@ class JobSpec(_Strict):
         if self.engine.kind != "reference":
             raise ValueError(
                 f"task embed: engine.kind {self.engine.kind} does not compute embeddings "
-                "(vLLM's pooling runner is a separate engine that cannot generate; "
-                "TensorRT-LLM's LLM API has none); use engine.kind reference"
+                "(vLLM embeds only in its pooling runner, a separate engine that cannot "
+                "generate; the TensorRT-LLM adapter has no pooling); use engine.kind reference"
             )
         sampling = self.sampling
         asked = [name for name in _GENERATION_ONLY if getattr(sampling, name) is not None]

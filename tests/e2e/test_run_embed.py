@@ -82,6 +82,8 @@ def _run(tmp_path: Path, model_dir: Path, rows: int, timeout: float) -> tuple[pa
     table = _check(out, rows)
     manifest = json.loads((out / "_manifest.json").read_text())
     assert manifest["totals"]["rows"] == rows and manifest["totals"]["rows_error"] == 1
+    assert manifest["totals"]["prompt_tokens_per_s"] > 0
+    assert "prompt tokens/s" in proc.stdout + proc.stderr
     return table, seconds
 
 
