@@ -437,7 +437,10 @@ class ReferenceEngine:
         scheduler, bm = self.scheduler, self.block_manager
         return EngineStats(
             num_running=len(scheduler.running),
-            num_waiting=len(scheduler.waiting) + len(self._inbox) + self._groups.num_waiting,
+            num_waiting=len(scheduler.waiting)
+            + len(self._inbox)
+            + len(self._embeds)
+            + self._groups.num_waiting,
             num_finished=self._num_finished,
             num_preemptions=scheduler.num_preemptions,
             kv_blocks_total=bm.num_blocks,

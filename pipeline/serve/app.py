@@ -412,7 +412,7 @@ class OpenAIIngress:
             except LimitExceeded as exc:
                 held.lease = None  # charge gave it back
                 raise self._rate_limited(exc) from None
-            body, usage, replica = await self._embed(served, parsed, prompts, started)
+            body, usage, replica = await self._embed(served, parsed, prompts)
             status = 200
             if held.lease is not None:
                 held.lease.settle(usage.prompt_tokens)
@@ -454,7 +454,6 @@ class OpenAIIngress:
         served: ServedModelSpec,
         parsed: EmbeddingsRequest,
         prompts: list[list[int]],
-        started: float,
     ) -> tuple[dict[str, Any], Usage, str]:
         """Every input on the model's replicas at once; the body, usage and a replica."""
         handle = self._engines[served.name]
@@ -485,11 +484,8 @@ class OpenAIIngress:
         usage = self._usage_of(
             served, [dataclasses.replace(answers[0].result, prompt_tokens=prompt_tokens)], seconds
         )
-        return (
-            embeddings_body(served.name, vectors, parsed.encoding_format, prompt_tokens),
-            (usage),
-            answers[0].replica,
-        )
+        body = embeddings_body(served.name, vectors, parsed.encoding_format, prompt_tokens)
+        return body, usage, answers[0].replica
 
     # --- request handling ----------------------------------------------------------------
 
