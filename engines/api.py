@@ -278,14 +278,46 @@ class SampleOf:
     count: int
 
 
+Pooling = Literal["last", "mean"]
+POOLINGS: tuple[str, ...] = ("last", "mean")
+
+
+@dataclass(frozen=True)
+class EmbedParams:
+    """Asks for the prompt's embedding instead of a completion (prefill only, no output token).
+
+    The embedding is the final hidden state after the model's final norm, pooled over the
+    prompt and optionally L2-normalised, as float32. None takes the model's default: its
+    sentence-transformers config (`modules.json` / `1_Pooling/config.json`) where the
+    checkpoint has one, otherwise last-token pooling with normalisation (vLLM's default for
+    decoder-only models).
+    """
+
+    pooling: Pooling | None = None  # "last": the last prompt token's state; "mean": the mean
+    normalize: bool | None = None  # divide by the L2 norm
+
+    def __post_init__(self) -> None:
+        if self.pooling is not None and self.pooling not in POOLINGS:
+            raise ValueError(
+                f"embed pooling must be one of {', '.join(POOLINGS)} (or null for the model's "
+                f"default), got {self.pooling!r}"
+            )
+        if self.normalize is not None and not isinstance(self.normalize, bool):
+            raise ValueError(f"embed normalize must be true, false or null, got {self.normalize!r}")
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
-    """One prompt to complete. The engine batches many of these itself."""
+    """One prompt to complete (or, with `embed` set, to embed). The engine batches many of
+    these itself."""
 
     prompt_token_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     sample_of: SampleOf | None = None  # one of n samples of the same prompt; None: alone
+    # Set: embed the prompt (sampling is ignored; the result carries `embedding`, no tokens,
+    # finish_reason "stop"). An engine that cannot embed answers a row error saying so.
+    embed: EmbedParams | None = None
 
 
 @dataclass
@@ -345,6 +377,8 @@ class GenerationResult:
     spec_accepted_tokens: int = 0
     # Steps that verified proposals for it (accepted / this: mean accepted per verification).
     spec_verifications: int = 0
+    # The pooled prompt embedding (float32 values) when the request set `embed`; else None.
+    embedding: list[float] | None = None
 
     @property
     def ok(self) -> bool:
@@ -432,6 +466,8 @@ class EngineInfo:
     # from its usual path on this machine (e.g. a slower fallback the CPU forces), one sentence
     # each; surfaced in the run's manifest and logs so a user learns them up front.
     limitations: tuple[str, ...] = ()
+    # Values in one embedding (the model's hidden size) where the engine embeds; else None.
+    embedding_size: int | None = None
 
 
 @dataclass(frozen=True)

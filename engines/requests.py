@@ -39,8 +39,18 @@ class Admission:
         return self.error is None
 
 
+EMBED_UNSUPPORTED = (
+    "embeddings are computed by the reference engine only (engine.kind: reference); this "
+    "engine kind generates text"
+)
+
+
 def admit(request: GenerationRequest, *, vocab_size: int, max_model_len: int) -> Admission:
     """Check `request` against the model's vocabulary and context; clip its max_tokens."""
+    if request.embed is not None:
+        # The production kinds run one engine per replica for generation; their embedding
+        # runners (vLLM's pooling runner) are separate engines that cannot generate.
+        return Admission(EMBED_UNSUPPORTED, 0)
     prompt = request.prompt_token_ids
     if len(prompt) == 0:
         return Admission("the prompt is empty: give at least one token", 0)
@@ -65,6 +75,26 @@ def admit(request: GenerationRequest, *, vocab_size: int, max_model_len: int) ->
             0,
         )
     return Admission(None, min(request.sampling.max_tokens, max_model_len - len(prompt)))
+
+
+def embed_error(request: GenerationRequest, vocab_size: int, max_model_len: int) -> str | None:
+    """Why an embed request cannot run, or None. Its prompt may fill the whole context: no
+    output token follows it."""
+    prompt = request.prompt_token_ids
+    if len(prompt) == 0:
+        return "the input is empty: give at least one token"
+    for token in prompt:
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
+            return (
+                f"input token id {token!r} is outside the vocabulary [0, {vocab_size}) "
+                "(tokenized with a different tokenizer?)"
+            )
+    if len(prompt) > max_model_len:
+        return (
+            f"input has {len(prompt)} tokens but the model's context (max_model_len) is "
+            f"{max_model_len} tokens; shorten the input"
+        )
+    return None
 
 
 def error_result(request: GenerationRequest, message: str, arrival: float) -> GenerationResult:

@@ -148,6 +148,28 @@ request of its own (prefix caching then spares most of the prompt). A row whose 
 not all succeed is an error row naming the failed sample; an openai_batch line with `n` gets
 that many `choices` in its output line.
 
+## Embedding jobs (`task: embed`)
+
+`task: embed` computes each row's embedding instead of a completion: the prompt is rendered as
+usual (set `prompt.chat_template: false` to embed the text as it is), run once through the
+model (prefill only, no output token), and its final hidden states after the model's final norm
+are pooled (`embed.pooling`: `last` token or `mean`) and, with `embed.normalize`, L2-normalised.
+Both default to the checkpoint's own: its sentence-transformers `modules.json` (a Pooling
+module in last-token or mean mode, and whether a Normalize module follows) where it has one,
+else last token + normalise (vLLM's default for decoder-only models). Only `engine.kind:
+reference` embeds (it batches prompts of up to `max_num_tokens` tokens per forward); other
+kinds, and settings that shape generated text (`sampling.response_format`, `logprobs`,
+`prompt_logprobs`, `n`, `engine.speculative`, `prompt.reasoning`,
+`output.include_token_ids`), are refused when the job is loaded.
+
+The output has the usual columns plus `embedding` (list<float32>; null on error rows): `text`
+is empty, `finish_reason` is `stop` (or `error`), `completion_tokens` is 0, `ttft_s` and
+`decode_s` are null, and `prompt_tokens`, `gpu_seconds` and the costs are counted as for any
+row (the run's summary and manifest totals give `prompt_tokens_per_s`). A prompt is too long
+only when it alone exceeds the context (`engine.max_model_len`); such rows, and rows with any
+other problem, are error rows as always. `sampling.max_tokens` and the other sampling values
+are not used.
+
 Without an id column, a row's id is `<first 8 hex of sha256(file URI)>-<row index>` (JSONL: the
 0-based line number; Parquet: the 0-based row number).
 """

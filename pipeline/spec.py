@@ -879,6 +879,24 @@ def reserved_columns() -> frozenset[str]:
     return RESERVED_COLUMNS
 
 
+class EmbedSpec(_Strict):
+    pooling: Literal["last", "mean"] | None = Field(
+        None,
+        description="task embed: how the prompt's final hidden states become one vector: "
+        "last (the last prompt token's) or mean (over the prompt's tokens). Null: the model's "
+        "own (its sentence-transformers modules.json where it has one, else last).",
+    )
+    normalize: bool | None = Field(
+        None,
+        description="task embed: L2-normalise each embedding. Null: the model's own (its "
+        "sentence-transformers Normalize module where it has modules.json, else true).",
+    )
+
+
+# Sampling settings that shape generated text and mean nothing for an embedding.
+_GENERATION_ONLY = ("response_format", "logprobs", "prompt_logprobs")
+
+
 class JobSpec(_Strict):
     name: str = Field(
         description="Job name: letters, digits, '-', '_' and '.'; used in submission ids.",
@@ -892,6 +910,16 @@ class JobSpec(_Strict):
     )
     input: InputSpec = Field(description="Where the prompts are and how to read them.")
     prompt: PromptSpec = Field(default_factory=PromptSpec, description="How rows become prompts.")
+    task: Literal["generate", "embed"] = Field(
+        "generate",
+        description="generate: complete every prompt (text, finish_reason, token counts). "
+        "embed: compute every prompt's embedding instead (prefill only, engine.kind "
+        "reference): rows get an `embedding` column (list<float32>), `text` is empty, "
+        "finish_reason is stop (or error), completion_tokens 0; sampling is not used.",
+    )
+    embed: EmbedSpec = Field(
+        default_factory=EmbedSpec, description="Pooling and normalisation of task embed."
+    )
     model: ModelSpec = Field(description="The model to generate with.")
     engine: EngineSpec = Field(default_factory=EngineSpec, description="Engine and its settings.")
     sampling: SamplingSpec = Field(
@@ -929,6 +957,44 @@ class JobSpec(_Strict):
                 f"resources.devices_per_actor ({reserved:g}); change one of them"
             )
         return self
+
+    @model_validator(mode="after")
+    def _embed_task(self) -> JobSpec:
+        """task embed: an engine that embeds, and no generation-only setting that would be
+        silently ignored."""
+        if self.task != "embed":
+            return self
+        if self.engine.kind != "reference":
+            raise ValueError(
+                f"task embed: engine.kind {self.engine.kind} does not compute embeddings "
+                "(vLLM embeds only in its pooling runner, a separate engine that cannot "
+                "generate; the TensorRT-LLM adapter has no pooling); use engine.kind reference"
+            )
+        sampling = self.sampling
+        asked = [name for name in _GENERATION_ONLY if getattr(sampling, name) is not None]
+        if sampling.n != 1 or "n" in sampling.overrides:
+            asked.append("n")
+        if self.engine.speculative is not None:
+            asked.append("engine.speculative")
+        if self.prompt.reasoning != "none":
+            asked.append("prompt.reasoning")
+        if self.output.include_token_ids:
+            asked.append("output.include_token_ids")
+        if asked:
+            raise ValueError(
+                f"task embed computes no output tokens, so {', '.join(asked)} cannot apply; "
+                "remove them or use task generate"
+            )
+        return self
+
+    @property
+    def embed_params(self) -> Any:
+        """engines.api.EmbedParams for task embed; None for task generate."""
+        if self.task != "embed":
+            return None
+        from engines.api import EmbedParams
+
+        return EmbedParams(pooling=self.embed.pooling, normalize=self.embed.normalize)
 
     @model_validator(mode="after")
     def _prompt_source(self) -> JobSpec:

@@ -55,7 +55,7 @@ from engines.reference.grammar import limitations as grammar_limitations
 from engines.reference.groups import SampleGroups
 from engines.reference.logprobs import prompt_rows, record_logprobs, record_prompt_logprobs
 from engines.reference.profiling import NO_PROFILER, NoProfiler, StepProfiler
-from engines.requests import admit, bad_words_token_ids
+from engines.requests import admit, bad_words_token_ids, embed_error
 
 _log = logging.getLogger(__name__)
 
@@ -138,6 +138,30 @@ class _Live:
     spec_verifications: int = 0  # steps that verified proposals for it
 
 
+@dataclass
+class _Embedding:
+    """An embed request waiting for its dense forward (never enters the scheduler)."""
+
+    request: GenerationRequest
+    sink: _Sink
+    metrics: RequestMetrics
+    is_stream: bool
+
+
+def take_embed_batch(queue: deque[Any], max_num_tokens: int) -> list[Any]:
+    """Embed requests for one forward, first come first: as many as fit `max_num_tokens`
+    prompt tokens together, and always at least one (a longer prompt runs alone)."""
+    batch: list[Any] = []
+    num_tokens = 0
+    while queue:
+        n = len(queue[0].request.prompt_token_ids)
+        if batch and num_tokens + n > max_num_tokens:
+            break
+        batch.append(queue.popleft())
+        num_tokens += n
+    return batch
+
+
 class ReferenceEngine:
     """PyTorch engine with a paged KV cache, prefix caching, chunked prefill and in-flight
     batching (docs/engine.md has the details).
@@ -216,6 +240,8 @@ class ReferenceEngine:
         self._test_step_delay_s = testhooks.step_delay_s()  # 0 outside tests
         self._cv = threading.Condition()
         self._inbox: deque[_Live] = deque()
+        self._embeds: deque[_Embedding] = deque()  # embed requests (under _cv)
+        self._max_num_tokens = max_num_tokens
         self._aborts: deque[str] = deque()
         self._live: dict[str, _Live] = {}  # step-loop owned
         self._in_flight: set[str] = set()  # ids submitted and not yet finished (under _cv)
@@ -265,6 +291,7 @@ class ReferenceEngine:
             eos_token_ids=self.config.eos_token_ids,
             load_seconds=time.monotonic() - started,
             limitations=self.limitations + grammar_limitations(),
+            embedding_size=self.config.hidden_size,
         )
 
     def _load(
@@ -310,6 +337,9 @@ class ReferenceEngine:
         note = fallback_note(self._torch_device, self._torch_dtype)
         self.limitations: tuple[str, ...] = (note,) if note else ()
         self.tokenizer = load_tokenizer(model_dir)
+        from engines.reference.pooling import embed_defaults
+
+        self._embed_defaults = embed_defaults(model_dir)
 
         bytes_per_token = kv_bytes_per_token(self.config, self._torch_dtype)
         num_blocks = pool_blocks(
@@ -407,7 +437,10 @@ class ReferenceEngine:
         scheduler, bm = self.scheduler, self.block_manager
         return EngineStats(
             num_running=len(scheduler.running),
-            num_waiting=len(scheduler.waiting) + len(self._inbox) + self._groups.num_waiting,
+            num_waiting=len(scheduler.waiting)
+            + len(self._inbox)
+            + len(self._embeds)
+            + self._groups.num_waiting,
             num_finished=self._num_finished,
             num_preemptions=scheduler.num_preemptions,
             kv_blocks_total=bm.num_blocks,
@@ -440,6 +473,9 @@ class ReferenceEngine:
         from engines.reference.scheduler import Request
 
         metrics = RequestMetrics(arrival_time=time.monotonic())
+        if request.embed is not None:
+            self._submit_embed(request, sink, is_stream, metrics)
+            return
         error, max_tokens = self._check(request)
         grammar = None
         if error is None and request.sampling.response_format is not None:
@@ -469,6 +505,28 @@ class ReferenceEngine:
             )
             self._in_flight.add(request.request_id)
             self._inbox.append(live)
+            self._cv.notify()
+
+    def _submit_embed(
+        self, request: GenerationRequest, sink: _Sink, is_stream: bool, metrics: RequestMetrics
+    ) -> None:
+        """Queue an embed request for the step loop, or answer its row error now."""
+        error = embed_error(request, self.config.vocab_size, self.max_model_len)
+        with self._cv:
+            if self._stopping or self._dead is not None:
+                raise EngineDeadError(
+                    f"the reference engine has stopped ({self._dead or 'shut down'}); "
+                    "load a new engine to serve more requests"
+                )
+            if error is None and request.request_id in self._in_flight:
+                error = f"request_id {request.request_id!r} is already in flight"
+            if error is not None:
+                metrics.finish_time = metrics.arrival_time
+                result = _result(request, [], "", "error", metrics, error=error)
+                sink.deliver(StreamDelta([], "", True, result) if is_stream else result)
+                return
+            self._in_flight.add(request.request_id)
+            self._embeds.append(_Embedding(request, sink, metrics, is_stream))
             self._cv.notify()
 
     def _check(self, request: GenerationRequest) -> tuple[str | None, int]:
@@ -527,16 +585,23 @@ class ReferenceEngine:
         try:
             while True:
                 with self._cv:
-                    while not (self._stopping or self._inbox or self._aborts or self._live):
+                    while not (
+                        self._stopping or self._inbox or self._aborts or self._live or self._embeds
+                    ):
                         self._cv.wait()
                     if self._stopping:
                         break
                     inbox, self._inbox = self._inbox, deque()
                     aborts, self._aborts = self._aborts, deque()
+                    embeds = take_embed_batch(self._embeds, self._max_num_tokens)
                 for live in inbox:
                     self._admit(live)
                 for request_id in aborts:
                     self._finish(request_id, "cancelled")
+                if embeds:
+                    # Between generation steps, one bounded forward: generation waits one
+                    # embed batch at most, and its KV pool is never touched.
+                    self._embed_step(embeds)
                 if self._live:
                     with self._profiler.step():
                         self._step()
@@ -551,6 +616,38 @@ class ReferenceEngine:
             # leaves its trace.
             self._profiler.close()
         self._cancel_all()
+
+    def _embed_step(self, batch: list[_Embedding]) -> None:
+        """Embed a batch of prompts in one dense forward; record it as a prefill-only step."""
+        from engines.reference.pooling import pool
+
+        start = time.monotonic()
+        prompts = [e.request.prompt_token_ids for e in batch]
+        resolved = [self._embed_defaults.resolve(e.request.embed) for e in batch]
+        hidden = self.runner.embed_hidden(prompts)  # [T, hidden]
+        vectors = pool(
+            hidden, [len(p) for p in prompts], [r[0] for r in resolved], [r[1] for r in resolved]
+        ).tolist()
+        end = time.monotonic()
+        record = StepRecord(
+            start=start,
+            end=end,
+            prefill_tokens={e.request.request_id: len(e.request.prompt_token_ids) for e in batch},
+            decode_tokens={},
+        )
+        with self._records_lock:
+            self._records.append(record)
+        self._num_steps += 1
+        with self._cv:
+            for e in batch:
+                self._in_flight.discard(e.request.request_id)
+        for e, vector in zip(batch, vectors, strict=True):
+            e.metrics.first_scheduled_time = start
+            e.metrics.finish_time = end
+            result = _result(e.request, [], "", "stop", e.metrics)
+            result.embedding = vector
+            self._num_finished += 1
+            e.sink.deliver(StreamDelta([], "", True, result) if e.is_stream else result)
 
     def _admit(self, live: _Live) -> None:
         from engines.reference.detokenize import IncrementalDetokenizer
@@ -960,6 +1057,11 @@ class ReferenceEngine:
     def _cancel_all(self) -> None:
         with self._cv:
             inbox, self._inbox = self._inbox, deque()
+            embeds, self._embeds = self._embeds, deque()
+        for e in embeds:
+            e.metrics.finish_time = time.monotonic()
+            result = _result(e.request, [], "", "cancelled", e.metrics)
+            e.sink.deliver(StreamDelta([], "", True, result) if e.is_stream else result)
         for live in inbox:
             self._live[live.request.request_id] = live
             self.scheduler.add_request(live.sched)
@@ -970,9 +1072,10 @@ class ReferenceEngine:
         with self._cv:
             self._dead = reason
             inbox, self._inbox = self._inbox, deque()
+            embeds, self._embeds = self._embeds, deque()
             self._in_flight.clear()
         error = EngineDeadError(f"the reference engine stopped: {reason}")
-        for live in list(self._live.values()) + list(inbox):
+        for live in list(self._live.values()) + list(inbox) + list(embeds):
             live.sink.deliver(error)
         self._live.clear()
 

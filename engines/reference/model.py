@@ -347,12 +347,23 @@ class CausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (K, V) block pools
         logits_rows: torch.Tensor,  # [S] int64 rows whose next-token logits are needed
     ) -> torch.Tensor:  # [S, vocab] float32
+        # Only the sampling rows need the final norm and the (vocab-sized) LM head.
+        x = self.hidden_states(input_ids, cos, sin, batch, kv_caches, logits_rows)  # [S, hidden]
+        return self.lm_head(x).float()
+
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        cos: torch.Tensor,  # [T, 1, D]
+        sin: torch.Tensor,  # [T, 1, D]
+        batch: AttentionBatch,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        rows: torch.Tensor,  # [S] int64 rows whose states are needed
+    ) -> torch.Tensor:  # [S, hidden] after the final norm, in the compute dtype
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
         for layer, (k_cache, v_cache) in zip(self.model.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, batch, k_cache, v_cache)
-        # Only the sampling rows need the final norm and the (vocab-sized) LM head.
-        x = self.model.norm(x[logits_rows])  # [S, hidden]
-        return self.lm_head(x).float()
+        return self.model.norm(x[rows])
 
     def moe_blocks(self) -> list[SparseMoeBlock]:
         return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoeBlock)]

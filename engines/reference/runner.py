@@ -274,6 +274,47 @@ class ModelRunner:
             )
 
     @torch.inference_mode()
+    def embed_hidden(self, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Final-normed hidden states [T, hidden] of whole prompts, back to back (T = their
+        tokens together), for embeddings.
+
+        A dense causal forward over the prompts, apart from generation: their K/V go to a
+        scratch pool made for this call and dropped after it, so the shared pool, its
+        prefix cache and the requests generating alongside are untouched, and an embedding
+        never depends on what happened to be cached."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        prefills: list[PrefillSeq] = []
+        for prompt in prompts:
+            n = len(prompt)
+            # No history: each prompt attends causally to its own K/V (Attention._prefill).
+            prefills.append(PrefillSeq(len(input_ids), n, 0, None, None))
+            input_ids.extend(prompt)
+            positions.extend(range(n))
+        num_tokens = len(input_ids)
+        k_cache, v_cache = self.kv_caches[0]
+        # One slot per token: [KVH, T, 1, D] per layer, slot t = row t.
+        shape = (k_cache.shape[0], num_tokens, 1, k_cache.shape[-1])
+        scratch = [
+            (
+                torch.empty(shape, dtype=k_cache.dtype, device=self.device),
+                torch.empty(shape, dtype=v_cache.dtype, device=self.device),
+            )
+            for _ in self.kv_caches
+        ]
+        rows = torch.arange(num_tokens, dtype=torch.int64)
+        pos_t = self._upload(torch.tensor(positions, dtype=torch.int64))
+        batch = AttentionBatch(slot_mapping=self._upload(rows), prefills=prefills)
+        return self.model.hidden_states(
+            self._upload(torch.tensor(input_ids, dtype=torch.int64)),
+            self.cos[pos_t].unsqueeze(1),  # [T, 1, D]
+            self.sin[pos_t].unsqueeze(1),
+            batch,
+            scratch,
+            self._upload(rows),
+        )
+
+    @torch.inference_mode()
     def prepare(self, inputs: Sequence[ChunkInput]) -> StepInputs:
         """Flatten the scheduled chunks into model inputs (separate from `forward` so a
         profile tells host-side batch building from the model's own time)."""

@@ -41,6 +41,7 @@ from typing import Any
 import pyarrow as pa
 
 from engines.api import (
+    EmbedParams,
     Engine,
     EngineDeadError,
     GenerationRequest,
@@ -101,8 +102,10 @@ class RowServer:
         sampling: SamplingSpec,
         request_prefix: str | None = None,
         reasoning: ReasoningParser | None = None,
+        embed: EmbedParams | None = None,
     ):
         self.engine = engine
+        self.embed = embed  # task embed: every row is embedded, not generated
         self.meter = meter  # pipeline.cost.CostMeter of the actor
         self.sampling = sampling
         self.reasoning = reasoning  # prompt.reasoning's parser: outputs are split by it
@@ -147,6 +150,7 @@ class RowServer:
             prompt_token_ids=list(map(int, token_ids)),
             sampling=sampling,
             request_id=f"{row['id']}#{self._request_prefix}.{next(self._request_seq)}",
+            embed=self.embed,
         )
         # n > 1: n requests of one group (the engine computes the prompt once for them).
         requests = fan_out(request, row_samples(row, self.sampling))
@@ -245,6 +249,7 @@ class EngineWorker:
             config.sampling,
             self.incarnation[:8],
             reasoning_parser(config.reasoning, config.model, config.storage),
+            config.embed,
         )
         self.out = OutputDir(config.output_uri, config.storage, RetryPolicy(config.storage.retry_s))
         self.busy = BusyReporter(config.job_name, config.run_id or "", self.actor_id)

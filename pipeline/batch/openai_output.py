@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeline.batch.commit.parts import PART_RE, PartName, PartRecord, read_part
+from pipeline.openai.embeddings import embeddings_body
 from pipeline.serve.protocol import Choice, ResponseIds, Usage, choices_body
 from pipeline.storage import OutputDir
 
@@ -42,6 +43,8 @@ ERRORS_PREFIX = "openai-errors-"
 EXPORT_SUFFIX = ".jsonl"
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
+EMBEDDINGS_URL = "/v1/embeddings"
+EMBEDDING = "embedding"  # task embed jobs: the row's embedding (the body of an embeddings line)
 # Columns of a part the lines are made from (`url` is a passthrough column: see JobSpec).
 COLUMNS = (
     "id",
@@ -119,6 +122,16 @@ def error_code(row: dict[str, Any]) -> str:
 def output_line(row: dict[str, Any], ctx: LineContext, part_name: str, index: int) -> dict:
     """The output-file line of an ok row (index: its position in the part)."""
     digest = _digest(ctx, part_name, index)
+    if row.get("url") == EMBEDDINGS_URL:
+        prompt_tokens = int(row.get("prompt_tokens") or 0)
+        vector = [float(x) for x in row.get(EMBEDDING) or []]
+        body = embeddings_body(row.get("model") or "", [vector], "float", prompt_tokens)
+        return {
+            "id": f"batch_req_{digest[:32]}",
+            "custom_id": row.get("id"),
+            "response": {"status_code": 200, "request_id": digest[32:], "body": body},
+            "error": None,
+        }
     endpoint = "chat" if row.get("url") == CHAT_URL else "completions"
     ids = dataclasses.replace(
         ResponseIds.new(endpoint, digest[32:], row.get("model") or ""),
@@ -193,7 +206,8 @@ def _join(lines: list[str]) -> bytes:
 
 def export_part(out: OutputDir, part_name: str, ctx: LineContext) -> list[str]:
     """Write a committed part's export files; returns their names."""
-    table = read_part(out, part_name, columns=list(COLUMNS), optional=(SAMPLES, *REASONING))
+    optional = (SAMPLES, *REASONING, EMBEDDING)
+    table = read_part(out, part_name, columns=list(COLUMNS), optional=optional)
     output, errors = part_lines(table.to_pylist(), ctx, part_name)
     output_name, errors_name = export_names(part_name)
     written = []

@@ -554,6 +554,16 @@ class PromptStage:
         if isinstance(token_ids, PromptError):
             out[ERROR] = str(token_ids)
             return out
+        if self.spec.task == "embed":  # no output token follows an embedded prompt
+            if self.max_len is not None and len(token_ids) > self.max_len:
+                out[ERROR] = (
+                    f"{TOO_LONG}: prompt has {len(token_ids)} tokens > context length "
+                    f"{self.max_len} (max_model_len); shorten the prompt"
+                )
+                return out
+            out[PROMPT_TOKEN_IDS] = token_ids
+            out[PROMPT_TOKENS] = len(token_ids)
+            return out
         total = len(token_ids) + out[MAX_TOKENS]
         if self.max_len is not None and total > self.max_len:
             out[ERROR] = (

@@ -14,7 +14,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from engines.api import GenerationResult, ResponseFormat, SamplingParams
+from engines.api import EmbedParams, GenerationResult, ResponseFormat, SamplingParams
 from pipeline.batch.read import ROW
 from pipeline.batch.read.columns import BODY_SAMPLING
 from pipeline.openai.reasoning import Split
@@ -40,6 +40,7 @@ class GenerateConfig:
     samples: bool  # rows may ask for n > 1: emit `samples`
     prompt_logprobs: bool  # sampling.prompt_logprobs is set: emit `prompt_logprobs`
     reasoning: str  # prompt.reasoning: none, or the format to split outputs by (emit both)
+    embed: EmbedParams | None  # task embed: how rows are embedded (emit `embedding`)
     max_in_flight: int  # requests in the engine at once, across shards
     batch_size: int  # rows taken from a shard at a time
     rows_per_file: int  # a part holds at most this many rows
@@ -69,6 +70,7 @@ class GenerateConfig:
             samples=has_samples(spec),
             prompt_logprobs=spec.sampling.prompt_logprobs is not None,
             reasoning=spec.prompt.reasoning,
+            embed=spec.embed_params,
             max_in_flight=spec.resources.max_in_flight,
             batch_size=spec.resources.batch_size,
             rows_per_file=spec.output.rows_per_file,
@@ -214,6 +216,7 @@ class RowOutcome:
     prompt_logprobs: list[dict[str, Any] | None] | None = None  # the nested column's value
     reasoning: str | None = None  # reasoning jobs: the reasoning part (`text` is the answer)
     reasoning_tokens: int = 0  # its output tokens
+    embedding: list[float] | None = None  # task embed: the prompt's embedding
 
     @classmethod
     def failed(cls, error: str, prompt_tokens: int, served: bool) -> RowOutcome:
@@ -254,6 +257,7 @@ class RowOutcome:
         return cls(
             reasoning=None if split is None else split.reasoning,
             reasoning_tokens=0 if split is None else split.reasoning_tokens,
+            embedding=result.embedding,
             parsed=parsed,
             logprobs=_logprob_rows(result),
             prompt_logprobs=_prompt_logprob_rows(result),
@@ -377,6 +381,7 @@ def outcomes_to_table(
     """Output rows for `batch` (prepared rows) and their outcomes: `_row`, id, passthrough
     columns and the result columns of pipeline.batch.schema."""
     from pipeline.batch.schema import (
+        EMBEDDING_FIELD,
         LOGPROBS_FIELD,
         PARSED_FIELD,
         PROMPT_LOGPROBS_FIELD,
@@ -453,6 +458,10 @@ def outcomes_to_table(
     if reasoning:
         for f in REASONING_FIELDS:
             columns[f.name] = pa.array([getattr(o, f.name) for o in outcomes], type=f.type)
+    if config.embed is not None:
+        columns[EMBEDDING_FIELD.name] = pa.array(
+            [o.embedding for o in outcomes], type=EMBEDDING_FIELD.type
+        )
     return pa.table(columns)
 
 

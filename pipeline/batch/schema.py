@@ -97,6 +97,10 @@ REASONING_FIELDS: tuple[pa.Field, ...] = (
 )
 
 
+# Jobs with task embed: the prompt's pooled embedding (null on error rows).
+EMBEDDING_FIELD = pa.field("embedding", pa.list_(pa.float32()))
+
+
 def samples_field(reasoning: bool = False) -> pa.Field:
     """The `samples` column; with reasoning, each sample has its own `reasoning` too."""
     if not reasoning:
@@ -139,6 +143,7 @@ def output_schema(
     samples: bool = False,
     prompt_logprobs: bool = False,
     reasoning: bool = False,
+    embedding: bool = False,
 ) -> pa.Schema:
     """The one schema of every part of a job: id, passthrough columns, results."""
     fields = [pa.field("id", pa.string()), *passthrough, *RESULT_FIELDS]
@@ -156,6 +161,8 @@ def output_schema(
         fields.append(PROMPT_LOGPROBS_FIELD)
     if reasoning:
         fields.extend(REASONING_FIELDS)
+    if embedding:
+        fields.append(EMBEDDING_FIELD)
     return pa.schema(fields)
 
 
@@ -176,6 +183,7 @@ RESERVED_COLUMNS: frozenset[str] = frozenset(
             samples=True,
             prompt_logprobs=True,
             reasoning=True,
+            embedding=True,
         ).names,
     }
 )
@@ -192,6 +200,7 @@ def job_output_schema(spec: JobSpec, passthrough: Iterable[pa.Field] = ()) -> pa
         samples=has_samples(spec),
         prompt_logprobs=spec.sampling.prompt_logprobs is not None,
         reasoning=spec.prompt.reasoning != "none",
+        embedding=spec.task == "embed",
     )
 
 

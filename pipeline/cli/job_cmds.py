@@ -55,6 +55,7 @@ def print_summary(result: RunResult) -> None:
             f"{t.get('prompt_tokens', 0)} / {t.get('completion_tokens', 0)}",
         ),
         ("output tokens/s", _fmt(t.get("output_tokens_per_s"))),
+        ("prompt tokens/s", _fmt(t.get("prompt_tokens_per_s"))),
         (
             "latency p50 / p95",
             f"{_fmt(t.get('latency_p50_s'), 's')} / {_fmt(t.get('latency_p95_s'), 's')}",

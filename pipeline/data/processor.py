@@ -204,7 +204,9 @@ class EngineStage:
         self.meter.record_load(started, time.monotonic())
         # The prompt stage's tokenizer is the model's: it also splits reasoning outputs.
         parser = reasoning_parser(spec.prompt.reasoning, spec.model, spec.storage)
-        self.rows = RowServer(self.engine, self.meter, spec.sampling, reasoning=parser)
+        self.rows = RowServer(
+            self.engine, self.meter, spec.sampling, reasoning=parser, embed=spec.embed_params
+        )
         self.output = GenerateConfig.from_spec(spec, job_output_schema(spec))
         self.actor_id = current_actor_id()
         self.key = f"{self.actor_id}/{uuid.uuid4().hex[:12]}"  # a restart keeps the actor id

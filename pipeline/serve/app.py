@@ -17,8 +17,10 @@ the engine. Requests that reach an engine are accounted per key (pipeline.serve.
 # No `from __future__ import annotations` here: FastAPI reads the route signatures at runtime
 # (Serve re-creates the methods, and string annotations no longer resolve to Request).
 import asyncio
+import dataclasses
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -33,10 +35,19 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engines.api import (
     FORMAT_ERROR_PREFIX,
+    EmbedParams,
     EngineInfo,
     EngineStats,
+    GenerationRequest,
     GenerationResult,
     StreamDelta,
+)
+from pipeline.openai.embeddings import (
+    EmbeddingsError,
+    EmbeddingsRequest,
+    dimensions_error,
+    embeddings_body,
+    parse_embeddings_request,
 )
 from pipeline.openai.reasoning import Delta, ReasoningParser, Split, split_output
 from pipeline.serve import batch_routes
@@ -115,6 +126,46 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
         code="not_found" if exc.status_code == 404 else "method_not_allowed",
     )
     return JSONResponse(error.body(), status_code=exc.status_code)
+
+
+def _embedding_prompts(
+    parsed: EmbeddingsRequest,
+    served: ServedModelSpec,
+    info: EngineInfo,
+    tokenizers: dict[str, PromptTokenizer],
+) -> list[list[int]]:
+    """Each input's token ids (texts tokenized as /v1/completions prompts are), or the 400
+    that refuses the request before any engine work."""
+    if info.kind != "reference":
+        raise ApiError(
+            400,
+            f"model '{served.name}' runs on engine kind {info.kind}, which does not compute "
+            "embeddings; serve it with engine.kind: reference",
+            param="model",
+            code="unsupported_endpoint",
+        )
+    tokenizer = tokenizers[served.name]
+    prompts = []
+    for i, item in enumerate(parsed.inputs):
+        ids = tokenizer.completion_ids(item) if isinstance(item, str) else item
+        bad = [t for t in ids if t >= tokenizer.vocab_size]
+        if bad or not ids:
+            what = f"token ids outside the vocabulary: {bad[:5]}" if bad else "no tokens"
+            raise ApiError(400, f"'input[{i}]' has {what}", param="input", code="invalid_value")
+        if len(ids) > info.max_model_len:
+            raise ApiError(
+                400,
+                f"'input[{i}]' has {len(ids)} tokens; this model embeds at most "
+                f"{info.max_model_len} (max_model_len)",
+                param="input",
+                code="context_length_exceeded",
+            )
+        prompts.append(ids)
+    if parsed.dimensions is not None and info.embedding_size is not None:
+        wrong = dimensions_error(parsed.dimensions, info.embedding_size)
+        if wrong is not None:
+            raise ApiError(400, str(wrong), param="dimensions", code="invalid_value")
+    return prompts
 
 
 def result_error(name: str, result: GenerationResult | None) -> ApiError | None:
@@ -334,6 +385,107 @@ class OpenAIIngress:
     @fastapi_app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
         return await self._handle(request, "completions")
+
+    @fastapi_app.post("/v1/embeddings")
+    async def embeddings(self, request: Request) -> Response:
+        started = time.monotonic()
+        model, key, status = "-", None, 500
+        held = _Held(self._slots)
+        try:
+            key = self._authenticate(request)
+            held = await self._enter(key)
+            data = parse_json_body(await self._read_body(request))
+            strict = strict_mode(request.headers.get(STRICT_HEADER), self._spec.http.strict_fields)
+            try:
+                parsed = parse_embeddings_request(data, strict=strict)
+            except EmbeddingsError as exc:
+                raise ApiError(400, str(exc), param=exc.param, code="invalid_value") from None
+            served = self._served(parsed.model, key=key)
+            model = served.name
+            info = await self._info(served.name)
+            prompts = await asyncio.get_running_loop().run_in_executor(
+                self._tokenize_thread, _embedding_prompts, parsed, served, info, self._tokenizers
+            )
+            num_tokens = sum(len(p) for p in prompts)
+            try:
+                await held.lease.charge(num_tokens)
+            except LimitExceeded as exc:
+                held.lease = None  # charge gave it back
+                raise self._rate_limited(exc) from None
+            body, usage, replica = await self._embed(served, parsed, prompts)
+            status = 200
+            if held.lease is not None:
+                held.lease.settle(usage.prompt_tokens)
+            self._usage.finished(
+                key=key.name,
+                model=model,
+                endpoint="embeddings",
+                request_id=f"embd-{uuid.uuid4().hex}",
+                status=200,
+                stream=False,
+                usage=usage,
+                latency_s=time.monotonic() - started,
+            )
+            self._metrics.requests.labels(model, "embeddings", "200").inc()
+            self._metrics.latency.labels(model, "embeddings").observe(time.monotonic() - started)
+            return JSONResponse(body, headers={REPLICA_HEADER: replica})
+        except BackPressureError as exc:
+            error = self._overloaded(exc)
+            if held.lease is not None:
+                held.lease.settle(0)
+            self._metrics.errors.labels(error.kind).inc()
+            self._metrics.requests.labels(model, "embeddings", str(error.status)).inc()
+            raise error from None
+        except ApiError as exc:
+            status = exc.status
+            self._metrics.errors.labels(exc.kind).inc()
+            self._metrics.requests.labels(model, "embeddings", str(exc.status)).inc()
+            raise
+        finally:
+            if status != 200:
+                if held.lease is not None:
+                    held.lease.settle(0)  # refused or failed: the charge goes back
+                if key is not None:
+                    self._usage.refused(key.name, model, status)
+            held.close()
+
+    async def _embed(
+        self,
+        served: ServedModelSpec,
+        parsed: EmbeddingsRequest,
+        prompts: list[list[int]],
+    ) -> tuple[dict[str, Any], Usage, str]:
+        """Every input on the model's replicas at once; the body, usage and a replica."""
+        handle = self._engines[served.name]
+        pending = [
+            handle.generate.remote(GenerationRequest(p, embed=EmbedParams())) for p in prompts
+        ]
+        try:
+            answers: list[ServedResult] = list(await asyncio.gather(*pending))
+        except asyncio.CancelledError:
+            for p in pending:
+                p.cancel()
+            raise
+        except BackPressureError:
+            raise
+        except Exception as exc:
+            logger.exception("engine call failed for model %s", served.name)
+            raise engine_unavailable(served.name, exc) from None
+        for answer in answers:
+            failed = result_error(served.name, answer.result)
+            if failed is not None:
+                raise failed
+        vectors = [a.result.embedding or [] for a in answers]
+        wrong_size = dimensions_error(parsed.dimensions, len(vectors[0]))
+        if wrong_size is not None:
+            raise ApiError(400, str(wrong_size), param="dimensions", code="invalid_value")
+        seconds = sum(a.gpu_seconds for a in answers)
+        prompt_tokens = sum(a.result.prompt_tokens for a in answers)
+        usage = self._usage_of(
+            served, [dataclasses.replace(answers[0].result, prompt_tokens=prompt_tokens)], seconds
+        )
+        body = embeddings_body(served.name, vectors, parsed.encoding_format, prompt_tokens)
+        return body, usage, answers[0].replica
 
     # --- request handling ----------------------------------------------------------------
 

@@ -60,7 +60,7 @@ import yaml
 
 from pipeline.batch.commit.manifest import Manifest, read_manifest
 from pipeline.batch.openai_output import LineContext, expected_exports, export_committed
-from pipeline.batch.read.openai_batch import SUPPORTED_BATCH_URLS
+from pipeline.batch.read.openai_batch import EMBEDDINGS_URL, SUPPORTED_BATCH_URLS
 from pipeline.serve.batch_quota import QuotaLedger
 from pipeline.serve.files import (
     MAX_REPORTED_ERRORS,
@@ -137,6 +137,7 @@ def job_spec_data(
     input_uri: str,
     output_uri: str,
     expires_at: float | None = None,
+    endpoint: str = "/v1/chat/completions",
 ) -> dict[str, Any]:
     """The pipeline job of a batch: the served model's sections, its batch template, the
     uploaded file in and OpenAI-format files out; the job stops itself at `expires_at`."""
@@ -145,6 +146,20 @@ def job_spec_data(
     engine = template.engine or served.engine
     # Name rows after the served model, so response bodies say what a client sent.
     model = served.model.model_copy(update={"name": served.name})
+    if endpoint == EMBEDDINGS_URL:
+        # Texts embedded as given (no chat template); nothing is sampled.
+        task: dict[str, Any] = {
+            "task": "embed",
+            "prompt": {**served.prompt.model_dump(mode="json"), "chat_template": False},
+            "sampling": {},
+        }
+    else:
+        # A body without temperature samples at 1, as the same request sent to the endpoint
+        # (and to OpenAI) does; the job's own default is greedy.
+        task = {
+            "prompt": served.prompt.model_dump(mode="json"),
+            "sampling": {"max_tokens": template.max_tokens, "temperature": 1.0},
+        }
     return {
         "name": batch_id,
         "input": {
@@ -152,12 +167,9 @@ def job_spec_data(
             "format": "openai_batch",
             "passthrough_columns": ["url"],  # picks chat.completion or text_completion
         },
-        "prompt": served.prompt.model_dump(mode="json"),
+        **task,
         "model": model.model_dump(mode="json"),
         "engine": engine.model_dump(mode="json"),
-        # A body without temperature samples at 1, as the same request sent to the endpoint
-        # (and to OpenAI) does; the job's own default is greedy.
-        "sampling": {"max_tokens": template.max_tokens, "temperature": 1.0},
         "resources": template.resources.model_dump(mode="json"),
         # Parts written and committed often, so request_counts move while the batch runs and
         # a cancel loses little.
@@ -354,6 +366,7 @@ class BatchService:
             input_uri,
             output_uri,
             expires_at=record["expires_at"],
+            endpoint=record["endpoint"],
         )
         # Saved before the submit: no job ever runs without its record.
         version = out.create(f"{batch_id}.json", _dumps(record))

@@ -146,6 +146,7 @@ def test_openai_batch_lines(s3_server: S3Server, bucket: str) -> None:
         {"custom_id": "chat-1", "method": "POST", "url": "/v1/chat/completions", "body": chat},
         {"custom_id": "comp-1", "url": "/v1/completions", "body": {"prompt": "Once", "seed": 5}},
         {"custom_id": "emb-1", "url": "/v1/embeddings", "body": {"input": "x"}},
+        {"custom_id": "mod-1", "url": "/v1/moderations", "body": {"input": "x"}},
         {"custom_id": "n-1", "url": "/v1/chat/completions", "body": {**chat, "best_of": 3}},
         {"custom_id": "n-3", "url": "/v1/chat/completions", "body": {**chat, "n": 3}},
         {"custom_id": "nobody", "url": "/v1/chat/completions"},
@@ -157,22 +158,34 @@ def test_openai_batch_lines(s3_server: S3Server, bucket: str) -> None:
     ]
     lines = [json.dumps(r) for r in requests] + ["{truncated"]
     s3_server.put(uri, "\n".join(lines) + "\n")
-    broken = derived_id(uri, offsets(lines)[7])
+    broken = derived_id(uri, offsets(lines)[8])
     spec = make_spec(s3_server.storage_spec(), {"uri": uri, "format": "openai_batch"})
     rows, _ = collect(spec)
     by_id = {r["id"]: r for r in rows}
-    assert set(by_id) == {"chat-1", "comp-1", "emb-1", "n-1", "n-3", "nobody", "mct", broken}
+    assert set(by_id) == {
+        "chat-1",
+        "comp-1",
+        "emb-1",
+        "mod-1",
+        "n-1",
+        "n-3",
+        "nobody",
+        "mct",
+        broken,
+    }
     ok = by_id["chat-1"]
     assert ok["error"] is None and ok["max_tokens"] == 12 and ok["temperature"] == 0.7
     assert json.loads(ok["messages"])[0]["content"] == "hi"
     assert by_id["comp-1"]["prompt"] == "Once" and by_id["comp-1"]["seed"] == 5
     assert by_id["comp-1"]["max_tokens"] is None
-    assert "unsupported url '/v1/embeddings'" in by_id["emb-1"]["error"]
+    assert "unsupported url '/v1/moderations'" in by_id["mod-1"]["error"]
+    # An embeddings line reads as its text, and is an error row in a job that generates.
+    assert by_id["emb-1"]["prompt"] == "x" and "task generate" in by_id["emb-1"]["error"]
     assert "unsupported body parameter best_of=3" in by_id["n-1"]["error"]
     assert by_id["n-3"]["error"] is None and by_id["n-3"]["num_samples"] == 3
     assert "missing body" in by_id["nobody"]["error"]
     assert by_id["mct"]["max_tokens"] == 3
-    assert "line 8: not valid JSON" in by_id[broken]["error"]
+    assert "line 9: not valid JSON" in by_id[broken]["error"]
 
 
 def test_glob_across_files_and_limit(s3_server: S3Server, bucket: str) -> None:

@@ -164,7 +164,7 @@ def test_bad_lines_fail_the_batch_during_validating(app: FastAPI, jobs: FakeJobs
         _line(0),
         _line(4, body={"model": "nope", "messages": [{"role": "user", "content": "x"}]}),
         _line(5, body={"messages": [{"role": "user", "content": "x"}]}),
-        _line(6, url="/v1/embeddings"),
+        _line(6, url="/v1/moderations"),
         _line(7, body={"model": "tiny", "messages": []}),
     ]
     # As OpenAI: the upload is accepted; the batch fails, naming the lines.

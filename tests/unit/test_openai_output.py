@@ -143,3 +143,26 @@ def test_output_format_needs_openai_batch_input_with_url() -> None:
         parse_job_spec(_spec({"uri": "/in.jsonl", "format": "openai_batch"}))
     with pytest.raises(SpecError, match="needs input"):
         parse_job_spec(_spec({"uri": "/in.jsonl", "format": "jsonl", "prompt_column": "p"}))
+
+
+def test_embeddings_output_line_is_an_embeddings_body() -> None:
+    row = _row(url="/v1/embeddings", text="", completion_tokens=0, embedding=[0.5, -0.25])
+    line = output_line(row, CTX, PART, 2)
+    body = line["response"]["body"]
+    assert line["custom_id"] == "req-1" and line["response"]["status_code"] == 200
+    assert body["object"] == "list" and body["model"] == "tiny"
+    assert body["data"] == [{"object": "embedding", "index": 0, "embedding": [0.5, -0.25]}]
+    assert body["usage"] == {"prompt_tokens": 12, "total_tokens": 12}
+
+
+def test_embeddings_batch_lines_parse() -> None:
+    from pipeline.batch.read.openai_batch import parse_batch_request
+
+    def parse(body: dict) -> dict:
+        return parse_batch_request({"custom_id": "e", "url": "/v1/embeddings", "body": body})
+
+    assert parse({"input": "hello"})["prompt"] == "hello"
+    assert parse({"input": ["hello"]})["prompt"] == "hello"
+    assert "encoding_format" in parse({"input": "x", "encoding_format": "base64"})["error"]
+    assert "dimensions" in parse({"input": "x", "dimensions": 8})["error"]
+    assert "one non-empty string" in parse({"input": ["a", "b"]})["error"]

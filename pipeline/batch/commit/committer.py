@@ -385,6 +385,8 @@ def compute_totals(ledger: CommitLedger, runs: list[RunRecord], spec: JobSpec) -
         "error_fraction": sums.errors / sums.rows if sums.rows else 0.0,
         "wall_s": wall_s,
         "output_tokens_per_s": cost.completion_tokens / wall_s if wall_s > 0 else None,
+        # The throughput of task embed jobs, which have no output tokens.
+        "prompt_tokens_per_s": cost.prompt_tokens / wall_s if wall_s > 0 else None,
         "latency_p50_s": stats.latency_s.quantile(0.5),
         "latency_p95_s": stats.latency_s.quantile(0.95),
         "ttft_p50_s": stats.ttft_s.quantile(0.5),

@@ -25,7 +25,8 @@ from pipeline.batch.read.columns import (
 from pipeline.openai import params
 from pipeline.spec import JobSpec
 
-SUPPORTED_BATCH_URLS = ("/v1/chat/completions", "/v1/completions")
+EMBEDDINGS_URL = "/v1/embeddings"
+SUPPORTED_BATCH_URLS = ("/v1/chat/completions", "/v1/completions", EMBEDDINGS_URL)
 # openai_batch: sampling field -> the column its per-request value lands in.
 # Request body parameters that would change results and that the pipeline does not implement:
 # name -> predicate on the value saying "this value needs the feature".
@@ -60,6 +61,9 @@ def parse_batch_request(obj: dict[str, Any]) -> dict[str, Any]:
     body = obj.get("body")
     if not isinstance(body, dict):
         out[ERROR] = "missing body (an object with messages or prompt)"
+        return out
+    if url == EMBEDDINGS_URL:
+        out.update(_embedding_input(body))
         return out
     for name, needs_feature in UNSUPPORTED_BODY.items():
         if name in body and needs_feature(body[name]):
@@ -117,6 +121,21 @@ def parse_batch_request(obj: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _embedding_input(body: dict[str, Any]) -> dict[str, Any]:
+    """A /v1/embeddings line: its one text as the prompt, or the error. A line embeds one
+    input, as float: a batch's output line is one embedding's response body."""
+    text = body.get("input")
+    if isinstance(text, list) and len(text) == 1 and isinstance(text[0], str):
+        text = text[0]
+    if not isinstance(text, str) or not text:
+        return {ERROR: "body.input must be one non-empty string for /v1/embeddings in a batch"}
+    if body.get("encoding_format", "float") not in (None, "float"):
+        return {ERROR: "body.encoding_format must be float in a batch (or left out)"}
+    if body.get("dimensions") is not None:
+        return {ERROR: "unsupported body parameter dimensions: remove it"}
+    return {PROMPT: text}
+
+
 def _logprobs(url: str, body: dict[str, Any]) -> Any:
     """Alternatives per token asked for, in one number: chat says `logprobs: true` plus
     `top_logprobs: k`; completions say `logprobs: k`. None: no logprobs."""
@@ -142,3 +161,9 @@ def batch_row(spec: JobSpec, obj: dict[str, Any], row: dict[str, Any], where: st
     )
     if parsed[ERROR]:
         row[ERROR] = f"{where}: {parsed[ERROR]}"
+    elif (obj.get("url") == EMBEDDINGS_URL) != (spec.task == "embed"):
+        # A job either embeds every line or generates for every line.
+        row[ERROR] = (
+            f"{where}: url {obj.get('url')} does not fit this job's task {spec.task} "
+            f"(/v1/embeddings lines need task embed; the others, task generate)"
+        )
