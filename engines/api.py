@@ -201,6 +201,18 @@ class SamplingParams:
         )
 
 
+# The logits-processing fields of SamplingParams (and min_p): one list for the engines' messages
+# and the job spec's per-row overrides.
+PROCESSING_FIELDS = (
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "min_p",
+    "min_tokens",
+    "logit_bias",
+    "bad_words",
+)
+
 # OpenAI's limits for these parameters.
 MAX_PENALTY = 2.0
 MAX_LOGIT_BIAS = 100.0

@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from engines.api import SamplingParams
+from engines.api import PROCESSING_FIELDS, SamplingParams
 
 
 @dataclass
@@ -102,13 +102,4 @@ def needs_processor(params: SamplingParams) -> bool:
 def processing_fields(params: SamplingParams) -> list[str]:
     """The names of the request's non-neutral processing fields (for messages)."""
     neutral = SamplingParams()
-    names = (
-        "frequency_penalty",
-        "presence_penalty",
-        "repetition_penalty",
-        "min_p",
-        "min_tokens",
-        "logit_bias",
-        "bad_words",
-    )
-    return [n for n in names if getattr(params, n) != getattr(neutral, n)]
+    return [n for n in PROCESSING_FIELDS if getattr(params, n) != getattr(neutral, n)]

@@ -21,6 +21,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from engines.api import PROCESSING_FIELDS
 from engines.quantize.config import QuantizationSpec
 
 
@@ -629,13 +630,7 @@ class SamplingSpec(_Strict):
             # The parameters Serve and openai_batch lines share (pipeline.openai.params).
             "stop",
             "stop_token_ids",
-            "frequency_penalty",
-            "presence_penalty",
-            "repetition_penalty",
-            "min_p",
-            "min_tokens",
-            "logit_bias",
-            "bad_words",
+            *PROCESSING_FIELDS,
         }
         unknown = sorted(set(value) - allowed)
         if unknown:

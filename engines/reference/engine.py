@@ -483,17 +483,7 @@ class ReferenceEngine:
             # the step loop never waits on a compile.
             grammar, error = self._compile(request.sampling.response_format)
         with self._cv:
-            if self._stopping or self._dead is not None:
-                raise EngineDeadError(
-                    f"the reference engine has stopped ({self._dead or 'shut down'}); "
-                    "load a new engine to serve more requests"
-                )
-            if error is None and request.request_id in self._in_flight:
-                error = f"request_id {request.request_id!r} is already in flight"
-            if error is not None:
-                metrics.finish_time = metrics.arrival_time
-                result = _result(request, [], "", "error", metrics, error=error)
-                sink.deliver(StreamDelta([], "", True, result) if is_stream else result)
+            if not self._accept(request, sink, is_stream, metrics, error):
                 return
             live = _Live(
                 request=request,
@@ -503,7 +493,6 @@ class ReferenceEngine:
                 is_stream=is_stream,
                 grammar=grammar,
             )
-            self._in_flight.add(request.request_id)
             self._inbox.append(live)
             self._cv.notify()
 
@@ -513,21 +502,35 @@ class ReferenceEngine:
         """Queue an embed request for the step loop, or answer its row error now."""
         error = embed_error(request, self.config.vocab_size, self.max_model_len)
         with self._cv:
-            if self._stopping or self._dead is not None:
-                raise EngineDeadError(
-                    f"the reference engine has stopped ({self._dead or 'shut down'}); "
-                    "load a new engine to serve more requests"
-                )
-            if error is None and request.request_id in self._in_flight:
-                error = f"request_id {request.request_id!r} is already in flight"
-            if error is not None:
-                metrics.finish_time = metrics.arrival_time
-                result = _result(request, [], "", "error", metrics, error=error)
-                sink.deliver(StreamDelta([], "", True, result) if is_stream else result)
-                return
-            self._in_flight.add(request.request_id)
-            self._embeds.append(_Embedding(request, sink, metrics, is_stream))
-            self._cv.notify()
+            if self._accept(request, sink, is_stream, metrics, error):
+                self._embeds.append(_Embedding(request, sink, metrics, is_stream))
+                self._cv.notify()
+
+    def _accept(
+        self,
+        request: GenerationRequest,
+        sink: _Sink,
+        is_stream: bool,
+        metrics: RequestMetrics,
+        error: str | None,
+    ) -> bool:
+        """Under the lock: refuse if the engine stopped (EngineDeadError); answer a row error
+        (the request's own, or a request id already in flight) at once; else mark the id in
+        flight and return True for the caller to queue it."""
+        if self._stopping or self._dead is not None:
+            raise EngineDeadError(
+                f"the reference engine has stopped ({self._dead or 'shut down'}); "
+                "load a new engine to serve more requests"
+            )
+        if error is None and request.request_id in self._in_flight:
+            error = f"request_id {request.request_id!r} is already in flight"
+        if error is not None:
+            metrics.finish_time = metrics.arrival_time
+            result = _result(request, [], "", "error", metrics, error=error)
+            sink.deliver(StreamDelta([], "", True, result) if is_stream else result)
+            return False
+        self._in_flight.add(request.request_id)
+        return True
 
     def _check(self, request: GenerationRequest) -> tuple[str | None, int]:
         """A per-request problem (as an error text) and the request's allowed output tokens."""
