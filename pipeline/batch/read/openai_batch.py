@@ -159,11 +159,13 @@ def batch_row(spec: JobSpec, obj: dict[str, Any], row: dict[str, Any], where: st
     apply_overrides(
         spec, row, {k: v for k, v in obj.items() if k in spec.sampling.overrides.values()}, where
     )
-    if parsed[ERROR]:
-        row[ERROR] = f"{where}: {parsed[ERROR]}"
-    elif (obj.get("url") == EMBEDDINGS_URL) != (spec.task == "embed"):
-        # A job either embeds every line or generates for every line.
+    url = obj.get("url")
+    if url in SUPPORTED_BATCH_URLS and (url == EMBEDDINGS_URL) != (spec.task == "embed"):
+        # A job either embeds every line or generates for every line; a line of the other
+        # kind is told so first, before anything about its body.
         row[ERROR] = (
             f"{where}: url {obj.get('url')} does not fit this job's task {spec.task} "
             f"(/v1/embeddings lines need task embed; the others, task generate)"
         )
+    elif parsed[ERROR]:
+        row[ERROR] = f"{where}: {parsed[ERROR]}"
