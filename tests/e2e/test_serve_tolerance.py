@@ -147,9 +147,9 @@ def test_strict_mode_refuses_unknown_fields(client: openai.OpenAI) -> None:
     # Known semantics the server cannot honour are a 400 in either mode.
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(
-            model=MODEL, messages=CHAT, max_tokens=2, extra_body={"min_p": 0.5}
+            model=MODEL, messages=CHAT, max_tokens=2, extra_body={"length_penalty": 0.5}
         )
-    assert info.value.code == "unsupported_parameter" and info.value.param == "min_p"
+    assert info.value.code == "unsupported_parameter" and info.value.param == "length_penalty"
     # ... and at their neutral values they pass, strict or not.
     ok = client.chat.completions.with_raw_response.create(
         model=MODEL,
@@ -160,7 +160,7 @@ def test_strict_mode_refuses_unknown_fields(client: openai.OpenAI) -> None:
         store=False,
         metadata={"team": "search"},
         user="u1",
-        extra_body={"min_p": 0, "parallel_tool_calls": False},
+        extra_body={"length_penalty": 1, "min_p": 0, "parallel_tool_calls": False},
         extra_headers=STRICT,
     )
     assert ok.status_code == 200 and WARNING not in ok.headers
