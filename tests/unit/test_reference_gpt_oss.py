@@ -216,6 +216,11 @@ def test_yarn_matches_transformers_rope_init(params) -> None:
     rope = {"rope_type": "yarn", "rope_theta": 150000.0, "original_max_position_embeddings": 64}
     rope.update(params)
     hf_config = _hf_config(rope_parameters=dict(rope), max_position_embeddings=2048)
+    # transformers before 5 (TensorRT-LLM 1.2's 4.57.1) reads `rope_scaling` and `rope_theta`
+    # instead of `rope_parameters`: set them as it reads them, so both versions compute
+    # from the same numbers.
+    hf_config.rope_scaling = dict(rope)
+    hf_config.rope_theta = rope["rope_theta"]
     expected, expected_factor = ROPE_INIT_FUNCTIONS["yarn"](hf_config, None)
     cfg = load_model_config_from({**GPT_OSS_BASE, "rope_parameters": rope})
     assert cfg.rope.rope_type == "yarn"
