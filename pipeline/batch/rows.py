@@ -14,7 +14,13 @@ from typing import Any
 
 import pyarrow as pa
 
-from engines.api import EmbedParams, GenerationResult, ResponseFormat, SamplingParams
+from engines.api import (
+    PROCESSING_FIELDS,
+    EmbedParams,
+    GenerationResult,
+    ResponseFormat,
+    SamplingParams,
+)
 from pipeline.batch.read import ROW
 from pipeline.batch.read.columns import BODY_SAMPLING
 from pipeline.openai.reasoning import Split
@@ -138,13 +144,8 @@ def row_sampling(
             response_format=response_format,
             logprobs=logprobs,
             prompt_logprobs=sampling.prompt_logprobs,
-            frequency_penalty=sampling.frequency_penalty,
-            presence_penalty=sampling.presence_penalty,
-            repetition_penalty=sampling.repetition_penalty,
-            min_p=sampling.min_p,
-            min_tokens=sampling.min_tokens,
-            logit_bias=sampling.logit_bias,
-            bad_words=tuple(sampling.bad_words),
+            # The job's logits processing (SamplingParams normalizes lists and dicts).
+            **{name: getattr(sampling, name) for name in PROCESSING_FIELDS},
         )
         if body:
             params = dataclasses.replace(params, **_body_values(body))
