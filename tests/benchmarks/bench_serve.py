@@ -1,22 +1,25 @@
 """Serving, side by side: `tokenmill serve`, the engine alone, and vLLM's OpenAI server.
 
-    .venv/bin/python tests/benchmarks/bench_serve.py [--requests 200] [--concurrency 32]
-        [--max-tokens 16] [--size tiny-hd32|tiny|small] [--threads 1]
-        [--peers engine,vllm] [--one-hop] [--no-direct-ingress] [--out result.json]
+    .venv/bin/python tests/benchmarks/bench_serve.py [--sizes tiny-hd32,small] [--rounds 3]
+        [--requests 200] [--concurrency 32] [--sequential 20] [--max-tokens 16] [--threads 1]
+        [--peers engine,vllm,vllm-eager] [--[no-]one-hop] [--no-direct-ingress] [--out r.json]
 
-Every side gets the same model (a tiny random Llama built here), the same chat prompts, the
-same concurrency cap, greedy decoding, and exactly --max-tokens tokens per request
+Every side gets the same model (a tiny random Llama built here: tiny-hd32, where the HTTP path
+decides, and small, 27M parameters, where the engine does real work), the same chat prompts,
+the same concurrency cap, greedy decoding, and exactly --max-tokens tokens per request
 (ignore_eos), so every side does the same engine work. The HTTP sides (`tokenmill serve`, and
-`vllm serve` from .venv-vllm with `--peers vllm`: `make setup-vllm`) are driven by the async
-official OpenAI client over loopback with streamed chat completions, which gives time to
-first token (TTFT) as well as whole-request latency. Per side: requests/s over the whole run,
-latency mean/p50/p99, TTFT p50/p99 (HTTP sides) and start-up seconds (until the server
-answers /v1/models). Then the ratios: tokenmill over vLLM in requests/s and TTFT, and
-tokenmill over the engine alone (serving overhead).
+`vllm serve` from .venv-vllm, compiled and --enforce-eager: `make setup-vllm`) are driven by the
+async official OpenAI client over loopback with streamed chat completions: --requests at
+--concurrency (requests/s, latency, time to first token under load), then --sequential lone
+requests (latency and TTFT of one request on an idle server). The engine alone runs the same
+prompts in this process first.
 
-The engine alone runs first, in this process, and is shut down; the servers run one after the
-other. The client shares the cores with the server, so on a small machine part of every HTTP
-number is the client's own, on both sides alike. Numbers from a busy machine are only a smoke
+Per model, all servers are started once and stay up; each round measures them one after the
+other, the order rotated per round, and the result is the median over --rounds. The peer is
+vLLM at its best on each figure (the faster of compiled and eager). An idle server costs the
+others little (a few percent of a core for Ray's and vLLM's own loops), the same for every
+side. The client shares the cores with the servers, so on a small machine part of every HTTP
+number is the client's own, on all sides alike. Numbers from a busy machine are only a smoke
 check; take final ones on a quiet one.
 """
 
@@ -123,17 +126,18 @@ def bench_engine(model_dir: Path, args: argparse.Namespace) -> dict[str, float]:
 
 def _pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(len(ordered) * q))]
+    return ordered[min(len(ordered) - 1, int(len(ordered) * q))] if ordered else float("nan")
 
 
 def http_workload(base_url: str, model: str, args: argparse.Namespace) -> dict[str, float]:
-    """The chats as streamed chat completions through the OpenAI client: rps, latency, TTFT."""
+    """The chats as streamed chat completions through the OpenAI client: first all of them at
+    --concurrency (requests/s, latency, TTFT under load), then --sequential more one at a time
+    (latency and TTFT of a lone request: what an interactive user sees on an idle server)."""
     import openai
 
     client = openai.AsyncOpenAI(base_url=base_url, api_key=API_KEY, max_retries=0, timeout=600)
-    ttfts: list[float] = []
 
-    def job(chat: list[dict[str, str]], record: bool = True):
+    def job(chat: list[dict[str, str]], ttfts: list[float] | None):
         async def call() -> None:
             start = time.perf_counter()
             first = None
@@ -153,137 +157,247 @@ def http_workload(base_url: str, model: str, args: argparse.Namespace) -> dict[s
                 if chunk.usage is not None:
                     tokens = chunk.usage.completion_tokens
             assert tokens == args.max_tokens, tokens
-            if record and first is not None:
+            if ttfts is not None and first is not None:
                 ttfts.append(first)
 
         return call
 
-    async def run() -> tuple[list[float], float]:
-        chats = prompts(args.requests)
-        await job(chats[0], record=False)()  # warm-up: first-call costs out of the numbers
-        return await bounded(args.concurrency, [job(c) for c in chats])
+    loaded_ttfts: list[float] = []
+    alone_ttfts: list[float] = []
 
-    latencies, wall = asyncio.run(run())
+    async def run() -> tuple[list[float], float, list[float]]:
+        chats = prompts(args.requests + args.sequential)
+        await job(chats[0], None)()  # warm-up: first-call costs out of the numbers
+        loaded = [job(c, loaded_ttfts) for c in chats[: args.requests]]
+        latencies, wall = await bounded(args.concurrency, loaded)
+        alone: list[float] = []
+        for chat in chats[args.requests :]:
+            start = time.perf_counter()
+            await job(chat, alone_ttfts)()
+            alone.append(time.perf_counter() - start)
+        return latencies, wall, alone
+
+    latencies, wall, alone = asyncio.run(run())
     return {
         **summarize(latencies, wall),
-        "ttft_p50_s": _pct(ttfts, 0.5),
-        "ttft_p99_s": _pct(ttfts, 0.99),
+        "ttft_p50_s": _pct(loaded_ttfts, 0.5),
+        "ttft_p99_s": _pct(loaded_ttfts, 0.99),
+        "sequential_p50_s": _pct(alone, 0.5),
+        "sequential_ttft_p50_s": _pct(alone_ttfts, 0.5),
     }
 
 
-def bench_serve(model_dir: Path, work: Path, args: argparse.Namespace) -> dict[str, float]:
-    from tests.e2e.serve_fixtures import start_server
+class TokenmillServer:
+    """`tokenmill serve` on the model, with the product's defaults but the bench's limits."""
 
-    config = {
-        "models": [
-            {
-                "name": "bench",
-                "model": {"path": str(model_dir)},
-                "engine": engine_section(args),
-                "replicas": {
-                    "cpus_per_replica": 0.5,
-                    "max_ongoing_requests": args.concurrency,
-                    "max_queued_requests": args.requests,
-                },
-                "limits": {"max_tokens": args.max_tokens, "default_max_tokens": args.max_tokens},
-            }
-        ],
-        "http": {
-            "cpus_per_ingress": 0.25,
-            "access_log": args.access_log,
-            "one_hop": args.one_hop,
-            "direct_ingress": args.direct_ingress,
-        },
-    }
-    path = work / "serve.yaml"
-    path.write_text(yaml.safe_dump(config))
-    started = time.perf_counter()
-    server = start_server(path, {"TOKENMILL_API_KEYS": API_KEY}, [])
-    startup = time.perf_counter() - started
-    try:
-        result = http_workload(server.api_url, "bench", args)
-    finally:
-        server.stop()
-    return {**result, "startup_s": startup}
+    def __init__(self, model_dir: Path, work: Path, args: argparse.Namespace) -> None:
+        from tests.e2e.serve_fixtures import start_server
+
+        http: dict = {"cpus_per_ingress": 0.25, "access_log": args.access_log}
+        if args.one_hop is not None:
+            http["one_hop"] = args.one_hop
+        http["direct_ingress"] = args.direct_ingress
+        config = {
+            "models": [
+                {
+                    "name": "bench",
+                    "model": {"path": str(model_dir)},
+                    "engine": engine_section(args),
+                    "replicas": {
+                        "cpus_per_replica": 0.5,
+                        "max_ongoing_requests": args.concurrency,
+                        "max_queued_requests": args.requests,
+                    },
+                    "limits": {
+                        "max_tokens": args.max_tokens,
+                        "default_max_tokens": args.max_tokens,
+                    },
+                }
+            ],
+            "http": http,
+        }
+        path = work / "serve.yaml"
+        path.write_text(yaml.safe_dump(config))
+        started = time.perf_counter()
+        self._server = start_server(path, {"TOKENMILL_API_KEYS": API_KEY}, [])
+        self.startup_s = time.perf_counter() - started
+        self.base_url = self._server.api_url
+
+    def stop(self) -> None:
+        self._server.stop()
 
 
-def bench_vllm_serve(model_dir: Path, work: Path, args: argparse.Namespace) -> dict[str, float]:
-    """vLLM's own OpenAI server (its CPU build, default settings: compiled graphs) on the
-    same model and limits, in its own environment."""
-    import httpx
+class VllmServer:
+    """vLLM's own OpenAI server (its CPU build) on the same model and limits, in its own
+    environment: compiled graphs (its default) or --enforce-eager."""
 
-    from tests.e2e.serve_fixtures import free_port
+    def __init__(self, model_dir: Path, work: Path, args: argparse.Namespace, eager: bool) -> None:
+        import httpx
 
-    if not VLLM_PYTHON.exists():
-        raise SystemExit(f"{VLLM_PYTHON} not found: `make setup-vllm` first, or drop --peers vllm")
-    port = free_port()
-    command = [
-        str(VLLM_PYTHON),
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(model_dir),
-        "--served-model-name",
-        "bench",
-        "--port",
-        str(port),
-        "--api-key",
-        API_KEY,
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        "512",
-        "--max-num-seqs",
-        str(args.concurrency),
-        "--max-num-batched-tokens",
-        "512",
-    ]
-    env = {
-        **os.environ,
-        "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; the tiny model needs far less
-        "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}",
-    }
-    log = (work / "vllm-serve.log").open("w")
-    started = time.perf_counter()
-    proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        base = f"http://127.0.0.1:{port}/v1"
+        from tests.e2e.serve_fixtures import free_port
+
+        if not VLLM_PYTHON.exists():
+            raise SystemExit(
+                f"{VLLM_PYTHON} not found: `make setup-vllm` first, or drop the vllm peers"
+            )
+        port = free_port()
+        command = [
+            str(VLLM_PYTHON),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model_dir),
+            "--served-model-name",
+            "bench",
+            "--port",
+            str(port),
+            "--api-key",
+            API_KEY,
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "512",
+            "--max-num-seqs",
+            str(args.concurrency),
+            "--max-num-batched-tokens",
+            "512",
+            *(["--enforce-eager"] if eager else []),
+        ]
+        env = {
+            **os.environ,
+            "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; the tiny models need far less
+            "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}",
+        }
+        self._log = (work / f"vllm-serve-{'eager' if eager else 'compiled'}.log").open("w")
+        started = time.perf_counter()
+        self._proc = subprocess.Popen(command, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+        self.base_url = f"http://127.0.0.1:{port}/v1"
         deadline = started + 600
+        headers = {"Authorization": f"Bearer {API_KEY}"}
         while True:
-            if proc.poll() is not None:
-                raise SystemExit(f"vllm serve exited ({proc.returncode}); see {log.name}")
+            if self._proc.poll() is not None:
+                raise SystemExit(
+                    f"vllm serve exited ({self._proc.returncode}); see {self._log.name}"
+                )
             try:
-                headers = {"Authorization": f"Bearer {API_KEY}"}
-                if httpx.get(f"{base}/models", headers=headers, timeout=5).status_code == 200:
+                if (
+                    httpx.get(f"{self.base_url}/models", headers=headers, timeout=5).status_code
+                    == 200
+                ):
                     break
             except httpx.HTTPError:
                 pass
             if time.perf_counter() > deadline:
+                self.stop()
                 raise SystemExit("vllm serve did not come up within 600 s")
             time.sleep(1)
-        startup = time.perf_counter() - started
-        result = http_workload(base, "bench", args)
-    finally:
-        proc.terminate()
+        self.startup_s = time.perf_counter() - started
+
+    def stop(self) -> None:
+        self._proc.terminate()
         try:
-            proc.wait(timeout=60)
+            self._proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
-    return {**result, "startup_s": startup}
+            self._proc.kill()
+        self._log.close()
+
+
+METRICS = (
+    "requests_per_s",
+    "mean_s",
+    "p50_s",
+    "p99_s",
+    "ttft_p50_s",
+    "ttft_p99_s",
+    "sequential_p50_s",
+    "sequential_ttft_p50_s",
+)
+
+
+def medians(rounds: list[dict[str, float]]) -> dict[str, float]:
+    keys = [k for k in METRICS if k in rounds[0]]
+    return {k: statistics.median(r[k] for r in rounds) for k in keys}
+
+
+def bench_size(size: str, work: Path, args: argparse.Namespace, peers: set[str]) -> dict:
+    """Every side on one model: the engine alone first (in this process), then the servers,
+    all up at once and measured in turn, the order rotated each round so that a slow spell
+    of the machine does not fall on one side only."""
+    from engines.tiny import make_tiny_model
+
+    model_dir = make_tiny_model(work / f"model-{size}", arch="llama", size=size)
+    result: dict = {}
+    if "engine" in peers:
+        result["engine"] = {"rounds": [bench_engine(model_dir, args) for _ in range(args.rounds)]}
+    servers: dict[str, TokenmillServer | VllmServer] = {}
+    try:
+        servers["serve"] = TokenmillServer(model_dir, work, args)
+        if "vllm" in peers:
+            servers["vllm_compiled"] = VllmServer(model_dir, work, args, eager=False)
+        if "vllm-eager" in peers:
+            servers["vllm_eager"] = VllmServer(model_dir, work, args, eager=True)
+        runs: dict[str, list[dict[str, float]]] = {name: [] for name in servers}
+        names = list(servers)
+        for r in range(args.rounds):
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                runs[name].append(http_workload(servers[name].base_url, "bench", args))
+                print(
+                    f"{size} round {r + 1} {name}: {runs[name][-1]['requests_per_s']:.2f} req/s",
+                    file=sys.stderr,
+                )
+        for name, server in servers.items():
+            result[name] = {"startup_s": server.startup_s, "rounds": runs[name]}
+    finally:
+        for server in servers.values():
+            server.stop()
+    for side in result.values():
+        side["median"] = medians(side["rounds"])
+    serve = result["serve"]["median"]
+    vllm_sides = [result[k]["median"] for k in ("vllm_compiled", "vllm_eager") if k in result]
+    if vllm_sides:
+        # The peer is vLLM at its best on each figure: the faster of compiled and eager.
+        best = {
+            "requests_per_s": max(v["requests_per_s"] for v in vllm_sides),
+            "sequential_p50_s": min(v["sequential_p50_s"] for v in vllm_sides),
+            "sequential_ttft_p50_s": min(v["sequential_ttft_p50_s"] for v in vllm_sides),
+            "ttft_p50_s": min(v["ttft_p50_s"] for v in vllm_sides),
+        }
+        result["vs_vllm"] = {
+            # Above 1 is better for tokenmill.
+            "requests_per_s": serve["requests_per_s"] / best["requests_per_s"],
+            # At or below 1 is better for tokenmill.
+            "sequential_p50": serve["sequential_p50_s"] / best["sequential_p50_s"],
+            "sequential_ttft_p50": serve["sequential_ttft_p50_s"] / best["sequential_ttft_p50_s"],
+            "loaded_ttft_p50": serve["ttft_p50_s"] / best["ttft_p50_s"],
+        }
+    if "engine" in result:
+        engine = result["engine"]["median"]
+        result["vs_engine"] = {
+            "requests_per_s": serve["requests_per_s"] / engine["requests_per_s"],
+            "overhead_p50_s": serve["p50_s"] - engine["p50_s"],
+        }
+    return result
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--sequential", type=int, default=20, help="lone requests after the load")
     parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=1, help="medians over this many rounds")
     # tiny-hd32: vLLM's CPU attention needs a head dimension of at least 32.
-    parser.add_argument("--size", choices=("tiny-hd32", "tiny", "small"), default="tiny-hd32")
+    parser.add_argument(
+        "--sizes",
+        default="tiny-hd32,small",
+        help="comma-separated models (tiny-hd32, tiny, small): tiny-hd32 shows the HTTP path, "
+        "small (27M parameters) a model that keeps the engine busy",
+    )
     parser.add_argument(
         "--peers",
-        default="engine,vllm",
-        help="comma-separated sides to compare tokenmill serve with: engine (alone), vllm",
+        default="engine,vllm,vllm-eager",
+        help="comma-separated sides to compare tokenmill serve with: engine (alone), vllm "
+        "(compiled graphs, its default), vllm-eager (--enforce-eager)",
     )
     parser.add_argument("--threads", type=int, default=1, help="torch threads of each engine")
     parser.add_argument(
@@ -295,8 +409,9 @@ def main() -> None:
     parser.add_argument(
         "--one-hop",
         action=argparse.BooleanOptionalAction,
-        default=False,
-        help="run tokenmill serve with http.one_hop (the engine inside the ingress replica)",
+        default=None,
+        help="http.one_hop of tokenmill serve (the engine inside the ingress replica); "
+        "unset: the product's default (on for one model)",
     )
     parser.add_argument(
         "--direct-ingress",
@@ -309,32 +424,23 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
 
-    from engines.tiny import make_tiny_model
-
     peers = {p.strip() for p in args.peers.split(",") if p.strip()}
+    sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
+    result: dict = {"settings": vars(args) | {"out": str(args.out) if args.out else None}}
     with tempfile.TemporaryDirectory(prefix="bench-serve-") as tmp:
-        work = Path(tmp)
-        model_dir = make_tiny_model(work / "model", arch="llama", size=args.size)
-        engine = bench_engine(model_dir, args) if "engine" in peers else None
-        served = bench_serve(model_dir, work, args)
-        vllm = bench_vllm_serve(model_dir, work, args) if "vllm" in peers else None
-    result: dict = {
-        "settings": vars(args) | {"out": str(args.out) if args.out else None},
-        "serve": served,
-    }
-    if engine is not None:
-        result["engine"] = engine
-        result["overhead_mean_s"] = served["mean_s"] - engine["mean_s"]
-        result["overhead_p50_s"] = served["p50_s"] - engine["p50_s"]
-        result["throughput_vs_engine"] = served["requests_per_s"] / engine["requests_per_s"]
-    if vllm is not None:
-        result["vllm_serve"] = vllm
-        result["requests_per_s_vs_vllm"] = served["requests_per_s"] / vllm["requests_per_s"]
-        result["ttft_p50_vs_vllm"] = served["ttft_p50_s"] / vllm["ttft_p50_s"]
+        for size in sizes:
+            result[size] = bench_size(size, Path(tmp), args, peers)
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:
         args.out.write_text(text + "\n")
+    for size in sizes:
+        ratios = result[size].get("vs_vllm")
+        if ratios:
+            print(
+                f"{size} vs vLLM at its best: "
+                + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items())
+            )
 
 
 if __name__ == "__main__":
