@@ -593,7 +593,7 @@ class SamplingSpec(_Strict):
     @field_validator("response_format")
     @classmethod
     def _readable_format(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        from pipeline.formats import parse_response_format
+        from pipeline.openai.response_format import parse_response_format
 
         # FormatError is a ValueError: pydantic reports it under sampling.response_format.
         parse_response_format(value, "sampling.response_format")

@@ -404,7 +404,7 @@ def derive_seed(base_seed: int, row_id: str) -> int:
 @functools.lru_cache(maxsize=256)
 def _format_cell(text: str, where: str) -> tuple[str | None, str | None]:
     """(canonical JSON text or FREE_TEXT, None) or (None, what is wrong), from JSON text."""
-    from pipeline.formats import FormatError, parse_response_format, to_json
+    from pipeline.openai.response_format import FormatError, parse_response_format, to_json
 
     try:
         fmt = parse_response_format(text, where)

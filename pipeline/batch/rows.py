@@ -181,7 +181,7 @@ def _row_logprobs(row: dict[str, Any], sampling: SamplingSpec) -> int | None:
 
 def row_format(row: dict[str, Any]) -> ResponseFormat | None:
     """The row's response format from the prompt stage's canonical `response_format` cell."""
-    from pipeline.formats import from_column
+    from pipeline.openai.response_format import from_column
 
     text = row.get("response_format")
     return from_column(text) if text else None
@@ -247,7 +247,7 @@ class RowOutcome:
         split: Split | None = None,
     ) -> RowOutcome:
         """`split`: reasoning jobs, the result's output split (pipeline.openai.reasoning)."""
-        from pipeline.formats import conforms
+        from pipeline.openai.response_format import conforms
 
         m = result.metrics
         text = result.text if split is None else split.text

@@ -15,7 +15,7 @@ from typing import Any
 
 from engines.api import EngineInfo, GenerationRequest, GenerationResult, SamplingParams
 from pipeline.cost import cost_usd, list_price_usd
-from pipeline.formats import FormatError, parse_response_format
+from pipeline.openai.response_format import FormatError, parse_response_format
 from pipeline.serve.protocol import (
     WARNING_HEADER,
     ApiError,

@@ -35,7 +35,7 @@ from engines.api import (
     ResponseFormat,
     SamplingParams,
 )
-from pipeline.formats import conforms
+from pipeline.openai.response_format import conforms
 from tests.contract.harness import MAX_MODEL_LEN, EngineHarness, kind_params
 
 PROMPT = [11, 42, 7, 300, 5, 99, 12]

@@ -166,7 +166,7 @@ def test_structured_output_logprobs_and_n_samples_run_on_moe() -> None:
     format constrains the text, logprobs come one per token, n samples share the prompt."""
     from engines.api import GenerationRequest, ResponseFormat, SamplingParams
     from engines.samples import fan_out, generate_all
-    from pipeline.formats import conforms
+    from pipeline.openai.response_format import conforms
 
     prompt = varied_prompts(1, seed=8)[0]
     choice = ResponseFormat("choice", choices=("left", "right"))

@@ -7,7 +7,13 @@ import json
 import pytest
 
 from engines.api import ResponseFormat
-from pipeline.formats import FormatError, conforms, from_column, parse_response_format, to_json
+from pipeline.openai.response_format import (
+    FormatError,
+    conforms,
+    from_column,
+    parse_response_format,
+    to_json,
+)
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 

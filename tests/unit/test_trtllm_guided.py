@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from engines.api import GenerationRequest, ResponseFormat, SamplingParams
-from pipeline.formats import conforms
+from pipeline.openai.response_format import conforms
 
 STANDINS = Path(__file__).resolve().parents[1] / "standins"
 PROMPT = [11, 42, 7, 30, 5]
