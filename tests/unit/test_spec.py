@@ -9,11 +9,11 @@ from typing import Any
 import pytest
 import yaml
 
-from pipeline import docgen
 from pipeline.spec import (
     JobSpec,
     SpecError,
     apply_overrides,
+    docgen,
     env_references,
     load_job_spec,
     load_yaml,
@@ -479,7 +479,7 @@ def test_spec_round_trips_through_json() -> None:
 
 def test_job_spec_doc_is_fresh() -> None:
     committed = docgen.DOC_PATH.read_text() if docgen.DOC_PATH.exists() else ""
-    assert committed == docgen.render(), "docs/job-spec.md is stale: python -m pipeline.docgen"
+    assert committed == docgen.render(), "docs/job-spec.md is stale: python -m pipeline.spec.docgen"
 
 
 def test_doc_lists_every_field() -> None:

@@ -1,0 +1,173 @@
+"""The `engine` section: the engine kind and its settings, speculative decoding included."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from pipeline.spec.base import _Strict
+
+
+class SpeculativeSpec(_Strict):
+    method: Literal["ngram", "draft", "eagle3", "mtp"] = Field(
+        description="ngram (prompt lookup: propose the tokens that followed the last match of "
+        "the request's own recent tokens in its prompt + output; no second model) | draft (a "
+        "small model with the same tokenizer proposes) | eagle3 (an EAGLE-3 head proposes) | "
+        "mtp (the checkpoint's multi-token-prediction layers). Engine kinds: reference ngram, "
+        "draft; vllm ngram, draft; trtllm ngram, draft, eagle3, mtp. See "
+        "docs/speculative-decoding.md."
+    )
+    num_tokens: int | None = Field(
+        None,
+        ge=1,
+        le=32,
+        description="Tokens proposed per request per step; the target model scores them all "
+        "(plus one) in one forward pass. Null: 4 (mtp: num_layers).",
+    )
+    prompt_lookup_min: int | None = Field(
+        None,
+        ge=1,
+        description="ngram: shortest match (in tokens) of the request's last tokens that may "
+        "propose. Null: 2 (trtllm matches down to 1 and needs null or 1).",
+    )
+    prompt_lookup_max: int | None = Field(
+        None,
+        ge=1,
+        description="ngram: longest match tried first (longer matches propose more reliably). "
+        "Null: 4 (trtllm: max_matching_ngram_size).",
+    )
+    model: str | None = Field(
+        None,
+        description="draft: the draft model directory (same tokenizer as the model); eagle3: the "
+        "EAGLE-3 head checkpoint directory. Local paths on every node.",
+    )
+    num_layers: int | None = Field(
+        None,
+        ge=1,
+        description="mtp: MTP layers used (trtllm num_nextn_predict_layers; each proposes "
+        "one token). Null: num_tokens.",
+    )
+    disable_above_batch_size: int | None = Field(
+        None,
+        ge=0,
+        description="Speculate only in engine steps with at most this many running requests: "
+        "verification costs compute, which a large batch no longer has spare. Null: the engine "
+        "kind's default (reference 8, measured on CPU, see docs/speculative-decoding.md; trtllm "
+        "always on). Not available on vllm 0.32.",
+    )
+
+
+class EngineSpec(_Strict):
+    kind: Literal["reference", "trtllm", "vllm", "synthetic"] = Field(
+        "reference",
+        description="reference (PyTorch, runs anywhere incl. CPU) | trtllm (TensorRT-LLM, GPU) | "
+        "vllm (vLLM's async engine; CPU or CUDA build installed separately) | synthetic (a test "
+        "and capacity tool, no model: random token ids at a set rate, to drive the pipeline at "
+        "GPU speed on CPUs; its settings go in `extra`: tokens_per_s, ttft_ms, ttft_jitter, "
+        "step_interval_ms, output_tokens, stop_fraction, error_fraction, seed, script "
+        "(max_batch_size and max_model_len apply as for the other kinds; see docs/engine.md). "
+        "See docs/engines.md.",
+    )
+    max_batch_size: int | None = Field(
+        None,
+        ge=1,
+        description="Most requests in one engine step. Null: the engine kind's default "
+        "(reference 64; trtllm 2048, TensorRT-LLM's own default and the range its published "
+        "benchmarks run; vllm: vLLM's own; synthetic 256). See docs/engines.md.",
+    )
+    max_num_tokens: int | None = Field(
+        None,
+        ge=16,
+        description="Token budget of one engine step (prefill chunks + decodes). Null: the "
+        "engine kind's default (reference 2048; trtllm 8192, as its published benchmarks; "
+        "vllm: vLLM's own).",
+    )
+    kv_cache_tokens: int | None = Field(
+        None,
+        ge=16,
+        description="KV cache size in tokens. Null: sized from kv_cache_memory_fraction "
+        "(GPU) or kv_cache_memory_gb (CPU).",
+    )
+    kv_cache_memory_gb: float | None = Field(
+        None, gt=0, description="KV cache size as memory (GiB); used when kv_cache_tokens is null."
+    )
+    kv_cache_memory_fraction: float = Field(
+        0.9,
+        gt=0,
+        le=1,
+        description="trtllm, vllm on GPU: fraction of GPU memory for the KV cache "
+        "(free_gpu_memory_fraction / gpu_memory_utilization).",
+    )
+    kv_cache_dtype: Literal["auto", "fp8"] = Field(
+        "auto", description="auto (model dtype) | fp8 (trtllm with an FP8-KV checkpoint, vllm)."
+    )
+    enable_prefix_caching: bool = Field(
+        True, description="Reuse KV of shared prompt prefixes (full blocks only)."
+    )
+    enable_chunked_prefill: bool = Field(
+        True, description="Split long prompts across steps so decodes are not stalled."
+    )
+    block_size: int = Field(16, ge=1, description="Tokens per KV cache block.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Compute dtype. auto: float32 on CPU, bfloat16 on GPU."
+    )
+    device: str = Field("auto", description="auto | cpu | cuda | cuda:N (reference engine).")
+    max_model_len: int | None = Field(
+        None, ge=16, description="Cap on prompt + output tokens; null: the model's context."
+    )
+    profile_dir: str | None = Field(
+        None,
+        description="reference engine: record engine steps with torch.profiler and write a "
+        "Chrome / Perfetto trace (JSON) to this local directory on each node, one named range "
+        "per step phase (schedule, build_inputs, forward, sample, detokenize, deliver; NVTX "
+        "ranges too on CUDA). Null: no profiling and no overhead. See docs/engine.md.",
+    )
+    profile_steps: int = Field(
+        20, ge=1, description="reference engine with profile_dir: engine steps to record."
+    )
+    scheduler_policy: Literal["guaranteed_no_evict", "max_utilization"] = Field(
+        "guaranteed_no_evict", description="trtllm capacity scheduler policy."
+    )
+    speculative: SpeculativeSpec | None = Field(
+        None,
+        description="Speculative decoding: {method: ngram | draft | eagle3 | mtp, num_tokens, "
+        "...}. Greedy output is unchanged token for token; sampled output keeps the model's "
+        "distribution. Null: off. See docs/speculative-decoding.md.",
+    )
+    extra: dict[str, Any] = Field(
+        default_factory=dict, description="Engine-specific options passed through verbatim."
+    )
+    expected_tokens_per_s: float | None = Field(
+        None,
+        gt=0,
+        description="Output tokens per second one actor is expected to generate; `tokenmill "
+        "plan` uses it for the time and cost estimate (or --tokens-per-s / --measure). Not "
+        "passed to the engine.",
+    )
+
+    @model_validator(mode="after")
+    def _synthetic_settings(self) -> EngineSpec:
+        """engine.kind synthetic: its settings (in `extra`) are checked now, not at load."""
+        if self.kind == "synthetic":
+            from engines.synthetic.settings import SyntheticSettings
+
+            shared = {"max_batch_size": self.max_batch_size, "max_model_len": self.max_model_len}
+            given = {k: v for k, v in shared.items() if v is not None} | self.extra
+            try:
+                SyntheticSettings.of(given)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"engine.extra: {exc}") from None
+        return self
+
+    @model_validator(mode="after")
+    def _speculative_runs_on_kind(self) -> EngineSpec:
+        from engines.speculative import problems
+
+        if self.speculative is not None:
+            found = problems(self.kind, self.speculative.model_dump())
+            if self.kind == "trtllm" and self.extra.get("backend", "pytorch") != "pytorch":
+                found.append("trtllm speculates on its pytorch backend only (engine.extra.backend)")
+            if found:
+                raise ValueError("engine.speculative: " + "; ".join(found))
+        return self

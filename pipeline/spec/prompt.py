@@ -1,0 +1,86 @@
+"""The `prompt` section: how rows become prompts (template, system prompt, chat template,
+reasoning)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+
+from pipeline.spec.base import _Strict
+
+
+class PromptSpec(_Strict):
+    template: str | None = Field(
+        None,
+        description="Jinja2 template applied to each row to build the user prompt, e.g. "
+        "'Summarize: {{ text }}'. Row columns are the variables; `prompt` is the prompt "
+        "column's value. Null uses the prompt column as is.",
+    )
+    system_prompt: str | None = Field(
+        None,
+        description="System message prepended to every chat (when chat_template is on) unless "
+        "the chat already starts with one.",
+    )
+    chat_template: bool = Field(
+        True,
+        description="Apply the model tokenizer's chat template (with the generation prompt). "
+        "Off: the prompt text is tokenized as is (messages are rejected).",
+    )
+    reasoning: Literal["none", "think", "harmony"] = Field(
+        "none",
+        description="How the model writes its reasoning before its answer: none | think "
+        "(Qwen3, QwQ, DeepSeek-R1: a <think>...</think> block, which the chat template may "
+        "open) | harmony (GPT-OSS: analysis and final channels). Set, output rows get "
+        "`reasoning` (null when a row's output has none) and `reasoning_tokens` columns and "
+        "`text` holds the answer alone; Serve answers carry `reasoning_content` and "
+        "usage.completion_tokens_details.reasoning_tokens. Reasoning tokens are output tokens "
+        "(counts and cost unchanged). The model's tokenizer must have the format's tokens "
+        "(checked before the job starts).",
+    )
+    enable_thinking: bool | None = Field(
+        None,
+        description="Passed to the chat template as `enable_thinking` (Qwen3's switch: false "
+        "asks for the answer without reasoning). Null: not passed (the template's default).",
+    )
+    reasoning_effort: Literal["low", "medium", "high"] | None = Field(
+        None,
+        description="Passed to the chat template as `reasoning_effort` (GPT-OSS's `Reasoning: "
+        "low|medium|high`). Null: not passed. A row may set its own through "
+        "sampling.overrides.reasoning_effort.",
+    )
+
+    @field_validator("template")
+    @classmethod
+    def _template_parses(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        if not value.strip():
+            raise ValueError("prompt.template is empty; remove it or write a template")
+        import jinja2
+
+        try:
+            jinja2.Environment().parse(value)
+        except jinja2.TemplateSyntaxError as exc:
+            raise ValueError(f"prompt.template line {exc.lineno}: {exc.message}") from None
+        return value
+
+    def template_kwargs(self, reasoning_effort: str | None = None) -> dict[str, Any] | None:
+        """Extra chat template variables (enable_thinking, reasoning_effort; a row's own
+        effort over the job's); None when there are none."""
+        kwargs: dict[str, Any] = {}
+        if self.enable_thinking is not None:
+            kwargs["enable_thinking"] = self.enable_thinking
+        effort = reasoning_effort or self.reasoning_effort
+        if effort is not None:
+            kwargs["reasoning_effort"] = effort
+        return kwargs or None
+
+    def template_variables(self) -> list[str]:
+        """Names the template reads (row columns, plus `prompt`), sorted; [] without one."""
+        if self.template is None:
+            return []
+        import jinja2
+        from jinja2 import meta
+
+        return sorted(meta.find_undeclared_variables(jinja2.Environment().parse(self.template)))
