@@ -309,7 +309,7 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
 
-    from engines.tiny import make_tiny_model
+    from engines.dev.tiny import make_tiny_model
 
     peers = {p.strip() for p in args.peers.split(",") if p.strip()}
     with tempfile.TemporaryDirectory(prefix="bench-serve-") as tmp:
