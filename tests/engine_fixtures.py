@@ -22,7 +22,7 @@ def tiny_model(arch: str = "llama", tied: bool = False) -> Path:
     """A tiny random HF model of `arch`, built on first use and reused for the session."""
     key = (arch, tied)
     if key not in _MODELS:
-        from engines.tiny import make_tiny_model
+        from engines.dev.tiny import make_tiny_model
 
         if not _BASE:
             _BASE.append(Path(tempfile.mkdtemp(prefix="tokenmill-engine-models-")))

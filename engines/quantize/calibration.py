@@ -43,7 +43,7 @@ def load_texts(
     """
     wanted = calibration.num_samples + quality.num_prompts
     if calibration.source is None:
-        from engines.tiny import sample_text
+        from engines.dev.tiny import sample_text
 
         # Built-in text is already pseudo-random; a fixed seed keeps the cache key stable.
         pool = sample_text(max(wanted, 2000), seed=calibration.seed)

@@ -35,7 +35,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engines import testhooks
 from engines.api import (
     EngineDeadError,
     EngineError,
@@ -49,6 +48,7 @@ from engines.api import (
     StreamDelta,
     TokenLogprob,
 )
+from engines.dev import testhooks
 from engines.reference.config import ModelConfig, load_model_config
 from engines.reference.detokenize import final_text
 from engines.reference.grammar import limitations as grammar_limitations

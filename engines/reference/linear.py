@@ -25,7 +25,7 @@ import logging
 import torch
 from torch import nn
 
-from engines import testhooks
+from engines.dev import testhooks
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from engines import testhooks
+from engines.dev import testhooks
 from pipeline.batch import placement
 from pipeline.batch.generate import EngineWorker
 from pipeline.batch.placement import EngineGroups

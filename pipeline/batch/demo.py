@@ -1,6 +1,6 @@
 """`tokenmill demo`: a tiny model, a sample dataset and jobs/demo.yaml, all on this machine.
 
-Nothing is downloaded: the model comes from engines.tiny (random weights, a locally trained
+Nothing is downloaded: the model comes from engines.dev.tiny (random weights, a locally trained
 tokenizer), the prompts from its built-in text. The job file's paths are overridden to point
 into the demo directory, so the demo runs from any working directory.
 """
@@ -21,7 +21,7 @@ _TOPICS = ("storage", "engines", "rivers", "markets", "music", "weather")
 
 def sample_rows(num_rows: int, seed: int = 0) -> list[dict[str, object]]:
     """Varied prompts (task, topic, length) with per-row max_tokens between 4 and 48."""
-    from engines.tiny import sample_text
+    from engines.dev.tiny import sample_text
 
     rng = random.Random(seed)
     sentences = sample_text(num_sentences=max(num_rows * 3, 50), seed=seed)
@@ -58,7 +58,7 @@ def prepare_demo(
     workdir = workdir.resolve()
     model_dir = workdir / "model"
     if not (model_dir / "config.json").is_file():
-        from engines.tiny import make_tiny_model
+        from engines.dev.tiny import make_tiny_model
 
         emit(f"building a tiny model in {model_dir} ...")
         make_tiny_model(model_dir, arch="llama", size="tiny")

@@ -44,7 +44,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from engines import testhooks
+from engines.dev import testhooks
 from pipeline.batch.read import ERROR, ID, MESSAGES, PROMPT, override_columns
 from pipeline.batch.shards import RowRanges, RowSelection
 from pipeline.batch.units import PreparedInfo, WorkUnit
@@ -705,7 +705,7 @@ def _all_errors(table: pa.Table, message: str) -> pa.Table:
 
 
 def _test_exit_hook(table: pa.Table) -> None:
-    """Tests only (engines.testhooks): exit, as a crashing tokenizer would, on a shard holding
+    """Tests only (engines.dev.testhooks): exit, as a crashing tokenizer would, on a shard holding
     a prompt with the marker text."""
     marker = testhooks.prompt_exit_marker()
     if marker is None or PROMPT not in table.column_names:

@@ -28,7 +28,7 @@ def make_tiny_model(
     ),
 ) -> None:
     """Train a byte-level BPE tokenizer locally and save a random model with it."""
-    from engines.tiny import make_tiny_model as build
+    from engines.dev.tiny import make_tiny_model as build
 
     try:
         path = build(
@@ -105,8 +105,8 @@ def bench(
     """
     import json
 
-    from engines.bench import MODES, BenchConfig, format_summary, run_bench
-    from engines.tiny import ARCHS
+    from engines.dev.bench import MODES, BenchConfig, format_summary, run_bench
+    from engines.dev.tiny import ARCHS
 
     chosen = tuple(m.strip() for m in modes.split(",") if m.strip())
     unknown = [m for m in chosen if m not in MODES]

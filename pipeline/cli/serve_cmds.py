@@ -117,7 +117,7 @@ def key_digest_cmd(
 
 
 def _make_missing_models(paths: list[str]) -> None:
-    from engines.tiny import make_tiny_model
+    from engines.dev.tiny import make_tiny_model
 
     for path in paths:
         local = Path(path).expanduser()

@@ -91,7 +91,7 @@ class Processor:
         import ray
         from ray.data import ActorPoolStrategy
 
-        from engines import testhooks
+        from engines.dev import testhooks
 
         if self._book is None:
             self._book = ray.remote(AccountBook).options(num_cpus=0).remote()
@@ -181,7 +181,7 @@ class EngineStage:
     def __init__(self, config: ProcessorConfig, book: Any) -> None:
         import ray
 
-        from engines import testhooks
+        from engines.dev import testhooks
         from pipeline.batch.generate import RowServer, current_actor_id, reasoning_parser
         from pipeline.batch.prompts import PromptStage
         from pipeline.batch.rows import GenerateConfig

@@ -9,7 +9,7 @@ on such a CPU can choose instead, `engine.dtype: float32`).
     ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2 \
         .venv/bin/python tests/benchmarks/bench_bf16_linear.py
 
-Shapes are the linears of the `small` bench model (engines/tiny.py: hidden 512, 8 heads of 64,
+Shapes are the linears of the `small` bench model (engines/dev/tiny.py: hidden 512, 8 heads of 64,
 2 KV heads, intermediate 1408, vocab 8192) after the engine fuses q/k/v and gate/up, for a
 decode row and for a step of 64 rows. The variants run alternately, round by round, and the
 median of the rounds is printed, so a burst of load from elsewhere hits all of them.

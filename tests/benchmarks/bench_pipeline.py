@@ -120,7 +120,7 @@ def main() -> None:
 
     import ray
 
-    from engines.tiny import make_tiny_model, sample_text
+    from engines.dev.tiny import make_tiny_model, sample_text
     from pipeline.spec import parse_job_spec
 
     work = Path(tempfile.mkdtemp(prefix="bench-pipeline-"))

@@ -254,7 +254,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench-capacity-"))
     model = args.model
     if model is None:
-        from engines.tiny import make_tiny_model
+        from engines.dev.tiny import make_tiny_model
 
         model = Path(make_tiny_model(work / "model", arch="llama"))
     src = work / "prompts.parquet"

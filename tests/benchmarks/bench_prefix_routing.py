@@ -117,7 +117,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
-    from engines.tiny import make_tiny_model
+    from engines.dev.tiny import make_tiny_model
 
     with tempfile.TemporaryDirectory(prefix="bench-routing-") as tmp:
         work = Path(tmp)

@@ -17,8 +17,8 @@ instance with every core of the machine:
 - tokenmill-reference: the same processor with tokenmill's reference engine.
 
 All three: one engine actor (concurrency 1) with --engine-cpus CPUs reserved, the same random
-model built locally (`engines.tiny.make_tiny_model`, --size), the same chat prompts
-(`engines.tiny.sample_text`, one user message per row), greedy sampling with ignore_eos so
+model built locally (`engines.dev.tiny.make_tiny_model`, --size), the same chat prompts
+(`engines.dev.tiny.sample_text`, one user message per row), greedy sampling with ignore_eos so
 every row generates exactly --max-tokens tokens, --batch-size rows per Ray Data batch and at
 most --max-num-seqs sequences in the engine. Both vLLM sides get the same engine arguments
 (float32 as tokenmill uses on CPU, eager mode, prefix caching, the same KV cache bytes).
@@ -109,7 +109,7 @@ class Run:
 
 def chat_rows(num_rows: int) -> list[dict[str, Any]]:
     """One user message per row: pseudo-English sentences of 4 to 18 words."""
-    from engines.tiny import sample_text
+    from engines.dev.tiny import sample_text
 
     return [
         {"id": f"r{i:05d}", "messages": [{"role": "user", "content": text}]}
@@ -315,7 +315,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=3, help="rounds, the sides alternating")
-    parser.add_argument("--size", default="small", help="engines.tiny model size")
+    parser.add_argument("--size", default="small", help="engines.dev.tiny model size")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--batch-size", type=int, default=64, help="rows per Ray Data batch")
     parser.add_argument("--max-num-seqs", type=int, default=64, help="sequences in the engine")
@@ -332,7 +332,7 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown side(s) {unknown}; choose from {', '.join(SIDES)}")
 
-    from engines.tiny import make_tiny_model
+    from engines.dev.tiny import make_tiny_model
 
     work = Path(tempfile.mkdtemp(prefix="bench-processor-"))
     model = Path(make_tiny_model(work / "model", arch="llama", size=args.size))

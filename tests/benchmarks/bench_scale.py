@@ -299,7 +299,7 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     model = work / "model"
     if not (model / "config.json").exists():
-        from engines.tiny import make_tiny_model
+        from engines.dev.tiny import make_tiny_model
 
         make_tiny_model(model, arch="llama")
     sizes = [int(s) for s in args.sizes.split(",")]

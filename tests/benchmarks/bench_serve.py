@@ -323,7 +323,7 @@ def bench_size(size: str, work: Path, args: argparse.Namespace, peers: set[str])
     """Every side on one model: the engine alone first (in this process), then the servers,
     all up at once and measured in turn, the order rotated each round so that a slow spell
     of the machine does not fall on one side only."""
-    from engines.tiny import make_tiny_model
+    from engines.dev.tiny import make_tiny_model
 
     model_dir = make_tiny_model(work / f"model-{size}", arch="llama", size=size)
     result: dict = {}

@@ -12,8 +12,8 @@ Workloads, greedy:
   (initializer_range 0.05), whose greedy output falls into repeats of itself. A random model
   does not copy its prompt; its own repeats stand in for that, only partly: at batch 1 most
   steps find no earlier occurrence of the last tokens and propose nothing (the partial case).
-- `--model copy-trained` (ngram only): a tiny Llama (engines.tiny's `tiny-hd32` shape)
-  trained for a few minutes to copy (engines.tiny_copy; cached under
+- `--model copy-trained` (ngram only): a tiny Llama (engines.dev.tiny's `tiny-hd32` shape)
+  trained for a few minutes to copy (engines.dev.tiny_copy; cached under
   ~/.cache/tokenmill/bench/, trained on first use), prompts `passage SEP` of held-out random
   passages of --max-tokens ids, whose greedy continuation is the passage: the best case for
   prompt lookup, every step after the first can propose. The share of generated tokens equal
@@ -24,7 +24,7 @@ each) the engine runs without speculation, then with `ngram` and speculation for
 batch size, then with the engine's default `disable_above_batch_size`.
 
 --method draft: the draft is a smaller model with the target's tokenizer, the target's first
---draft-layers decoder layers (engines.tiny.make_truncated_model: same embeddings and head).
+--draft-layers decoder layers (engines.dev.tiny.make_truncated_model: same embeddings and head).
 A cut of a random model almost never agrees with it (~1% on `small`), so the target here is
 the random model with the output projections (o_proj, down_proj) of its layers past the
 draft's scaled by --top-scale: those layers then refine what the first ones say, and the draft
@@ -58,7 +58,7 @@ Workload = Callable[[int], list[list[int]]]
 
 
 def build_model(size: str) -> Path:
-    from engines.tiny import make_tiny_model
+    from engines.dev.tiny import make_tiny_model
 
     out = Path(tempfile.gettempdir()) / f"tokenmill-bench-spec-{size}"
     if not (out / "config.json").exists():
@@ -77,7 +77,7 @@ def prompts(count: int, vocab: int, seed: int = 0) -> list[list[int]]:
 
 def copy_workload(max_tokens: int) -> tuple[Path, Workload]:
     """The trained copier and its held-out `passage SEP` prompts (passages of `max_tokens`)."""
-    from engines.tiny_copy import CopyTraining, copy_prompts, ensure_copy_model
+    from engines.dev.tiny_copy import CopyTraining, copy_prompts, ensure_copy_model
 
     training = CopyTraining()
     if max_tokens > training.passage_len[1]:
@@ -138,7 +138,7 @@ def damp_top_layers(model: Path, num_layers: int, scale: float) -> Path:
 
 
 def build_draft(model: Path, num_layers: int) -> Path:
-    from engines.tiny import make_truncated_model
+    from engines.dev.tiny import make_truncated_model
 
     out = model.parent / f"{model.name}-draft-{num_layers}layer"
     if not (out / "config.json").exists():

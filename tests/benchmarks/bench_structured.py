@@ -48,7 +48,7 @@ REGEX = "[a-z]{2,8}( [a-z]{2,8}){59}"
 
 
 def build_model(size: str) -> Path:
-    from engines.tiny import make_tiny_model
+    from engines.dev.tiny import make_tiny_model
 
     out = Path(tempfile.gettempdir()) / f"tokenmill-bench-structured-{size}"
     if not (out / "config.json").exists():

@@ -160,7 +160,7 @@ def main() -> None:
     parser.add_argument("--only", choices=("split", "nosplit"), help="one run only")
     args = parser.parse_args()
 
-    from engines.tiny import make_tiny_model
+    from engines.dev.tiny import make_tiny_model
 
     work = Path(tempfile.mkdtemp(prefix="bench-tail-"))
     model = Path(make_tiny_model(work / "model", arch="llama"))

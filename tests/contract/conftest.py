@@ -18,7 +18,7 @@ _MODEL: list[Path] = []
 def contract_model() -> Path:
     """A tiny random Llama with head_dim 32 (vLLM's CPU kernels need >= 32), built once."""
     if not _MODEL:
-        from engines.tiny import make_tiny_model
+        from engines.dev.tiny import make_tiny_model
 
         out = Path(tempfile.mkdtemp(prefix="tokenmill-contract-")) / "llama"
         _MODEL.append(make_tiny_model(out, arch="llama", size="tiny-hd32"))

@@ -177,7 +177,7 @@ def start_server(config_path: Path, env: dict[str, str], extra_args: list[str]) 
 
 @pytest.fixture(scope="session")
 def serve_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from engines.tiny import make_tiny_model
+    from engines.dev.tiny import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("serve-model") / "tiny", arch="llama")
 

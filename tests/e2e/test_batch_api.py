@@ -20,7 +20,7 @@ import pytest
 import yaml
 from openai.types import Batch
 
-from engines import testhooks
+from engines.dev import testhooks
 from pipeline.serve.batches import RESUME_KEY
 from tests.e2e import serve_fixtures
 from tests.e2e.serve_fixtures import API_KEY, OTHER_KEY, ServerProcess, serve_config, start_server

@@ -61,7 +61,7 @@ def cluster() -> Iterator[Any]:
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from engines.tiny import make_tiny_model
+    from engines.dev.tiny import make_tiny_model
 
     return Path(make_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", arch="llama"))
 

@@ -49,7 +49,7 @@ def local_ray() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from engines.tiny import make_tiny_model
+    from engines.dev.tiny import make_tiny_model
 
     return Path(make_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", arch="llama"))
 

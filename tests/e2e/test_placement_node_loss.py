@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from engines import testhooks
+from engines.dev import testhooks
 from engines.reference.cpu_kernels import DISABLE_ENV
 from pipeline.batch.run import RunResult, run_job
 from pipeline.spec import parse_job_spec
@@ -79,7 +79,7 @@ def engine_group_node() -> str:
 
 
 def test_a_lost_node_hands_its_engine_shards_out_again_once(cluster: Any, tmp_path: Path):
-    from engines.tiny import make_tiny_model
+    from engines.dev.tiny import make_tiny_model
 
     model = make_tiny_model(tmp_path / "model", arch="llama")
     ids = [f"row-{i:03d}" for i in range(48)]

@@ -26,7 +26,7 @@ SCRIPT = f"{REASONING}\n</think>\n\n{ANSWER}"
 
 @pytest.fixture(scope="module")
 def think_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from engines.tiny import make_tiny_model
+    from engines.dev.tiny import make_tiny_model
 
     return Path(make_tiny_model(tmp_path_factory.mktemp("model") / "think", reasoning="think"))
 

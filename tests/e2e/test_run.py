@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from engines import testhooks
+from engines.dev import testhooks
 
 RAY_STARTED = "Started a local Ray instance"
 
@@ -53,7 +53,7 @@ def tokenmill(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[s
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from engines.tiny import make_tiny_model
+    from engines.dev.tiny import make_tiny_model
 
     return Path(make_tiny_model(tmp_path_factory.mktemp("model") / "llama", arch="llama"))
 

@@ -30,7 +30,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from engines import testhooks
+from engines.dev import testhooks
 from tests.e2e.test_run import cli_env, kill_tree, slow_engine_env
 from tests.integration.s3_server import S3Server, running_s3_server
 
@@ -40,7 +40,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from engines.tiny import make_tiny_model
+    from engines.dev.tiny import make_tiny_model
 
     return Path(make_tiny_model(tmp_path_factory.mktemp("model") / "llama", arch="llama"))
 

@@ -73,7 +73,7 @@ def total(series: dict[str, list[tuple[dict[str, str], float]]], name: str, **ma
 
 @pytest.mark.timeout(240)
 def test_job_metrics_reach_prometheus(tmp_path: Path, model_dir: Path) -> None:  # noqa: F811
-    from engines import testhooks
+    from engines.dev import testhooks
 
     job = base_job(tmp_path, model_dir, rows=ROWS)
     job["name"] = "metrics-e2e"

@@ -56,7 +56,7 @@ def cluster() -> Iterator[object]:
 def test_a_worker_node_dies_mid_job_and_every_id_lands_once(
     cluster: object, tmp_path: Path
 ) -> None:
-    from engines.tiny import make_tiny_model
+    from engines.dev.tiny import make_tiny_model
 
     model = make_tiny_model(tmp_path / "model", arch="llama")
     src = tmp_path / "prompts.jsonl"

@@ -24,7 +24,7 @@ CHAT = [{"role": "user", "content": "Why is the river cold?"}]
 
 @pytest.fixture(scope="module")
 def think_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from engines.tiny import make_tiny_model
+    from engines.dev.tiny import make_tiny_model
 
     return Path(make_tiny_model(tmp_path_factory.mktemp("model") / "think", reasoning="think"))
 

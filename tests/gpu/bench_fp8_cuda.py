@@ -2,7 +2,7 @@
 
     python tests/gpu/bench_fp8_cuda.py --size small --num-requests 64 --max-tokens 128
 
-Builds a tiny model (engines.tiny), quantizes it to FP8 on the GPU (tokenmill's build step,
+Builds a tiny model (engines.dev.tiny), quantizes it to FP8 on the GPU (tokenmill's build step,
 quality gate reported), then runs the same greedy workload through the reference engine on
 both checkpoints and prints one JSON line per checkpoint: generated tokens/s, wall seconds,
 and the greedy agreement of FP8 with bf16. The reference engine dequantizes FP8 weights and
@@ -52,9 +52,9 @@ def main() -> None:
     import torch
     from transformers import AutoTokenizer
 
+    from engines.dev.tiny import make_tiny_model, sample_text
     from engines.quantize.artifacts import build_or_reuse
     from engines.quantize.config import QuantizationSpec
-    from engines.tiny import make_tiny_model, sample_text
 
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")

@@ -31,7 +31,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from engines.tiny import TinyModelSize
+from engines.dev.tiny import TinyModelSize
 
 # Public model shapes (their config.json values; context capped at 8192), random weights:
 # (arch, shape).
@@ -63,7 +63,7 @@ def build_model(
     import torch
     import transformers
 
-    from engines.tiny import shape_fields, train_tokenizer
+    from engines.dev.tiny import shape_fields, train_tokenizer
 
     tokenizer = train_tokenizer(min(shape.vocab_size, 8192), seed)
     common = dict(

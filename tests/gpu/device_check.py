@@ -6,7 +6,7 @@
 
 1. `tokenmill doctor --require cuda` (and trtllm / fp8 when those runs are asked for): a
    conflict stops the check before anything is built.
-2. A ~1B Llama (engines.tiny size "1b": random weights, a tokenizer trained here, no
+2. A ~1B Llama (engines.dev.tiny size "1b": random weights, a tokenizer trained here, no
    download) saved in bf16, and its FP8 export by tokenmill's own quantize step (FP8 weights,
    activations and KV cache scales). The build needs the quantize extra's ModelOpt, which
    TensorRT-LLM's container lacks: run `--prepare-only --out DIR` first where the extra is
@@ -57,9 +57,9 @@ def build_checkpoints(work: Path, size: str, fp8: bool, device: str) -> dict[str
     The FP8 build needs the quantize extra's ModelOpt, which TensorRT-LLM's container lacks
     (docs/deploy.md): there, prepare both first elsewhere (`--prepare-only`, CPU is fine) into
     the same --out, and this run finds and uses them."""
+    from engines.dev.tiny import make_tiny_model
     from engines.quantize.artifacts import MARKER, build_or_reuse
     from engines.quantize.config import QuantizationSpec
-    from engines.tiny import make_tiny_model
 
     base, export = work / "bf16", work / "fp8"
     if not (base / "config.json").is_file():
@@ -81,7 +81,7 @@ def build_checkpoints(work: Path, size: str, fp8: bool, device: str) -> dict[str
 
 
 def write_prompts(path: Path, model: Path, rows: int) -> None:
-    from engines.tiny import sample_text
+    from engines.dev.tiny import sample_text
 
     sentences = sample_text(rows * 3, seed=11)
     with path.open("w") as out:
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--engines", default="trtllm,reference")
     parser.add_argument("--checkpoints", default="bf16,fp8")
-    parser.add_argument("--size", default="1b", help="engines.tiny size (1b, small, tiny)")
+    parser.add_argument("--size", default="1b", help="engines.dev.tiny size (1b, small, tiny)")
     parser.add_argument("--rows", type=int, default=1000)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])

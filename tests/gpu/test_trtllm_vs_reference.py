@@ -35,9 +35,9 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 needs compute capability >= 8.9")
     _need_trtllm()
+    from engines.dev.tiny import make_tiny_model
     from engines.quantize.artifacts import build_or_reuse
     from engines.quantize.config import QualitySpec, QuantizationSpec
-    from engines.tiny import make_tiny_model
 
     root = tmp_path_factory.mktemp("trtllm-vs-ref")
     # `small`: head_dim 64, which TensorRT-LLM's attention kernels support.
@@ -71,7 +71,7 @@ def _greedy(engine, prompts: list[list[int]]) -> list[list[int]]:
 def _prompts(model_dir: Path) -> list[list[int]]:
     from transformers import AutoTokenizer
 
-    from engines.tiny import sample_text
+    from engines.dev.tiny import sample_text
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     return [tok(t).input_ids[:24] for t in sample_text(6, seed=11)]

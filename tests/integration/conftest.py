@@ -5,7 +5,7 @@
 - `s3_server` (session): a running `tests.integration.s3_server.S3Server` on 127.0.0.1.
 - `bucket` (function): a fresh, empty bucket name on that server.
 - `s3_storage` (session): the job `storage` section (StorageSpec) pointing at the server.
-- `tiny_model_dir` (session): a tiny random Llama with a chat-template tokenizer (engines.tiny).
+- `tiny_model_dir` (session): a tiny random Llama with a chat-template tokenizer (engines.dev.tiny).
 - `ray_local` (session): `ray.init(address="local", num_cpus=2, ...)`, shut down at the end
   of the session. Never attaches to another cluster on this machine.
 """
@@ -45,7 +45,7 @@ def s3_storage(s3_server: S3Server) -> Any:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from engines.tiny import make_tiny_model
+    from engines.dev.tiny import make_tiny_model
 
     return Path(make_tiny_model(tmp_path_factory.mktemp("tiny-model") / "llama", arch="llama"))
 

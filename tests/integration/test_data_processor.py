@@ -7,7 +7,7 @@ rows must be error rows, and the engine actors' accounts must add up.
 The pool autoscales from one engine actor to two. Ray Data starts `min_actors` (1) and adds
 one when the pool's tasks in flight reach `actor_pool_util_upscaling_threshold` x its
 concurrency; whether the new actor then gets rows would be a race with the first actor's
-speed. The processor barrier hook (engines.testhooks) makes it certain: every batch waits
+speed. The processor barrier hook (engines.dev.testhooks) makes it certain: every batch waits
 until two actors have one, so the first actor's batches pile up (utilization 2.0, above the
 1.75 threshold) and the blocks it cannot take wait for the second.
 """
@@ -24,7 +24,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from engines import testhooks
+from engines.dev import testhooks
 from pipeline.batch.commit.parts import table_to_parquet
 from pipeline.batch.run import run_job
 from pipeline.batch.schema import RESULT_FIELDS

@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from engines import testhooks
+from engines.dev import testhooks
 from pipeline.batch.run import RunResult, run_job
 from pipeline.spec import parse_job_spec
 

@@ -55,7 +55,7 @@ def spec_for(fmt: str, kv: str | None, **quality: float) -> QuantizationSpec:
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from engines.tiny import make_tiny_model
+    from engines.dev.tiny import make_tiny_model
 
     root = tmp_path_factory.mktemp("quant-src")
     return {arch: make_tiny_model(root / arch, arch=arch) for arch in ("llama", "qwen2", "qwen3")}

@@ -30,7 +30,7 @@ def tokenmill(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from engines.tiny import make_tiny_model
+    from engines.dev.tiny import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("cli-src") / "llama", arch="llama", seed=3)
 
@@ -39,7 +39,7 @@ def test_quantize_spec_to_s3_then_reuse(source, s3_server, bucket, aws_env, tmp_
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from engines.tiny import sample_text
+    from engines.dev.tiny import sample_text
 
     s3_server.upload_dir(source, f"s3://{bucket}/models/llama")
     table = pa.table({"prompt": sample_text(60, seed=9)})

@@ -18,7 +18,7 @@ SCRIPT = "the river runs north\n</think>\n\nIt is cold."
 
 @pytest.fixture(scope="module")
 def think_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from engines.tiny import make_tiny_model
+    from engines.dev.tiny import make_tiny_model
 
     return Path(make_tiny_model(tmp_path_factory.mktemp("think") / "m", reasoning="think"))
 
@@ -71,7 +71,7 @@ def test_harmony_rows(ray_local: Any, tmp_path_factory: pytest.TempPathFactory) 
     import ray.data
     from transformers import AutoTokenizer
 
-    from engines.tiny import make_tiny_model
+    from engines.dev.tiny import make_tiny_model
     from pipeline.data import build_processor
 
     model = make_tiny_model(tmp_path_factory.mktemp("harmony") / "m", reasoning="harmony")

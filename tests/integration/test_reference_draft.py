@@ -33,7 +33,7 @@ _DRAFTS: dict[tuple[str, str, bool], Path] = {}
 def truncated_draft(arch: str, tied: bool) -> Path:
     """The target's first layer alone: a smaller model that agrees with it now and then."""
     if ("truncated", arch, tied) not in _DRAFTS:
-        from engines.tiny import make_truncated_model
+        from engines.dev.tiny import make_truncated_model
 
         out = Path(tempfile.mkdtemp(prefix="tokenmill-draft-")) / f"{arch}-{tied}-1layer"
         _DRAFTS["truncated", arch, tied] = make_truncated_model(repeating_model(arch, tied), out, 1)
@@ -43,7 +43,7 @@ def truncated_draft(arch: str, tied: bool) -> Path:
 def random_draft() -> Path:
     """A separately drawn random llama (other weights) carrying the llama target's tokenizer."""
     if ("random", "llama", False) not in _DRAFTS:
-        from engines.tiny import make_tiny_model
+        from engines.dev.tiny import make_tiny_model
 
         target = repeating_model("llama", False)
         out = Path(tempfile.mkdtemp(prefix="tokenmill-draft-")) / "random"
@@ -226,7 +226,7 @@ def test_logprob_rows_do_not_draft() -> None:
 
 
 def test_a_draft_with_another_tokenizer_or_vocab_is_refused(tmp_path: Path) -> None:
-    from engines.tiny import make_tiny_model
+    from engines.dev.tiny import make_tiny_model
 
     model = repeating_model("llama", False)
     other = make_tiny_model(tmp_path / "other-tokenizer", seed=1)  # its own BPE training run

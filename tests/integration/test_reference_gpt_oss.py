@@ -26,7 +26,7 @@ CHUNKED_PREEMPTING = {"max_num_tokens": 16, "kv_cache_tokens": 112, "block_size"
 
 @pytest.fixture(scope="module")
 def mxfp4_dir(tmp_path_factory) -> Path:
-    from engines.tiny import make_tiny_model
+    from engines.dev.tiny import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("gpt-oss") / "mxfp4", "gpt_oss", mxfp4=True)
 

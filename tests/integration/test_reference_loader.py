@@ -77,7 +77,7 @@ def test_legitimately_unused_tensors_are_accepted(tmp_path) -> None:
 
 
 def _biased_llama(out: Path) -> Path:
-    from engines.tiny import make_tiny_model
+    from engines.dev.tiny import make_tiny_model
 
     if not (out / "config.json").exists():
         make_tiny_model(
@@ -131,7 +131,7 @@ def _our_logits(model_dir: Path, ids: list[int]) -> torch.Tensor:
     ids=["llama-attention-mlp-bias", "qwen3-attention-bias"],
 )
 def test_bias_configs_match_transformers(tmp_path, arch: str, overrides: dict) -> None:
-    from engines.tiny import make_tiny_model
+    from engines.dev.tiny import make_tiny_model
 
     model_dir = make_tiny_model(tmp_path / arch, arch=arch, config_overrides=overrides)
     cfg = load_model_config(model_dir)

@@ -89,7 +89,7 @@ def test_stacked_experts_and_the_hub_config_spelling_load_the_same_model(tmp_pat
     ids=["sparse-step-2-no-renorm", "mlp-only-layer-top3"],
 )
 def test_dense_layers_and_routing_variants_match_transformers(tmp_path, overrides) -> None:
-    from engines.tiny import make_tiny_model
+    from engines.dev.tiny import make_tiny_model
 
     model_dir = make_tiny_model(tmp_path / "moe", arch="qwen3_moe", config_overrides=overrides)
     cfg = load_model_config(model_dir)

@@ -46,7 +46,7 @@ def repeating_model(arch: str, tied: bool) -> Path:
     """A tiny random model with a narrow init: its greedy output falls into repeats, which
     n-gram proposals then predict (a wide-init random model almost never repeats itself)."""
     if (arch, tied) not in _MODELS:
-        from engines.tiny import make_tiny_model
+        from engines.dev.tiny import make_tiny_model
 
         out = Path(tempfile.mkdtemp(prefix="tokenmill-spec-")) / f"{arch}-{tied}"
         _MODELS[arch, tied] = make_tiny_model(

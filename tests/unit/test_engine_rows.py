@@ -63,7 +63,7 @@ def test_the_cache_stays_bounded() -> None:
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """What the synthetic engine reads of a model: config.json and the tokenizer."""
-    from engines.tiny import train_tokenizer
+    from engines.dev.tiny import train_tokenizer
 
     out = tmp_path_factory.mktemp("engine-rows-model")
     tokenizer = train_tokenizer(512)

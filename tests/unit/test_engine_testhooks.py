@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engines import testhooks
+from engines.dev import testhooks
 
 
 def test_off_without_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:

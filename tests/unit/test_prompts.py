@@ -37,7 +37,7 @@ CONTEXT = 96  # max_position_embeddings of the test "model": small, so rows can 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tokenizer with a chat template and a config.json; no weights (prompts needs none)."""
-    from engines.tiny import train_tokenizer
+    from engines.dev.tiny import train_tokenizer
 
     path = tmp_path_factory.mktemp("prompt-model")
     train_tokenizer(512).save_pretrained(path)

@@ -20,21 +20,21 @@ from pipeline.openai.reasoning import (
 
 @pytest.fixture(scope="module")
 def think_tok() -> Any:
-    from engines.tiny import train_tokenizer
+    from engines.dev.tiny import train_tokenizer
 
     return train_tokenizer(1024, 0, "think")
 
 
 @pytest.fixture(scope="module")
 def harmony_tok() -> Any:
-    from engines.tiny import train_tokenizer
+    from engines.dev.tiny import train_tokenizer
 
     return train_tokenizer(1024, 0, "harmony")
 
 
 @pytest.fixture(scope="module")
 def plain_tok() -> Any:
-    from engines.tiny import train_tokenizer
+    from engines.dev.tiny import train_tokenizer
 
     return train_tokenizer(1024, 0)
 

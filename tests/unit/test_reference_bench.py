@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from engines.bench import (
+from engines.dev.bench import (
     BenchConfig,
     BenchReport,
     ExpertLoadSummary,

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from engines import testhooks
+from engines.dev import testhooks
 from engines.reference import linear as linear_module
 from engines.reference.linear import (
     OneDnnLinear,

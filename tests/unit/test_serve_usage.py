@@ -169,7 +169,7 @@ def test_accounting_counts_per_key_and_logs_only_engine_requests(tmp_path: Path)
 def tiny_tokenizer(tmp_path_factory: pytest.TempPathFactory):
     from transformers import AutoTokenizer
 
-    from engines.tiny import make_tiny_model
+    from engines.dev.tiny import make_tiny_model
 
     path = make_tiny_model(tmp_path_factory.mktemp("bytes") / "tiny", arch="llama")
     return AutoTokenizer.from_pretrained(str(path))

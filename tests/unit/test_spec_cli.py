@@ -15,7 +15,7 @@ from pipeline.cli import app
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from engines.tiny import train_tokenizer
+    from engines.dev.tiny import train_tokenizer
 
     path = tmp_path_factory.mktemp("cli-model")
     train_tokenizer(512).save_pretrained(path)
@@ -145,7 +145,7 @@ def test_plan_warns_about_duplicate_ids(tmp_path: Path, model_dir: Path) -> None
 
 @pytest.mark.slow
 def test_plan_measure_runs_the_engine(tmp_path: Path) -> None:
-    from engines.tiny import make_tiny_model
+    from engines.dev.tiny import make_tiny_model
 
     model = make_tiny_model(tmp_path / "model", arch="llama")
     job = write_job(tmp_path, model, engine={"device": "cpu", "kv_cache_tokens": 4096})

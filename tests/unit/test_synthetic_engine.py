@@ -20,7 +20,7 @@ from engines.synthetic import SyntheticEngine, SyntheticSettings
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """What the synthetic engine reads of a model: config.json and the tokenizer (no weights)."""
-    from engines.tiny import train_tokenizer
+    from engines.dev.tiny import train_tokenizer
 
     out = tmp_path_factory.mktemp("synthetic-model")
     tokenizer = train_tokenizer(512)

@@ -1,4 +1,4 @@
-"""engines.tiny_copy: the copy task's batches, the length curriculum, and that a (barely)
+"""engines.dev.tiny_copy: the copy task's batches, the length curriculum, and that a (barely)
 trained copier is saved as a checkpoint the reference engine runs, cached by its settings and
 refused when it does not copy. Training here is a few steps; the real run takes minutes."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from engines.tiny_copy import (
+from engines.dev.tiny_copy import (
     CopyTraining,
     CopyTrainingFailed,
     copy_batch,

@@ -28,7 +28,7 @@ def _forget_tensorrt_llm() -> None:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from engines.tiny import make_tiny_model
+    from engines.dev.tiny import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("trt-guided") / "llama", arch="llama")
 

@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 # default suite on the reference engine (tests/integration/test_reference_bench.py).
 @pytest.mark.slow
 def test_bench_runs_the_reference_engine_and_vllm_side_by_side(tmp_path: Path) -> None:
-    from engines.tiny import make_tiny_model
+    from engines.dev.tiny import make_tiny_model
 
     model = make_tiny_model(
         Path(tempfile.mkdtemp(prefix="tokenmill-bench-vllm-")) / "llama", size="tiny-hd32"

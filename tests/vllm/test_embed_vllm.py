@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
 
 def _model() -> Path:
-    from engines.tiny import make_tiny_model
+    from engines.dev.tiny import make_tiny_model
 
     root = Path(tempfile.mkdtemp(prefix="tokenmill-embed-vllm-"))
     return make_tiny_model(root / "llama", arch="llama", size="tiny-hd32")

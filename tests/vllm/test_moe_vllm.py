@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
 
 def test_greedy_ids_and_texts_equal_the_reference_engines_on_qwen3_moe() -> None:
-    from engines.tiny import make_tiny_model
+    from engines.dev.tiny import make_tiny_model
 
     model = make_tiny_model(
         Path(tempfile.mkdtemp(prefix="tokenmill-moe-vllm-")) / "qwen3_moe",

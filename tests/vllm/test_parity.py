@@ -22,7 +22,7 @@ def text_prompts(model: Path, count: int) -> list[list[int]]:
     the output text, which no tokenized prompt does.)"""
     from transformers import AutoTokenizer
 
-    from engines.tiny import sample_text
+    from engines.dev.tiny import sample_text
 
     tokenizer = AutoTokenizer.from_pretrained(model)
     sentences = sample_text(count + 4, seed=11)
@@ -43,7 +43,7 @@ def text_prompts(model: Path, count: int) -> list[list[int]]:
     ],
 )
 def test_greedy_ids_and_texts_equal_the_reference_engines(arch: str) -> None:
-    from engines.tiny import make_tiny_model
+    from engines.dev.tiny import make_tiny_model
 
     model = make_tiny_model(
         Path(tempfile.mkdtemp(prefix="tokenmill-parity-")) / arch, arch=arch, size="tiny-hd32"

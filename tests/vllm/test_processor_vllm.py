@@ -36,7 +36,7 @@ def job(
     the job's YAML file."""
     import ray.data
 
-    from engines.tiny import make_tiny_model, sample_text
+    from engines.dev.tiny import make_tiny_model, sample_text
 
     ctx = ray.data.DataContext.get_current()
     ctx.execution_no_progress_timeout_s = 300  # a hang is an error

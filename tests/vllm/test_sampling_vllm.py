@@ -49,7 +49,7 @@ def _cases(model: Path, prompts: list[list[int]]) -> list[SamplingParams]:
 
 
 def test_processed_greedy_ids_equal_the_reference_engines() -> None:
-    from engines.tiny import make_tiny_model
+    from engines.dev.tiny import make_tiny_model
 
     model = make_tiny_model(
         Path(tempfile.mkdtemp(prefix="tokenmill-sampling-")) / "llama",

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.vllm
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    from engines.tiny import make_tiny_model
+    from engines.dev.tiny import make_tiny_model
 
     model = make_tiny_model(tmp_path_factory.mktemp("vllm-serve") / "llama", size="tiny-hd32")
     config = serve_config(model)

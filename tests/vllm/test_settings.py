@@ -14,7 +14,7 @@ pytestmark = pytest.mark.vllm
 
 @pytest.fixture(scope="module")
 def model() -> Path:
-    from engines.tiny import make_tiny_model
+    from engines.dev.tiny import make_tiny_model
 
     out = Path(tempfile.mkdtemp(prefix="tokenmill-vllm-settings-")) / "llama"
     return make_tiny_model(out, size="tiny-hd32")

@@ -34,7 +34,7 @@ def test_speculative_config_dicts() -> None:
 # checked above, and speculation itself on the reference engine in the default suite.
 @pytest.mark.slow
 def test_greedy_ids_equal_with_ngram_speculation() -> None:
-    from engines.tiny import make_tiny_model
+    from engines.dev.tiny import make_tiny_model
 
     # Narrow init: the model's greedy output repeats itself, so n-gram proposals are accepted.
     model = make_tiny_model(

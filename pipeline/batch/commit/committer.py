@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from engines import testhooks
+from engines.dev import testhooks
 from pipeline.batch.commit.fingerprint import Fingerprint
 from pipeline.batch.commit.lease import Lease, LeaseLost
 from pipeline.batch.commit.ledger import CommitLedger, Decision

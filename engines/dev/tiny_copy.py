@@ -1,12 +1,12 @@
 """A tiny Llama trained to copy: the model for benchmarking prompt-lookup speculation.
 
-engines.tiny's random models do not copy their prompt; their greedy output only sometimes
+engines.dev.tiny's random models do not copy their prompt; their greedy output only sometimes
 repeats it, which caps what n-gram speculation can gain on them. This module trains one that
 does: sequences `passage SEP passage` of random token ids, the loss on the copy only, so the
 model learns to continue `passage SEP` with the passage (induction heads: one head attends to
 the previous token, a later one to the token after the earlier occurrence of the current one).
 Plain PyTorch on CPU, a few minutes; the result is a normal Hugging Face checkpoint (weights,
-config, engines.tiny's tokenizer) cached under ~/.cache/tokenmill/bench/ by its settings.
+config, engines.dev.tiny's tokenizer) cached under ~/.cache/tokenmill/bench/ by its settings.
 
 `ensure_copy_model` is the entry point: it trains (or reuses the cache), measures how well the
 model copies held-out passages greedily, and raises CopyTrainingFailed when it does not copy,
@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from engines.tiny import SIZES, SPECIAL_TOKENS, shape_fields, train_tokenizer
+from engines.dev.tiny import SIZES, SPECIAL_TOKENS, shape_fields, train_tokenizer
 
 if TYPE_CHECKING:
     import torch
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 # The separator between a passage and its copy: a special token, so no passage contains it.
 SEP_TOKEN = "<|im_start|>"
-# Passage tokens are drawn from the ids after the specials (0..2 in engines.tiny's tokenizer).
+# Passage tokens are drawn from the ids after the specials (0..2 in engines.dev.tiny's tokenizer).
 FIRST_PASSAGE_ID = len(SPECIAL_TOKENS)
 # Held-out passages come from a seed stream far from the training one.
 HELD_OUT_SEED = 1_000_003
@@ -129,7 +129,7 @@ def copy_batch(
 
 
 def build_model(config: CopyTraining, vocab_size: int, eos_id: int, pad_id: int):
-    """A fresh Llama of engines.tiny's `config.size` shape (default init)."""
+    """A fresh Llama of engines.dev.tiny's `config.size` shape (default init)."""
     import torch
     import transformers
 

@@ -46,14 +46,14 @@ if TYPE_CHECKING:
 
 MODES = ("reference", "hf-static", "hf-continuous", "vllm")
 # Where `make setup-vllm` puts vLLM's environment, relative to the repository.
-_VLLM_VENV_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
+_VLLM_VENV_PYTHON = Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"
 _DECODE_BATCH_FOR_FLOPS = 32  # decode steps at least this wide count for achieved FLOP/s
 
 
 @dataclass(frozen=True)
 class BenchConfig:
-    model: str | None = None  # HF model dir; None builds engines.tiny `arch` "small" in cache_dir
-    arch: str = "llama"  # the engines.tiny architecture built when model is None
+    model: str | None = None  # HF model dir; None builds the tiny `arch` "small" in cache_dir
+    arch: str = "llama"  # the engines.dev.tiny architecture built when model is None
     cache_dir: str = str(Path.home() / ".cache" / "tokenmill" / "bench")
     num_prompts: int = 128  # requests in the workload
     prompt_len: tuple[int, int] = (16, 512)  # prompt lengths drawn uniformly in [lo, hi]
@@ -219,7 +219,7 @@ def ensure_model(config: BenchConfig) -> Path:
         return Path(config.model)
     out = Path(config.cache_dir) / f"{config.arch}-small"
     if not (out / "config.json").exists():
-        from engines.tiny import make_tiny_model
+        from engines.dev.tiny import make_tiny_model
 
         make_tiny_model(out, arch=config.arch, size="small")  # type: ignore[arg-type]
     return out
@@ -645,7 +645,7 @@ def run_bench(config: BenchConfig, log=print) -> BenchReport:
                 "TOKENIZERS_PARALLELISM": "false",
                 **extra_env,
             }
-            cmd = [python, "-m", "engines.bench", "--worker", mode, spec_path, out_path]
+            cmd = [python, "-m", "engines.dev.bench", "--worker", mode, spec_path, out_path]
             try:
                 proc = subprocess.run(
                     [str(c) for c in cmd],
