@@ -87,8 +87,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engines.adapter import (
+    VendorAdapter,
+    check_settings,
+    declared_settings,
+    finish_reasons,
+    finished_delta,
+    import_vendor,
+    same_clock,
+    time_point,
+    untimed_metrics,
+)
 from engines.api import (
-    EngineDeadError,
     EngineError,
     EngineInfo,
     EngineStats,
@@ -97,7 +107,6 @@ from engines.api import (
     RequestMetrics,
     ResponseFormat,
     SamplingParams,
-    StepRecord,
     StreamDelta,
     TokenLogprob,
 )
@@ -122,7 +131,7 @@ SCHEDULER_POLICIES = {
     "max_utilization": "MAX_UTILIZATION",
 }
 DTYPES = ("auto", "float16", "bfloat16", "float32")
-_FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "cancelled"}
+_FINISH_REASONS = finish_reasons(cancelled="cancelled")
 # Timestamps further apart than this from our own clock are on another clock base: shift them.
 _CLOCK_SKEW_S = 5.0
 # json_object as a schema: any JSON object (the reference engine compiles the same one).
@@ -179,29 +188,6 @@ PARALLEL_SETTINGS = (
     "cp_config",
     "orchestrator_type",
 )
-SETTINGS = (
-    "max_batch_size",
-    "max_num_tokens",
-    "kv_cache_tokens",
-    "kv_cache_memory_fraction",
-    "kv_cache_dtype",
-    "enable_prefix_caching",
-    "enable_chunked_prefill",
-    "dtype",
-    "max_model_len",
-    "scheduler_policy",
-    "backend",
-    "cuda_graphs",
-    "cuda_graph_max_batch_size",
-    "cuda_graph_padding",
-    "build_cache",
-    "build_cache_dir",
-    "quantize",
-    "calibration",
-    "check_gpu",
-    "speculative",
-    *PARALLEL_SETTINGS,
-)
 
 
 @dataclass(frozen=True)
@@ -218,8 +204,10 @@ class _StopRules:
         return max((len(s) for s in self.strings), default=0)
 
 
-class TrtllmEngine:
+class TrtllmEngine(VendorAdapter):
     """engines.api.Engine over a TensorRT-LLM `LLM` (one per engine actor)."""
+
+    vendor = "TensorRT-LLM"
 
     def __init__(
         self,
@@ -271,12 +259,7 @@ class TrtllmEngine:
         speculative: engine.speculative as a dict (engines.speculative); becomes the LLM API's
             speculative_config (see `speculative_config`). PyTorch backend only.
         """
-        unknown = sorted(set(more) - set(PARALLEL_SETTINGS))
-        if unknown:
-            raise TypeError(
-                f"TrtllmEngine got unknown setting(s) {', '.join(unknown)}; "
-                f"accepted: {', '.join(SETTINGS)}"
-            )
+        check_settings("TrtllmEngine", more, SETTINGS)
         parallel = {k: v for k, v in more.items() if v is not None}
         num_devices = engine_devices("trtllm", parallel)
         _check_settings(backend, scheduler_policy, dtype, kv_cache_dtype, quantize, build_cache)
@@ -308,7 +291,13 @@ class TrtllmEngine:
             self._device_name = str(_check_gpu(model_dir, kv_cache_dtype, quantize))
         else:
             self._device_name = "unchecked"
-        trt = _import_tensorrt_llm()
+        trt = import_vendor(
+            "tensorrt_llm",
+            kind="trtllm",
+            product="TensorRT-LLM",
+            version=TRTLLM_VERSION,
+            hint=INSTALL_HINT,
+        )
         from tensorrt_llm.executor import RequestError
         from tensorrt_llm.llmapi import (
             CapacitySchedulerPolicy,
@@ -364,18 +353,11 @@ class TrtllmEngine:
                     # overlap scheduler (which runs a step ahead) is off with them, as
                     # TensorRT-LLM's examples set it.
                     args["disable_overlap_scheduler"] = True
-            try:
+            with self._loading(model):
                 self._llm = llm_cls(str(model_dir), **args)
-            except (ValueError, TypeError) as exc:
-                raise EngineError(
-                    f"TensorRT-LLM rejected the engine settings for {model}: {exc}"
-                ) from exc
         if self._build_cache_local is not None:
             _sync_tree(self._build_cache_local, build_cache, upload=True)
-        self._live: dict[str, Any] = {}  # request_id -> RequestOutput in flight
-        self._num_finished = 0
-        self._closed = False
-        self._dead: str | None = None  # why the executor stopped
+        self._init_bookkeeping()  # self._live: request_id -> its RequestOutput in flight
         self.info = EngineInfo(
             kind="trtllm",
             model=model,
@@ -539,10 +521,7 @@ class TrtllmEngine:
         log.warning("%s", SEED_LIMITATION)
 
     def _submit(self, request: GenerationRequest, max_tokens: int, streaming: bool):
-        if self._closed:
-            raise EngineDeadError("the TensorRT-LLM engine is shut down")
-        if self._dead is not None:
-            raise EngineDeadError(f"the TensorRT-LLM engine has stopped: {self._dead}")
+        self._check_alive()
         rules = self._stop_rules(request)
         params = self._sampling(request, max_tokens, rules)
         try:
@@ -554,8 +533,7 @@ class TrtllmEngine:
         except self._request_error as exc:
             raise ValueError(str(exc)) from exc
         except Exception as exc:  # a shut-down or broken executor
-            self._dead = f"{type(exc).__name__}: {exc}"
-            raise EngineDeadError(f"the TensorRT-LLM engine has stopped: {self._dead}") from exc
+            raise self._mark_dead(exc) from exc
         self._live[request.request_id] = out
         # generate_async filled params.end_id from the tokenizer when it was None.
         return out, _Accounting(request, rules, params)
@@ -585,14 +563,12 @@ class TrtllmEngine:
         arrival = time.monotonic()
         problem, max_tokens = self._admit(request)
         if problem is not None:
-            result = error_result(request, problem, arrival)
-            yield StreamDelta(token_ids=[], text="", finished=True, result=result)
+            yield finished_delta(error_result(request, problem, arrival))
             return
         try:
             out, accounting = self._submit(request, max_tokens, streaming=True)
         except ValueError as exc:
-            result = error_result(request, str(exc), arrival)
-            yield StreamDelta(token_ids=[], text="", finished=True, result=result)
+            yield finished_delta(error_result(request, str(exc), arrival))
             return
         sent_ids, sent_text = 0, 0
         finished = False
@@ -622,32 +598,22 @@ class TrtllmEngine:
                     yield StreamDelta(token_ids=ids, text=text, logprobs=logprobs)
         except Exception as exc:  # GeneratorExit / CancelledError are not Exceptions
             finished = True
-            result = self._failed(request, exc, arrival)
-            yield StreamDelta(token_ids=[], text="", finished=True, result=result)
+            yield finished_delta(self._failed(request, exc, arrival))
         finally:
             # Closed early (client gone): free the request's KV blocks.
             if not finished:
                 out.abort()
             self._live.pop(request.request_id, None)
 
-    def _failed(self, request: GenerationRequest, exc: Exception, arrival: float):
+    # --- failures and shutdown (the skeleton is engines.adapter's) ---------------------------
+
+    def _row_error(self, exc: Exception) -> str | None:
         """A failure of this request alone is a row error. Any other error from the executor
         has shut the LLM down (TensorRT-LLM does so on a background error): the engine is
-        dead from here on."""
-        if self._closed:
-            raise EngineDeadError(f"the TensorRT-LLM engine is shut down: {exc}") from exc
+        dead from here on (VendorAdapter._engine_failure)."""
         if isinstance(exc, (self._request_error, ValueError)):
-            return error_result(request, f"TensorRT-LLM failed the request: {exc}", arrival)
-        self._dead = f"{type(exc).__name__}: {exc}"
-        raise EngineDeadError(f"the TensorRT-LLM engine has stopped: {self._dead}") from exc
-
-    def abort(self, request_id: str) -> None:
-        out = self._live.get(request_id)
-        if out is not None:
-            out.abort()
-
-    def drain_step_records(self) -> list[StepRecord]:
-        return []  # TensorRT-LLM reports per-request timing only
+            return f"TensorRT-LLM failed the request: {exc}"
+        return None
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -660,13 +626,10 @@ class TrtllmEngine:
             num_steps=0,
         )
 
-    def shutdown(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        for out in list(self._live.values()):
-            out.abort()
-        self._llm.shutdown()
+
+# The settings this kind takes: the constructor's keyword parameters, and the parallel ones
+# its **more passes to the LLM.
+SETTINGS = declared_settings(TrtllmEngine.__init__, *PARALLEL_SETTINGS)
 
 
 # --- mapping ---------------------------------------------------------------------------------
@@ -862,21 +825,15 @@ def _metrics(perf: Any, arrival: float, ids: list[int]) -> RequestMetrics:
     monotonic seconds."""
     now = time.monotonic()
     timing = getattr(perf, "timing_metrics", None)
-    their_arrival = _seconds(getattr(timing, "arrival_time", None))
+    their_arrival = time_point(getattr(timing, "arrival_time", None))
     if their_arrival is None:
-        scheduled = arrival if ids else None
-        return RequestMetrics(
-            arrival_time=arrival,
-            first_scheduled_time=scheduled,
-            first_token_time=now if ids else None,
-            finish_time=now,
-        )
+        return untimed_metrics(arrival, now, bool(ids))
     # Same clock (Linux steady_clock == CLOCK_MONOTONIC): use as is. Otherwise anchor their
     # arrival on ours and keep their intervals.
-    offset = 0.0 if abs(their_arrival - arrival) < _CLOCK_SKEW_S else arrival - their_arrival
+    offset = 0.0 if same_clock(their_arrival, arrival, _CLOCK_SKEW_S) else arrival - their_arrival
 
     def shifted(td: Any) -> float | None:
-        value = _seconds(td)
+        value = time_point(td)
         return None if value is None else value + offset
 
     first_scheduled = shifted(timing.first_scheduled_time)
@@ -890,15 +847,6 @@ def _metrics(perf: Any, arrival: float, ids: list[int]) -> RequestMetrics:
         first_token_time=first_token,
         finish_time=max(finish, first_token or finish, first_scheduled or finish),
     )
-
-
-def _seconds(td: Any) -> float | None:
-    """A perf-metric time point in seconds; None when unset (None, or a zero duration: the
-    bindings' default time point)."""
-    if td is None:
-        return None
-    value = td.total_seconds()
-    return value if value > 0.0 else None
 
 
 # --- setup helpers ---------------------------------------------------------------------------
@@ -988,17 +936,6 @@ def _calibration_texts(calibration: dict[str, Any]) -> tuple[Any, list[str]]:
 def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise EngineError(f"engine {name} {value!r} is not supported; choose one of {allowed}")
-
-
-def _import_tensorrt_llm() -> Any:
-    try:
-        import tensorrt_llm
-    except ImportError as exc:
-        raise EngineError(
-            f"engine.kind trtllm needs TensorRT-LLM {TRTLLM_VERSION}.x, which is not installed "
-            f"({exc}); {INSTALL_HINT}"
-        ) from exc
-    return tensorrt_llm
 
 
 def _check_gpu(model_dir: Path, kv_cache_dtype: str, quantize: str | None) -> Any:

@@ -37,8 +37,18 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+from engines.adapter import (
+    VendorAdapter,
+    check_settings,
+    declared_settings,
+    finish_reasons,
+    finished_delta,
+    import_vendor,
+    same_clock,
+    time_point,
+    untimed_metrics,
+)
 from engines.api import (
-    EngineDeadError,
     EngineError,
     EngineInfo,
     EngineStats,
@@ -46,7 +56,6 @@ from engines.api import (
     GenerationResult,
     RequestMetrics,
     ResponseFormat,
-    StepRecord,
     StreamDelta,
     TokenLogprob,
 )
@@ -67,35 +76,18 @@ INSTALL_HINT = (
     "machine / 'tokenmill[vllm]' on a CUDA machine"
 )
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-_FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "cancelled"}
+_FINISH_REASONS = finish_reasons(abort="cancelled")
 # Timestamps further than this from our own clock are not on CLOCK_MONOTONIC: drop them.
 _CLOCK_SKEW_S = 60.0
 # KV cache on CPU when neither kv_cache_tokens nor kv_cache_memory_gb is set (as the
 # reference engine: CPU memory is shared with everything else on the node).
 _CPU_KV_CACHE_GB = 1.0
-SETTINGS = (
-    "max_batch_size",
-    "max_num_tokens",
-    "kv_cache_tokens",
-    "kv_cache_memory_gb",
-    "kv_cache_memory_fraction",
-    "kv_cache_dtype",
-    "enable_prefix_caching",
-    "enable_chunked_prefill",
-    "dtype",
-    "max_model_len",
-    "tensor_parallel_size",
-    "pipeline_parallel_size",
-    "data_parallel_size",
-    "enable_expert_parallel",
-    "enforce_eager",
-    "quantization",
-    "speculative",
-)
 
 
-class VllmEngine:
+class VllmEngine(VendorAdapter):
     """engines.api.Engine over a vLLM `AsyncLLM` (one per engine actor or Serve replica)."""
+
+    vendor = "vLLM"
 
     def __init__(
         self,
@@ -143,17 +135,19 @@ class VllmEngine:
         spec = resolve("vllm", speculative)
         if dtype not in DTYPES:
             raise EngineError(f"engine dtype {dtype!r} is not supported; choose one of {DTYPES}")
-        vllm = _import_vllm()
+        vllm = import_vendor(
+            "vllm", kind="vllm", product="vLLM", version=VLLM_VERSION, hint=INSTALL_HINT
+        )
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        known = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
-        unknown = sorted(set(engine_args) - known)
-        if unknown:
-            raise TypeError(
-                f"VllmEngine got unknown setting(s) {', '.join(unknown)}; accepted: "
-                f"{', '.join(SETTINGS)} and vLLM's AsyncEngineArgs fields"
-            )
+        check_settings(
+            "VllmEngine",
+            engine_args,
+            SETTINGS,
+            also_allowed=[f.name for f in dataclasses.fields(AsyncEngineArgs)],
+            also=" and vLLM's AsyncEngineArgs fields",
+        )
         model_dir = Path(model)
         config = read_config(model_dir)
         self._vocab_size = int(config.get("vocab_size") or 0)
@@ -214,18 +208,15 @@ class VllmEngine:
         args = {k: v for k, v in args.items() if v is not None}
         args.update(engine_args)
         self._loads = _LoadTracker()
-        try:
+        with self._loading(model):
             self._llm = AsyncLLM.from_engine_args(
                 AsyncEngineArgs(**args), stat_loggers=[self._loads.factory]
             )
-        except (ValueError, TypeError) as exc:
-            raise EngineError(f"vLLM rejected the engine settings for {model}: {exc}") from exc
         vllm_config = self._llm.vllm_config
         self._max_model_len = int(vllm_config.model_config.max_model_len)
         self._kv_blocks_total = int(vllm_config.cache_config.num_gpu_blocks or 0)
-        self._live: dict[str, asyncio.Event] = {}  # request_id -> set when shut down
-        self._num_finished = 0
-        self._closed = False
+        # self._live: request_id -> an asyncio.Event, set when the engine is shut down.
+        self._init_bookkeeping()
         self.info = EngineInfo(
             kind="vllm",
             model=model,
@@ -274,10 +265,7 @@ class VllmEngine:
 
     def _start(self, request: GenerationRequest, streaming: bool):
         """(vLLM's output generator, shutdown event) or a finished error result."""
-        if self._closed:
-            raise EngineDeadError("the vLLM engine is shut down; load a new engine")
-        if self._llm.errored:
-            raise EngineDeadError(f"the vLLM engine has stopped: {self._llm.dead_error}")
+        self._check_alive("; load a new engine")
         admission = admit(request, vocab_size=self._vocab_size, max_model_len=self._max_model_len)
         if not admission.ok:
             return None, admission.error
@@ -313,8 +301,7 @@ class VllmEngine:
         arrival = time.monotonic()
         outputs, problem = self._start(request, streaming=True)
         if outputs is None:
-            result = error_result(request, problem, arrival)
-            yield StreamDelta(token_ids=[], text="", finished=True, result=result)
+            yield finished_delta(error_result(request, problem, arrival))
             return
         collected = _Collected.of(request)
         try:
@@ -336,27 +323,32 @@ class VllmEngine:
                 await outputs.aclose()
             self._live.pop(request.request_id, None)
         self._num_finished += 1
-        yield StreamDelta(token_ids=[], text="", finished=True, result=result)
+        yield finished_delta(result)
 
-    def _failed(self, request: GenerationRequest, exc: Exception, arrival: float):
-        """A per-request failure becomes a row error; a dead engine core raises."""
+    # --- failures and shutdown (the skeleton is engines.adapter's) ---------------------------
+
+    def _dead_reason(self) -> str | None:
+        return str(self._llm.dead_error) if self._llm.errored else None
+
+    def _stop_cause(self, exc: Exception) -> str | None:
+        """A dead engine core raises (vLLM's EngineDeadError, or any error once it errored)."""
         from vllm.v1.engine.exceptions import EngineDeadError as VllmDead
 
-        if self._closed:
-            raise EngineDeadError(f"the vLLM engine is shut down: {exc}") from exc
-        if isinstance(exc, VllmDead) or self._llm.errored:
-            raise EngineDeadError(f"the vLLM engine has stopped: {exc}") from exc
-        if isinstance(exc, ValueError):  # vLLM's own per-request input checks
-            return error_result(request, str(exc), arrival)
-        raise EngineError(f"vLLM failed: {type(exc).__name__}: {exc}") from exc
+        return str(exc) if isinstance(exc, VllmDead) or self._llm.errored else None
 
-    def abort(self, request_id: str) -> None:
-        if request_id in self._live and not self._closed:
+    def _row_error(self, exc: Exception) -> str | None:
+        return str(exc) if isinstance(exc, ValueError) else None  # vLLM's per-request checks
+
+    def _engine_failure(self, exc: Exception) -> EngineError:
+        return EngineError(f"vLLM failed: {type(exc).__name__}: {exc}")
+
+    def _abort_live(self, request_id: str, handle: asyncio.Event) -> None:
+        if not self._closed:
             # The request's generator then ends with finish_reason "abort" → "cancelled".
             asyncio.get_running_loop().create_task(self._llm.abort(request_id))
 
-    def drain_step_records(self) -> list[StepRecord]:
-        return []  # vLLM reports per-request timing only
+    def _cancel_on_shutdown(self, handle: asyncio.Event) -> None:
+        handle.set()  # _until ends the request's outputs: it reports as cancelled
 
     def stats(self) -> EngineStats:
         loads = self._loads
@@ -376,16 +368,6 @@ class VllmEngine:
             spec_proposed_tokens=loads.spec_draft_tokens,
             spec_accepted_tokens=loads.spec_accepted_tokens,
         )
-
-    def shutdown(self) -> None:
-        """Stop vLLM; requests in flight finish with finish_reason "cancelled" (as in the
-        reference engine), later ones raise EngineDeadError."""
-        if self._closed:
-            return
-        self._closed = True
-        for stopped in self._live.values():
-            stopped.set()
-        self._llm.shutdown()
 
 
 def _structured(fmt: ResponseFormat | None) -> Any:
@@ -498,15 +480,14 @@ def _metrics(stats: Any, arrival: float, now: float, has_tokens: bool) -> Reques
     """vLLM's engine-core timestamps (CLOCK_MONOTONIC, 0.0 = unset) → RequestMetrics."""
 
     def seen(value: Any) -> float | None:
-        ts = float(value or 0.0)
-        return ts if ts > 0.0 and abs(ts - now) < _CLOCK_SKEW_S else None
+        ts = time_point(value)
+        return ts if ts is not None and same_clock(ts, now, _CLOCK_SKEW_S) else None
 
-    scheduled = seen(getattr(stats, "scheduled_ts", 0.0))
+    # Stats off or on another clock: as if untimed (the tokens did arrive by now).
+    fallback = untimed_metrics(arrival, now, has_tokens)
+    scheduled = seen(getattr(stats, "scheduled_ts", 0.0)) or fallback.first_scheduled_time
     first_token = seen(getattr(stats, "first_token_ts", 0.0)) if has_tokens else None
-    if has_tokens and first_token is None:
-        first_token = now  # stats off or on another clock: the token did arrive by now
-    if has_tokens and scheduled is None:
-        scheduled = arrival
+    first_token = first_token or fallback.first_token_time
     return RequestMetrics(
         arrival_time=arrival,
         first_scheduled_time=None if scheduled is None else max(arrival, scheduled),
@@ -578,6 +559,10 @@ class _LoadTracker:
 
 # --- setup helpers -----------------------------------------------------------------------------
 
+# The settings this kind takes (the constructor's keyword parameters; vLLM's AsyncEngineArgs
+# fields pass through too).
+SETTINGS = declared_settings(VllmEngine.__init__)
+
 
 def speculative_config(spec: Any) -> dict[str, Any]:
     """engines.speculative.SpeculativeConfig → vLLM 0.32's speculative_config dict
@@ -592,17 +577,6 @@ def speculative_config(spec: Any) -> dict[str, Any]:
             "prompt_lookup_max": spec.prompt_lookup_max,
         }
     return {"method": "draft_model", "model": spec.model, "num_speculative_tokens": spec.num_tokens}
-
-
-def _import_vllm() -> Any:
-    try:
-        import vllm
-    except ImportError as exc:
-        raise EngineError(
-            f"engine.kind vllm needs vLLM {VLLM_VERSION}.x, which is not installed ({exc}); "
-            f"{INSTALL_HINT}"
-        ) from exc
-    return vllm
 
 
 def _platform(vllm: Any) -> str:

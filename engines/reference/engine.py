@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engines.adapter import declared_settings
 from engines.api import (
     EngineDeadError,
     EngineError,
@@ -58,23 +59,6 @@ from engines.reference.profiling import NO_PROFILER, NoProfiler, StepProfiler
 from engines.requests import admit, bad_words_token_ids, embed_error
 
 _log = logging.getLogger(__name__)
-
-SETTINGS = (
-    "max_num_tokens",
-    "max_batch_size",
-    "kv_cache_tokens",
-    "kv_cache_memory_gb",
-    "block_size",
-    "enable_prefix_caching",
-    "enable_chunked_prefill",
-    "dtype",
-    "device",
-    "max_model_len",
-    "num_threads",
-    "profile_dir",
-    "profile_steps",
-    "speculative",
-)
 
 # Speculation is off in steps with more running requests than this, unless the job says
 # otherwise. Measured on 2 CPU cores (tests/benchmarks/bench_speculative.py, numbers in
@@ -1081,6 +1065,10 @@ class ReferenceEngine:
         for live in list(self._live.values()) + list(inbox) + list(embeds):
             live.sink.deliver(error)
         self._live.clear()
+
+
+# The settings this kind takes: the constructor's keyword parameters.
+SETTINGS = declared_settings(ReferenceEngine.__init__)
 
 
 def _result(
