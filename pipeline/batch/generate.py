@@ -593,7 +593,7 @@ def reasoning_parser(fmt: str, model: Any, storage: Any) -> ReasoningParser | No
     """The parser of prompt.reasoning over the model's tokenizer (None for none)."""
     if fmt == "none":
         return None
-    from pipeline.batch.prompts import load_tokenizer
+    from pipeline.openai.chat import load_tokenizer
     from pipeline.openai.reasoning import make_parser
 
     return make_parser(fmt, load_tokenizer(model, storage))

@@ -18,7 +18,7 @@ there. Files of parts that are no longer committed (replaced by `--retry-errors`
 by a run only after its manifest no longer lists those parts, and never those of a part
 written by a newer run (pipeline.batch.commit.committer says why).
 
-The response body is built by pipeline.serve.protocol's `choices_body`, so a batch answer
+The response body is built by pipeline.openai.responses' `choices_body`, so a batch answer
 has exactly the shape (and usage, with cached tokens and cost) of the Serve endpoint's; a
 request with n > 1 gets its n choices from the row's `samples`.
 """
@@ -35,7 +35,7 @@ from typing import Any
 
 from pipeline.batch.commit.parts import PART_RE, PartName, PartRecord, read_part
 from pipeline.openai.embeddings import embeddings_body
-from pipeline.serve.protocol import Choice, ResponseIds, Usage, choices_body
+from pipeline.openai.responses import Choice, ResponseIds, Usage, choices_body
 from pipeline.storage import OutputDir
 
 OUTPUT_PREFIX = "openai-output-"

@@ -88,7 +88,7 @@ def check_reasoning(spec: JobSpec) -> None:
     """prompt.reasoning's tokens are in the model's tokenizer (SpecError naming the field)."""
     if spec.prompt.reasoning == "none":
         return
-    from pipeline.batch.prompts import PromptError, load_tokenizer
+    from pipeline.openai.chat import PromptError, load_tokenizer
     from pipeline.openai.reasoning import ReasoningError, make_parser
 
     try:

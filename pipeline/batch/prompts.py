@@ -29,10 +29,12 @@ Chats (`messages`) always go through the tokenizer's chat template. Text prompts
 `prompt.chat_template` is on, except openai_batch `/v1/completions` prompts, which are raw
 continuations as in the OpenAI API (no chat template, no system prompt).
 
-The rendering helpers (`chat_messages`, `render_user_text`, `render_prompt`) are pure and are
-reused by the Serve app so a request is tokenized exactly like a batch row. The stage renders
-a batch's prompts together (`render_rows`: chat templates and tokenizer calls over many rows),
-with the same result per row as `render_row`.
+Chat rendering and the tokenizer are the OpenAI layer's (pipeline.openai.chat: chat
+validation, chat template, raw completions), shared with Serve so a request is tokenized
+exactly like a batch row. This module adds what is a job's own: `prompt.template` over a row's
+columns (`render_user_text`), a row's prompt and template variables (`render_row`), and the
+stage, which renders a batch's prompts together (`render_rows`: chat templates and tokenizer
+calls over many rows), with the same result per row as `render_row`.
 """
 
 from __future__ import annotations
@@ -49,6 +51,14 @@ from pipeline.batch.read import ERROR, ID, MESSAGES, PROMPT, override_columns
 from pipeline.batch.shards import RowRanges, RowSelection
 from pipeline.batch.units import PreparedInfo, WorkUnit
 from pipeline.openai import params
+from pipeline.openai.chat import (
+    RAW_COMPLETION,
+    PromptError,
+    apply_chat_template,
+    load_tokenizer,
+    prompt_chat,
+    render_prompt,
+)
 from pipeline.spec import JobSpec, ModelSpec, PromptSpec, StorageSpec
 
 if TYPE_CHECKING:
@@ -82,41 +92,11 @@ STAGE_COLUMNS = (PROMPT_TOKEN_IDS, PROMPT_TOKENS, *SAMPLING_COLUMNS)
 
 # Start of the error of a row whose prompt + max_tokens exceed the context (plan counts them).
 TOO_LONG = "too long"
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
-# Files a tokenizer needs; the weights are not downloaded to tokenize.
-TOKENIZER_FILES = ("*.json", "*.jinja", "*.model", "*.txt", "*.tiktoken", "*.py")
 # Tokenizing is light: a fraction of a CPU per tokenizer actor leaves room for the engines.
 PROMPT_STAGE_CPUS = 0.25
 
 
-class PromptError(ValueError):
-    """One row cannot be turned into a prompt; the message says why and what to fix."""
-
-
-# --- tokenizer and model facts ---------------------------------------------------------------
-
-
-@functools.lru_cache(maxsize=4)
-def load_tokenizer(model: ModelSpec, storage: StorageSpec) -> Any:
-    """The Hugging Face tokenizer for the model (or `model.tokenizer`); one per process."""
-    from transformers import AutoTokenizer
-
-    from pipeline.storage import materialize_model
-
-    source = model.tokenizer or model.path
-    field = "model.tokenizer" if model.tokenizer else "model.path"
-    local = materialize_model(
-        source,
-        model.cache_dir,
-        storage,
-        required_file="tokenizer_config.json",
-        field=field,
-        patterns=TOKENIZER_FILES,
-    )
-    try:
-        return AutoTokenizer.from_pretrained(str(local))
-    except Exception as exc:
-        raise PromptError(f"{field}: cannot load a tokenizer from {source}: {exc}") from exc
+# --- model facts -------------------------------------------------------------------------------
 
 
 @functools.lru_cache(maxsize=4)
@@ -143,58 +123,7 @@ def context_length(spec: JobSpec) -> int | None:
     return model_context_length(spec.model, spec.storage)
 
 
-# --- pure rendering ----------------------------------------------------------------------------
-
-
-def _content_text(content: Any, index: int) -> str:
-    if isinstance(content, str):
-        return content
-    # OpenAI content parts: [{"type": "text", "text": "..."}]; only text parts are supported.
-    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
-        kinds = {p.get("type") for p in content}
-        if kinds <= {"text"}:
-            return "".join(str(p.get("text", "")) for p in content)
-        raise PromptError(
-            f"messages[{index}].content has {sorted(str(k) for k in kinds - {'text'})} parts; "
-            "only text is supported"
-        )
-    raise PromptError(f"messages[{index}].content must be text, got {type(content).__name__}")
-
-
-def chat_messages(messages: str | Sequence[Any], system_prompt: str | None = None) -> list[dict]:
-    """Validate a chat (a list, or its JSON text) and prepend the system prompt if it has none.
-
-    Raises PromptError for anything that is not a non-empty list of {role, content} with a
-    known role and text content.
-    """
-    if isinstance(messages, str):
-        try:
-            messages = json.loads(messages)
-        except json.JSONDecodeError as exc:
-            raise PromptError(f"messages is not valid JSON ({exc})") from None
-    if not isinstance(messages, (list, tuple)) or not messages:
-        raise PromptError("messages must be a non-empty list of {role, content}")
-    chat = []
-    for index, message in enumerate(messages):
-        if not isinstance(message, Mapping) or "role" not in message or "content" not in message:
-            raise PromptError(f"messages[{index}] must be an object with role and content")
-        role = message["role"]
-        if role not in CHAT_ROLES:
-            raise PromptError(
-                f"messages[{index}].role {role!r} is not one of {', '.join(CHAT_ROLES)}"
-            )
-        # Chat templates know `system`; OpenAI's `developer` role means the same.
-        chat.append(
-            {
-                "role": "system" if role == "developer" else role,
-                "content": _content_text(message["content"], index),
-            }
-        )
-    if not any(m["content"].strip() for m in chat):
-        raise PromptError("messages are all empty")
-    if system_prompt and chat[0]["role"] != "system":
-        chat.insert(0, {"role": "system", "content": system_prompt})
-    return chat
+# --- rows to prompts (pure) --------------------------------------------------------------------
 
 
 @functools.lru_cache(maxsize=16)
@@ -220,76 +149,6 @@ def render_user_text(row: Mapping[str, Any], prompt_spec: PromptSpec) -> str:
     if not isinstance(text, str) or not text.strip():
         raise PromptError("empty prompt" + (" after the template" if prompt_spec.template else ""))
     return text
-
-
-def _prompt_chat(
-    tokenizer: Any,
-    prompt_spec: PromptSpec,
-    text: str | None,
-    messages: str | Sequence[Any] | None,
-) -> list[dict] | None:
-    """The chat to render for one prompt, or None when `text` is tokenized as is.
-
-    Raises PromptError for what render_prompt refuses before the chat template runs."""
-    if (text is None) == (messages is None):
-        raise PromptError("give exactly one of a prompt text or messages")
-    if messages is not None:
-        if not prompt_spec.chat_template:
-            raise PromptError("messages need prompt.chat_template: true")
-        chat = chat_messages(messages, prompt_spec.system_prompt)
-    else:
-        if not isinstance(text, str) or not text.strip():
-            raise PromptError("empty prompt")
-        if not prompt_spec.chat_template:
-            return None
-        chat = chat_messages([{"role": "user", "content": text}], prompt_spec.system_prompt)
-    if not getattr(tokenizer, "chat_template", None):
-        raise PromptError(
-            "the tokenizer has no chat template; set prompt.chat_template: false to tokenize "
-            "the text as is"
-        )
-    return chat
-
-
-def _apply_chat_template(
-    tokenizer: Any, chat: list[dict] | list[list[dict]], template_kwargs: Mapping[str, Any] | None
-) -> Any:
-    """The chat template over one chat (its text) or a list of chats (their texts, one call);
-    raises PromptError when it fails (on any of the chats)."""
-    try:
-        return tokenizer.apply_chat_template(
-            chat, add_generation_prompt=True, tokenize=False, **(template_kwargs or {})
-        )
-    except Exception as exc:  # templates raise anything, often on purpose (raise_exception)
-        raise PromptError(f"chat template failed: {type(exc).__name__}: {exc}") from None
-
-
-def render_prompt(
-    tokenizer: Any,
-    prompt_spec: PromptSpec,
-    *,
-    text: str | None = None,
-    messages: str | Sequence[Any] | None = None,
-    template_kwargs: Mapping[str, Any] | None = None,
-) -> list[int]:
-    """Token ids for one prompt: a chat (`messages`) or a user text (`text`).
-
-    With `prompt.chat_template` the text becomes a one-turn chat (after the system prompt) and
-    the tokenizer's chat template is applied with the generation prompt; without, the text is
-    tokenized as is (with the tokenizer's special tokens, e.g. BOS). `template_kwargs` are
-    extra variables for the chat template (the endpoint's `chat_template_kwargs`, e.g.
-    enable_thinking); the caller keeps them off apply_chat_template's own parameters.
-    """
-    chat = _prompt_chat(tokenizer, prompt_spec, text, messages)
-    if chat is None:
-        return list(tokenizer.encode(text, add_special_tokens=True))
-    rendered = _apply_chat_template(tokenizer, chat, template_kwargs)
-    # The template already wrote any BOS it wants; adding special tokens again would double it.
-    return list(tokenizer.encode(rendered, add_special_tokens=False))
-
-
-# An OpenAI /v1/completions request is a raw text continuation: no chat template, no system.
-RAW_COMPLETION = PromptSpec(chat_template=False)
 
 
 def _row_prompt(row: Mapping[str, Any], spec: JobSpec) -> dict[str, Any]:
@@ -335,7 +194,7 @@ def render_rows(
     for i, row in enumerate(rows):
         try:
             args = _row_prompt(row, spec)
-            chat = _prompt_chat(
+            chat = prompt_chat(
                 tokenizer, args["prompt_spec"], args.get("text"), args.get("messages")
             )
         except PromptError as exc:
@@ -351,11 +210,11 @@ def render_rows(
         for start in range(0, len(chats), TEMPLATE_CHUNK):
             chunk = chats[start : start + TEMPLATE_CHUNK]
             try:
-                rendered = _apply_chat_template(tokenizer, [chat for _, chat in chunk], kwargs)
+                rendered = apply_chat_template(tokenizer, [chat for _, chat in chunk], kwargs)
             except PromptError:
                 for i, chat in chunk:
                     try:
-                        texts.append((i, _apply_chat_template(tokenizer, chat, kwargs), False))
+                        texts.append((i, apply_chat_template(tokenizer, chat, kwargs), False))
                     except PromptError as exc:
                         out[i] = exc
                 continue

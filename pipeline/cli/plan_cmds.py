@@ -66,7 +66,7 @@ def plan(
 ) -> None:
     """Count rows, tokenize a sample, find error rows, estimate time and cost."""
     from pipeline.batch.plan import build_plan, format_plan
-    from pipeline.batch.prompts import PromptError
+    from pipeline.openai.chat import PromptError
     from pipeline.spec import SpecError, load_job_spec
     from pipeline.storage import StorageError
 

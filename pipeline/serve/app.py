@@ -49,7 +49,18 @@ from pipeline.openai.embeddings import (
     embeddings_body,
     parse_embeddings_request,
 )
+from pipeline.openai.errors import ApiError
+from pipeline.openai.models import STRICT_HEADER, parse_json_body, strict_mode
 from pipeline.openai.reasoning import Delta, ReasoningParser, Split, split_output
+from pipeline.openai.responses import (
+    Choice,
+    Endpoint,
+    Usage,
+    choices_body,
+    chunk_body,
+    usage_chunk_body,
+)
+from pipeline.openai.sse import SSE_DONE, sse
 from pipeline.serve import batch_routes
 from pipeline.serve.auth import KeyDigests
 from pipeline.serve.board import open_board
@@ -65,20 +76,6 @@ from pipeline.serve.limits import (
 from pipeline.serve.local import LocalEngine
 from pipeline.serve.logprobs import LogprobsBody, join_completion_logprobs
 from pipeline.serve.metrics import CONTENT_TYPE, ServeMetrics
-from pipeline.serve.protocol import (
-    SSE_DONE,
-    STRICT_HEADER,
-    ApiError,
-    Choice,
-    Endpoint,
-    Usage,
-    choices_body,
-    chunk_body,
-    parse_json_body,
-    sse,
-    strict_mode,
-    usage_chunk_body,
-)
 from pipeline.serve.replica import EngineReplica, ServedDelta, ServedResult
 from pipeline.serve.requests import (
     Prepared,

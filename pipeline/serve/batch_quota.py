@@ -20,9 +20,9 @@ import datetime as dt
 import json
 from collections.abc import Callable
 
+from pipeline.openai.errors import ApiError
 from pipeline.serve.keys import BatchQuota
 from pipeline.serve.limits import retry_after_header
-from pipeline.serve.protocol import ApiError
 from pipeline.storage import OutputDir, PreconditionFailed
 from pipeline.storage.prefix import Versioned
 

@@ -28,6 +28,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pipeline.openai.errors import ApiError
+from pipeline.openai.models import parse_json_body
 from pipeline.serve.batches import BatchService, JobsApi
 from pipeline.serve.files import PURPOSES, FileStore, StoredFile, StreamingValidator, Upload
 from pipeline.serve.httpio import (
@@ -39,7 +41,6 @@ from pipeline.serve.httpio import (
 from pipeline.serve.keys import ApiKey
 from pipeline.serve.limits import Gate
 from pipeline.serve.multipart import MultipartError, MultipartReader, PartData, PartEnd, PartStart
-from pipeline.serve.protocol import ApiError, parse_json_body
 from pipeline.serve.spec import ServeSpec
 
 router = APIRouter()

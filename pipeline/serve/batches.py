@@ -61,6 +61,7 @@ import yaml
 from pipeline.batch.commit.manifest import Manifest, read_manifest
 from pipeline.batch.openai_output import LineContext, expected_exports, export_committed
 from pipeline.batch.read.openai_batch import EMBEDDINGS_URL, SUPPORTED_BATCH_URLS
+from pipeline.openai.errors import ApiError
 from pipeline.serve.batch_quota import QuotaLedger
 from pipeline.serve.files import (
     MAX_REPORTED_ERRORS,
@@ -71,7 +72,6 @@ from pipeline.serve.files import (
     owner_slug,
 )
 from pipeline.serve.keys import BatchQuota
-from pipeline.serve.protocol import ApiError
 from pipeline.serve.spec import BatchApiSpec, ServedModelSpec, ServeSpec
 from pipeline.spec import SpecError, parse_job_spec
 from pipeline.storage import OutputDir, PreconditionFailed, join_uri

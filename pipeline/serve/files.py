@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.batch.read.openai_batch import SUPPORTED_BATCH_URLS, parse_batch_request
-from pipeline.serve.protocol import ApiError
+from pipeline.openai.errors import ApiError
 from pipeline.spec import StorageSpec
 from pipeline.storage import OutputDir, join_uri
 from pipeline.storage.prefix import TEMP_SUFFIX

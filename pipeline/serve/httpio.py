@@ -10,7 +10,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from pipeline.serve.protocol import ApiError
+from pipeline.openai.errors import ApiError
 
 
 def body_too_large(limit: int) -> ApiError:

@@ -33,8 +33,8 @@ from ray import serve
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from pipeline.openai.errors import ApiError
 from pipeline.serve.board import STALE_AFTER_S, Snapshot, open_board
-from pipeline.serve.protocol import ApiError
 from pipeline.serve.readiness import ReadinessView
 from pipeline.serve.spec import ServeSpec, engine_deployments
 

@@ -1,6 +1,6 @@
 """From a parsed OpenAI request to an engine request, and from an engine result to `usage`.
 
-Pure functions between the wire format (pipeline.serve.protocol) and the engine contract
+Pure functions between the wire format (pipeline.openai) and the engine contract
 (engines.api): tokenization through the model's tokenizer, the token caps (an oversize prompt is
 a 400; a max_tokens over the server's cap or the context's room is clamped, with a warning),
 OpenAI's defaults (temperature 1, max_tokens 16 on /v1/completions), and the cost of a result.
@@ -15,19 +15,17 @@ from typing import Any
 
 from engines.api import EngineInfo, GenerationRequest, GenerationResult, SamplingParams
 from pipeline.cost import cost_usd, list_price_usd
-from pipeline.openai.response_format import FormatError, parse_response_format
-from pipeline.serve.protocol import (
+from pipeline.openai.errors import ApiError
+from pipeline.openai.models import (
     WARNING_HEADER,
-    ApiError,
     ChatCompletionRequest,
     CompletionRequest,
-    Endpoint,
-    ResponseIds,
-    Usage,
     ignored_warning,
     parse_chat_request,
     parse_completion_request,
 )
+from pipeline.openai.response_format import FormatError, parse_response_format
+from pipeline.openai.responses import Endpoint, ResponseIds, Usage
 from pipeline.serve.spec import ServedModelSpec
 from pipeline.serve.tokens import PromptTokenizer
 

@@ -1,9 +1,10 @@
-"""Requests to prompt token ids for the Serve endpoint, through the batch pipeline's helpers.
+"""Requests to prompt token ids for the Serve endpoint, through the OpenAI layer's chat rendering.
 
 The ingress tokenizes (not the engine replica) so it can count prompt tokens and reject an
 oversize prompt with a 400 before the request takes an engine slot. It uses
-`pipeline.batch.prompts` (tokenizer loading, chat validation, chat template, raw completions), so a
-prompt served here and the same prompt in a nightly job reach the engine as identical ids.
+`pipeline.openai.chat` (tokenizer loading, chat validation, chat template, raw completions), as
+the batch prompt stage does, so a prompt served here and the same prompt in a nightly job reach
+the engine as identical ids.
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ import json
 import logging
 from typing import Any
 
+from pipeline.openai.chat import RAW_COMPLETION, PromptError, load_tokenizer, render_prompt
+from pipeline.openai.errors import ApiError
 from pipeline.openai.reasoning import ReasoningParser
-from pipeline.serve.protocol import ApiError
 from pipeline.spec import ModelSpec, PromptSpec, StorageSpec
 
 logger = logging.getLogger(__name__)
@@ -26,8 +28,6 @@ class PromptTokenizer:
     """One model's tokenizer, loaded once per ingress replica."""
 
     def __init__(self, model: ModelSpec, prompt: PromptSpec, storage: StorageSpec) -> None:
-        from pipeline.batch.prompts import load_tokenizer
-
         self._tokenizer = load_tokenizer(model, storage)
         self._prompt = prompt
         self.has_chat_template = bool(getattr(self._tokenizer, "chat_template", None))
@@ -45,8 +45,6 @@ class PromptTokenizer:
         """A chat through the chat template (generation prompt on; the model's system_prompt
         first when the chat brings no system message); `template_kwargs` are the request's
         chat_template_kwargs, already checked against the template's reserved names."""
-        from pipeline.batch.prompts import PromptError, render_prompt
-
         try:
             return render_prompt(
                 self._tokenizer, self._prompt, messages=messages, template_kwargs=template_kwargs
@@ -66,8 +64,6 @@ class PromptTokenizer:
 
     def completion_ids(self, text: str) -> list[int]:
         """A /v1/completions prompt: a raw continuation, no chat template, no system prompt."""
-        from pipeline.batch.prompts import RAW_COMPLETION, PromptError, render_prompt
-
         try:
             return render_prompt(self._tokenizer, RAW_COMPLETION, text=text)
         except PromptError as exc:

@@ -35,8 +35,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Protocol
 
+from pipeline.openai.responses import Usage
 from pipeline.serve.metrics import ServeMetrics
-from pipeline.serve.protocol import Usage
 from pipeline.serve.spec import UsageLogSpec
 from pipeline.spec import StorageSpec
 from pipeline.storage.files import is_s3

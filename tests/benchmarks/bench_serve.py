@@ -95,8 +95,8 @@ async def bounded(concurrency: int, jobs) -> tuple[list[float], float]:
 
 def bench_engine(model_dir: Path, args: argparse.Namespace) -> dict[str, float]:
     from engines import GenerationRequest, SamplingParams, load_engine
-    from pipeline.batch.prompts import load_tokenizer, render_prompt
     from pipeline.engine_setup import engine_settings
+    from pipeline.openai.chat import load_tokenizer, render_prompt
     from pipeline.spec import EngineSpec, ModelSpec, PromptSpec, StorageSpec
 
     spec = EngineSpec.model_validate(engine_section(args))

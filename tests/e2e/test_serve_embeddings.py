@@ -33,7 +33,7 @@ def expected(serve_model_dir: Path) -> dict[str, tuple[list[int], list[float]]]:
     from transformers import AutoTokenizer
 
     from engines.api import EmbedParams, GenerationRequest
-    from pipeline.batch.prompts import RAW_COMPLETION, render_prompt
+    from pipeline.openai.chat import RAW_COMPLETION, render_prompt
 
     tokenizer = AutoTokenizer.from_pretrained(str(serve_model_dir))
     out = {}

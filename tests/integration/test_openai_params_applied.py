@@ -56,7 +56,7 @@ def _check(name: str, text: str, finish: str, completion_tokens: int, error: Any
 def test_serve_requests_apply_the_parameters(tiny_model_dir: Path) -> None:
     from engines.api import EngineInfo
     from engines.reference.engine import ReferenceEngine
-    from pipeline.serve.protocol import ApiError
+    from pipeline.openai.errors import ApiError
     from pipeline.serve.requests import parse_request, to_engine_request
     from pipeline.serve.spec import ServedModelSpec
 

@@ -13,8 +13,9 @@ import pytest
 
 from engines.api import GenerationRequest, SamplingParams
 from engines.reference.engine import ReferenceEngine
-from pipeline.batch.prompts import derive_seed, render_prompt
+from pipeline.batch.prompts import derive_seed
 from pipeline.batch.run import run_job
+from pipeline.openai.chat import render_prompt
 from tests.integration.s3_server import S3Server
 from tests.integration.test_pipeline import (
     assert_exactly_once,

@@ -19,11 +19,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.testclient import TestClient
 
+from pipeline.openai.errors import ApiError
 from pipeline.serve import batch_routes
 from pipeline.serve.batches import RESUME_KEY, BatchService
 from pipeline.serve.files import MAX_REPORTED_ERRORS, BatchInputSummary, validate_batch_input
 from pipeline.serve.keys import ApiKey
-from pipeline.serve.protocol import ApiError
 from pipeline.serve.spec import parse_serve_spec
 from pipeline.spec import parse_job_spec
 

@@ -21,14 +21,12 @@ from pipeline.batch.prompts import (
     TOO_LONG,
     TOP_K,
     TOP_P,
-    PromptError,
     PromptStage,
-    chat_messages,
     derive_seed,
-    render_prompt,
     render_user_text,
     resolve_sampling,
 )
+from pipeline.openai.chat import PromptError, chat_messages, render_prompt
 from pipeline.spec import JobSpec, PromptSpec, parse_job_spec
 
 CONTEXT = 96  # max_position_embeddings of the test "model": small, so rows can exceed it

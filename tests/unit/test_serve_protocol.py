@@ -8,24 +8,26 @@ from pathlib import Path
 import pytest
 
 from engines.api import EngineInfo
-from pipeline.serve.auth import AuthConfigError, load_key_digests
-from pipeline.serve.cost import EqualShareMeter
-from pipeline.serve.protocol import (
+from pipeline.openai.errors import ApiError
+from pipeline.openai.models import (
     MAX_NAMED_FIELDS,
     WARNING_HEADER,
-    ApiError,
-    ResponseIds,
-    Usage,
-    chunk_body,
-    completion_body,
     ignored_warning,
     parse_chat_request,
     parse_completion_request,
     parse_json_body,
-    sse,
     strict_mode,
+)
+from pipeline.openai.responses import (
+    ResponseIds,
+    Usage,
+    chunk_body,
+    completion_body,
     usage_chunk_body,
 )
+from pipeline.openai.sse import sse
+from pipeline.serve.auth import AuthConfigError, load_key_digests
+from pipeline.serve.cost import EqualShareMeter
 from pipeline.serve.requests import capped_max_tokens, parse_request, to_engine_request
 from pipeline.serve.spec import (
     AuthSpec,

@@ -7,15 +7,9 @@ from __future__ import annotations
 import pytest
 
 from engines.api import EngineInfo
-from pipeline.serve.protocol import (
-    ApiError,
-    Choice,
-    ResponseIds,
-    Usage,
-    choices_body,
-    chunk_body,
-    parse_completion_request,
-)
+from pipeline.openai.errors import ApiError
+from pipeline.openai.models import parse_completion_request
+from pipeline.openai.responses import Choice, ResponseIds, Usage, choices_body, chunk_body
 from pipeline.serve.requests import parse_request, to_engine_request
 from pipeline.serve.spec import ServedModelSpec
 

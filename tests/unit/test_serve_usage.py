@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 
 from engines.api import EngineInfo
+from pipeline.openai.errors import ApiError
+from pipeline.openai.models import parse_chat_request, parse_completion_request
+from pipeline.openai.responses import Usage
 from pipeline.serve.metrics import ServeMetrics
-from pipeline.serve.protocol import ApiError, Usage, parse_chat_request, parse_completion_request
 from pipeline.serve.requests import check_prompt_bytes
 from pipeline.serve.spec import ServedModelSpec, UsageLogSpec
 from pipeline.serve.usage import (
