@@ -44,6 +44,8 @@ from pipeline.storage.retry import PreconditionFailed, RetryPolicy, with_retries
 T = TypeVar("T")
 
 TEMP_SUFFIX = ".tmp"  # local temp files: .<name>.<random>.tmp
+# Tries of a local write whose temp file another run removed meanwhile (_local_move).
+TEMP_ATTEMPTS = 3
 _LOCK_SUFFIX = ".lock"  # local lock files: .<name>.lock
 
 
@@ -318,16 +320,29 @@ class OutputDir:
             raise
         return tmp
 
+    def _local_move(self, target: Path, data: bytes, move: Callable[[str], None]) -> str:
+        """`data` into a temp file beside `target`, then `move(temp)` onto it.
+
+        The run that holds the output's lease removes temp files that dead writers left
+        (remove_temp_files), and a live writer's temp can go with them between its write and
+        its move: a run contending for the lease is one. Such a write starts again with a new
+        temp file instead of failing; any other error stands."""
+        for attempt in range(TEMP_ATTEMPTS):
+            tmp = self._local_temp(target, data)
+            try:
+                move(tmp)
+                break
+            except FileNotFoundError:
+                if os.path.exists(tmp) or attempt == TEMP_ATTEMPTS - 1:
+                    raise  # not (only) our temp that vanished
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
+        return _local_version(target.stat())
+
     def _local_put(self, name: str, data: bytes) -> str:
         target = self._local_target(name)
-        tmp = self._local_temp(target, data)
-        try:
-            os.replace(tmp, target)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
-        return _local_version(target.stat())
+        return self._local_move(target, data, lambda tmp: os.replace(tmp, target))
 
     def _local_read_versioned(self, name: str) -> Versioned | None:
         target = Path(self.path(name))
@@ -341,15 +356,14 @@ class OutputDir:
 
     def _local_create(self, name: str, data: bytes) -> str:
         target = self._local_target(name)
-        tmp = self._local_temp(target, data)
-        try:
-            os.link(tmp, target)  # atomic, and fails if the name exists
-        except FileExistsError:
-            raise PreconditionFailed(f"{target} already exists") from None
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-        return _local_version(target.stat())
+
+        def link(tmp: str) -> None:
+            try:
+                os.link(tmp, target)  # atomic, and fails if the name exists
+            except FileExistsError:
+                raise PreconditionFailed(f"{target} already exists") from None
+
+        return self._local_move(target, data, link)
 
     @contextlib.contextmanager
     def _local_lock(self, target: Path) -> Iterator[None]:

@@ -168,6 +168,38 @@ def test_second_run_is_refused_naming_the_first(out: OutputDir) -> None:
     assert not out.exists(LEASE_NAME)
 
 
+def test_a_contender_whose_temp_file_the_holder_sweeps_is_still_refused_by_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The run holding the lease removes temp files at its start (remove_temp_files); a run
+    contending for the lease has just written its own temp for `_lease.json` then. Its
+    create must start over and end in LeaseHeld, not in a FileNotFoundError traceback."""
+    holder = OutputDir(str(tmp_path / "out"), StorageSpec())
+    first = Lease.acquire(holder, timeout_s=60)
+    contender = OutputDir(holder.uri, holder.storage)
+    write_temp = contender._local_temp
+    swept: list[str] = []
+
+    def temp_then_sweep(target: Path, data: bytes) -> str:
+        tmp = write_temp(target, data)
+        if not swept:  # the holder's sweep lands between the write and the link, once
+            holder.remove_temp_files()
+            swept.append(tmp)
+        return tmp
+
+    monkeypatch.setattr(contender, "_local_temp", temp_then_sweep)
+    with pytest.raises(LeaseHeld) as refused:
+        Lease.acquire(contender, timeout_s=60)
+    assert swept and not Path(swept[0]).exists()  # the sweep did remove the contender's temp
+    assert first.holder.host in str(refused.value) and "renewed its lease" in str(refused.value)
+    # The same for a plain write: it lands whole, and no temp file is left behind.
+    swept.clear()
+    contender.put("notes.txt", b"written once")
+    assert swept and holder.read_versioned("notes.txt").data == b"written once"
+    assert not [n for n in holder.names(".") if n.endswith(".tmp")]
+    first.release()
+
+
 def test_a_lease_that_is_not_renewed_is_taken_over_and_the_old_holder_loses_it(
     out: OutputDir,
 ) -> None:
