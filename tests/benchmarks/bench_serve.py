@@ -129,6 +129,52 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(len(ordered) * q))] if ordered else float("nan")
 
 
+# Process roles, by what their command line says (Ray sets actor and replica process titles).
+ROLES = (
+    ("OpenAIIngress", "ingress (one_hop: with the engine)"),
+    ("EngineReplica", "engine replica"),
+    ("haproxy", "haproxy"),
+    ("ServeController", "serve controller"),
+    ("ProxyActor", "serve proxy"),
+    ("raylet", "ray (raylet, gcs, dashboard, agents)"),
+    ("gcs_server", "ray (raylet, gcs, dashboard, agents)"),
+    ("dashboard", "ray (raylet, gcs, dashboard, agents)"),
+    ("runtime_env", "ray (raylet, gcs, dashboard, agents)"),
+    ("log_monitor", "ray (raylet, gcs, dashboard, agents)"),
+    ("EngineCore", "vllm engine core"),
+    ("vllm.entrypoints", "vllm api server"),
+)
+
+
+def cpu_by_role() -> dict[int, tuple[str, float]]:
+    """Every process's role and CPU seconds so far (user + system); this process is the client."""
+    import psutil
+
+    found: dict[int, tuple[str, float]] = {}
+    for proc in psutil.process_iter(["pid", "cmdline", "name"]):
+        try:
+            times = proc.cpu_times()
+            text = " ".join(proc.info["cmdline"] or []) or (proc.info["name"] or "")
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        if proc.info["pid"] == os.getpid():
+            role = "client (openai, this process)"
+        else:
+            role = next((name for key, name in ROLES if key in text), "other")
+        found[proc.info["pid"]] = (role, times.user + times.system)
+    return found
+
+
+def cpu_delta(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> dict:
+    """CPU seconds per role between two snapshots (processes that ended in between: lost)."""
+    totals: dict[str, float] = {}
+    for pid, (role, seconds) in after.items():
+        spent = seconds - before.get(pid, (role, 0.0))[1]
+        if spent > 0.005:
+            totals[role] = totals.get(role, 0.0) + spent
+    return totals
+
+
 def http_workload(base_url: str, model: str, args: argparse.Namespace) -> dict[str, float]:
     """The chats as streamed chat completions through the OpenAI client: first all of them at
     --concurrency (requests/s, latency, TTFT under load), then --sequential more one at a time
@@ -163,13 +209,16 @@ def http_workload(base_url: str, model: str, args: argparse.Namespace) -> dict[s
         return call
 
     loaded_ttfts: list[float] = []
+    split: dict[str, float] = {}
     alone_ttfts: list[float] = []
 
     async def run() -> tuple[list[float], float, list[float]]:
         chats = prompts(args.requests + args.sequential)
         await job(chats[0], None)()  # warm-up: first-call costs out of the numbers
         loaded = [job(c, loaded_ttfts) for c in chats[: args.requests]]
+        before = cpu_by_role()
         latencies, wall = await bounded(args.concurrency, loaded)
+        split.update(cpu_delta(before, cpu_by_role()))
         alone: list[float] = []
         for chat in chats[args.requests :]:
             start = time.perf_counter()
@@ -184,6 +233,8 @@ def http_workload(base_url: str, model: str, args: argparse.Namespace) -> dict[s
         "ttft_p99_s": _pct(loaded_ttfts, 0.99),
         "sequential_p50_s": _pct(alone, 0.5),
         "sequential_ttft_p50_s": _pct(alone_ttfts, 0.5),
+        # CPU seconds each role of the machine spent in the loaded phase, per request.
+        "cpu_ms_per_request": {k: 1000 * v / args.requests for k, v in sorted(split.items())},
     }
 
 
@@ -435,6 +486,15 @@ def main() -> None:
     if args.out:
         args.out.write_text(text + "\n")
     for size in sizes:
+        for side, numbers in result[size].items():
+            split = (
+                numbers.get("rounds", [{}])[-1].get("cpu_ms_per_request")
+                if isinstance(numbers, dict)
+                else None
+            )
+            if split:
+                parts = ", ".join(f"{role} {ms:.1f}" for role, ms in split.items())
+                print(f"{size} {side}: CPU ms per request under load: {parts}")
         ratios = result[size].get("vs_vllm")
         if ratios:
             print(
