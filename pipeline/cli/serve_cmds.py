@@ -52,8 +52,8 @@ def serve_cmd(
             err=True,
         )
         raise typer.Exit(2)
-    from pipeline.serve.auth import AuthConfigError, load_key_digests
-    from pipeline.serve.keys import KeyFileError, load_key_file
+    from pipeline.serve.access.auth import AuthConfigError, load_key_digests
+    from pipeline.serve.access.keys import KeyFileError, load_key_file
     from pipeline.serve.run import ServerOptions, run_server
     from pipeline.serve.spec import load_serve_spec
     from pipeline.spec import SpecError
@@ -101,8 +101,8 @@ def key_digest_cmd(
     or, at a terminal, asks for it without echo; the key itself is never printed."""
     import sys
 
-    from pipeline.serve.auth import digest
-    from pipeline.serve.keys import entry_snippet
+    from pipeline.serve.access.auth import digest
+    from pipeline.serve.access.keys import entry_snippet
 
     if sys.stdin.isatty():
         key = typer.prompt("API key", hide_input=True)

@@ -12,8 +12,8 @@ a text) → the model's prompt token ids.
   with `prompt.chat_template`, else it is tokenized as is. `RAW_COMPLETION` is the prompt spec
   of an OpenAI /v1/completions prompt: a raw continuation.
 
-Serve (pipeline.serve.tokens) renders a request with `render_prompt`; the batch prompt stage
-(pipeline.batch.prompts) renders rows with the same pieces (`prompt_chat`,
+Serve (pipeline.serve.protocol.tokens) renders a request with `render_prompt`; the batch prompt
+stage (pipeline.batch.prompts) renders rows with the same pieces (`prompt_chat`,
 `apply_chat_template`) over many rows at once, so a prompt served and the same prompt in a job
 reach the engine as identical ids.
 """

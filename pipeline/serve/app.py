@@ -61,23 +61,21 @@ from pipeline.openai.responses import (
     usage_chunk_body,
 )
 from pipeline.openai.sse import SSE_DONE, sse
-from pipeline.serve import batch_routes
-from pipeline.serve.auth import KeyDigests
-from pipeline.serve.board import open_board
-from pipeline.serve.httpio import HeldStreamingResponse, read_body
-from pipeline.serve.keys import ApiKey, KeyFileWatcher
-from pipeline.serve.limits import (
+from pipeline.serve.access.auth import KeyDigests
+from pipeline.serve.access.keys import ApiKey, KeyFileWatcher
+from pipeline.serve.access.limits import (
     Admission,
     Gate,
     LimitExceeded,
     RequestLease,
     retry_after_header,
 )
-from pipeline.serve.local import LocalEngine
-from pipeline.serve.logprobs import LogprobsBody, join_completion_logprobs
+from pipeline.serve.access.shared_limits import admission_for
+from pipeline.serve.batch_api import batch_routes
+from pipeline.serve.http.httpio import HeldStreamingResponse, read_body
 from pipeline.serve.metrics import CONTENT_TYPE, ServeMetrics
-from pipeline.serve.replica import EngineReplica, ServedDelta, ServedResult
-from pipeline.serve.requests import (
+from pipeline.serve.protocol.logprobs import LogprobsBody, join_completion_logprobs
+from pipeline.serve.protocol.requests import (
     Prepared,
     check_prompt_bytes,
     engine_unavailable,
@@ -86,7 +84,11 @@ from pipeline.serve.requests import (
     to_engine_request,
     usage_of_all,
 )
-from pipeline.serve.shared_limits import admission_for
+from pipeline.serve.protocol.tokens import PromptTokenizer
+from pipeline.serve.replicas.board import open_board
+from pipeline.serve.replicas.local import LocalEngine
+from pipeline.serve.replicas.replica import EngineReplica, ServedDelta, ServedResult
+from pipeline.serve.replicas.testhooks import hooks_enabled
 from pipeline.serve.spec import (
     INGRESS_DEPLOYMENT,
     ServedModelSpec,
@@ -94,8 +96,6 @@ from pipeline.serve.spec import (
     engine_deployment_options,
     one_hop_deployment_options,
 )
-from pipeline.serve.testhooks import hooks_enabled
-from pipeline.serve.tokens import PromptTokenizer
 from pipeline.serve.usage import CLIENT_CLOSED, UsageAccounting, UsageLog, sink_for
 
 logger = logging.getLogger(__name__)
@@ -273,7 +273,7 @@ class OpenAIIngress:
         self._key_watcher = KeyFileWatcher(keys, spec.auth.keys_file, spec.auth.reload_interval_s)
         self._key_watcher.start()
         # Per-key limits: this replica's own, or leased from the app's coordinator when the
-        # app can run several ingress replicas (pipeline.serve.shared_limits).
+        # app can run several ingress replicas (pipeline.serve.access.shared_limits).
         self._limiter: Admission = admission_for(spec, self._app_name, _replica_id())
         self._slots = Gate(spec.http.max_concurrent_requests)
         self._tokenize_slots = Gate(spec.http.max_tokenizing_requests)
@@ -1056,8 +1056,8 @@ def app_builder(args: dict[str, str]) -> serve.Application:
     """Entry for `serve run pipeline.serve.app:app_builder config=SERVE.yaml` and KubeRay's
     RayService serveConfigV2 (import_path + args). Keys come from this process's environment
     or secrets file; `insecure_no_auth=true` in args opts out explicitly."""
-    from pipeline.serve.auth import load_key_digests
-    from pipeline.serve.keys import load_key_file
+    from pipeline.serve.access.auth import load_key_digests
+    from pipeline.serve.access.keys import load_key_file
     from pipeline.serve.spec import load_serve_spec
 
     spec = load_serve_spec(args["config"])

@@ -1,10 +1,10 @@
 """Run the Serve application on Ray until told to stop: what `tokenmill serve` does.
 
 Starts (or joins, with RAY_ADDRESS) a Ray cluster, starts Serve's HTTP proxy on the given
-host and port, deploys the app with its two probe apps (/ready, /health: pipeline/serve/probes.py),
-and blocks until Ctrl-C or SIGTERM, then deletes the apps, the limits coordinator and the board
-(or stops Serve, when the cluster is this process's own) so replicas release their engines
-before the process exits.
+host and port, deploys the app with its two probe apps (/ready, /health:
+pipeline/serve/http/probes.py), and blocks until Ctrl-C or SIGTERM, then deletes the apps, the
+limits coordinator and the board (or stops Serve, when the cluster is this process's own) so
+replicas release their engines before the process exits.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pipeline.serve.auth import KeyDigests
-from pipeline.serve.haproxy import direct_ingress_env
+from pipeline.serve.access.auth import KeyDigests
+from pipeline.serve.http.haproxy import direct_ingress_env
 from pipeline.serve.spec import ServeSpec
 
 
@@ -75,10 +75,10 @@ def _serve_until_stopped(
     import ray
     from ray import serve
 
+    from pipeline.serve.access.limit_coordinator import kill_coordinator
     from pipeline.serve.app import build_app
-    from pipeline.serve.board import kill_board
-    from pipeline.serve.limit_coordinator import kill_coordinator
-    from pipeline.serve.probes import probe_targets
+    from pipeline.serve.http.probes import probe_targets
+    from pipeline.serve.replicas.board import kill_board
 
     stop = threading.Event()
     logging_config = {"enable_access_log": spec.http.access_log}

@@ -65,7 +65,7 @@ class ReplicaSpec(_Strict):
         description="How requests pick a replica: prefix sends prompts that share a prefix "
         "(system prompt, few-shot preamble, chat history) to the replica that computed it, so "
         "its prefix cache hits, unless that replica is `imbalance` requests busier than the "
-        "least loaded (pipeline/serve/routing.py); load is Serve's default (two random "
+        "least loaded (pipeline/serve/replicas/routing.py); load is Serve's default (two random "
         "replicas, the shorter queue). One replica: no difference.",
     )
     routing_imbalance: int = Field(
@@ -309,7 +309,7 @@ class HttpSpec(_Strict):
         "proxy actor: 1.4-2.1x the requests/s of the proxy, with time to first token below "
         "vLLM's server (docs/serve.md). A client that goes away is noticed on both paths and "
         "its request cancelled (HAProxy runs without kernel splice for that: "
-        "pipeline/serve/haproxy.py). false: Serve's proxy actor, for a platform without "
+        "pipeline/serve/http/haproxy.py). false: Serve's proxy actor, for a platform without "
         "HAProxy. Applies to the Ray that `tokenmill serve` starts itself; on a shared cluster "
         "these are the Ray nodes' settings (RAY_SERVE_ENABLE_DIRECT_INGRESS=1 and "
         "RAY_SERVE_ENABLE_HA_PROXY=1 in their environment, docs/serve.md).",
@@ -541,7 +541,7 @@ def engine_deployment_options(served: ServedModelSpec) -> dict[str, Any]:
     if replicas.routing == "prefix":
         from ray.serve.config import RequestRouterConfig
 
-        from pipeline.serve.routing import ROUTER_PATH
+        from pipeline.serve.replicas.routing import ROUTER_PATH
 
         options["request_router_config"] = RequestRouterConfig(
             request_router_class=ROUTER_PATH,

@@ -21,7 +21,7 @@ import yaml
 from openai.types import Batch
 
 from engines.dev import testhooks
-from pipeline.serve.batches import RESUME_KEY
+from pipeline.serve.batch_api.batches import RESUME_KEY
 from tests.e2e import serve_fixtures
 from tests.e2e.serve_fixtures import API_KEY, OTHER_KEY, ServerProcess, serve_config, start_server
 from tests.e2e.test_submit import RayHead, ray_head

@@ -80,8 +80,8 @@ def test_rayservice_builder_makes_the_same_app(monkeypatch: pytest.MonkeyPatch) 
     """KubeRay's serveConfigV2 runs `pipeline.serve.app:app_builder` with `config` in args."""
     from ray.serve import Application
 
+    from pipeline.serve.access.auth import AuthConfigError
     from pipeline.serve.app import app_builder
-    from pipeline.serve.auth import AuthConfigError
 
     config = str(Path(__file__).resolve().parents[2] / "jobs" / "serve.yaml")
     monkeypatch.setenv("TOKENMILL_API_KEYS", "")
@@ -96,7 +96,7 @@ def test_rayservice_probe_builders_make_the_probe_apps() -> None:
     """serveConfigV2's /ready and /health applications (infra/terraform/workloads)."""
     from ray.serve import Application
 
-    from pipeline.serve.probes import health_app_builder, ready_app_builder, ready_probe_args
+    from pipeline.serve.http.probes import health_app_builder, ready_app_builder, ready_probe_args
 
     config = str(Path(__file__).resolve().parents[2] / "jobs" / "serve.yaml")
     assert isinstance(ready_app_builder({"config": config, "app": "tokenmill"}), Application)

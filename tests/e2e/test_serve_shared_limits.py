@@ -1,6 +1,6 @@
 """A key's limits hold over two ingress replicas of a real `tokenmill serve`: requests beyond
 its requests_per_minute get 429 whichever replica Serve's proxy sends them to, while another
-limited key keeps getting 200s (pipeline.serve.shared_limits)."""
+limited key keeps getting 200s (pipeline.serve.access.shared_limits)."""
 
 from __future__ import annotations
 

@@ -8,8 +8,8 @@ import asyncio
 import hashlib
 import json
 
-from pipeline.serve import batch_routes
-from pipeline.serve.files import UPLOAD_PART_BYTES
+from pipeline.serve.batch_api import batch_routes
+from pipeline.serve.batch_api.files import UPLOAD_PART_BYTES
 from pipeline.serve.spec import parse_serve_spec
 from tests.integration.s3_server import S3Server
 from tests.unit.test_batch_api import (

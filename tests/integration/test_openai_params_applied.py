@@ -57,7 +57,7 @@ def test_serve_requests_apply_the_parameters(tiny_model_dir: Path) -> None:
     from engines.api import EngineInfo
     from engines.reference.engine import ReferenceEngine
     from pipeline.openai.errors import ApiError
-    from pipeline.serve.requests import parse_request, to_engine_request
+    from pipeline.serve.protocol.requests import parse_request, to_engine_request
     from pipeline.serve.spec import ServedModelSpec
 
     tokenizer, forced, eos = _tokens(tiny_model_dir)

@@ -20,10 +20,14 @@ from fastapi.responses import JSONResponse
 from starlette.testclient import TestClient
 
 from pipeline.openai.errors import ApiError
-from pipeline.serve import batch_routes
-from pipeline.serve.batches import RESUME_KEY, BatchService
-from pipeline.serve.files import MAX_REPORTED_ERRORS, BatchInputSummary, validate_batch_input
-from pipeline.serve.keys import ApiKey
+from pipeline.serve.access.keys import ApiKey
+from pipeline.serve.batch_api import batch_routes
+from pipeline.serve.batch_api.batches import RESUME_KEY, BatchService
+from pipeline.serve.batch_api.files import (
+    MAX_REPORTED_ERRORS,
+    BatchInputSummary,
+    validate_batch_input,
+)
 from pipeline.serve.spec import parse_serve_spec
 from pipeline.spec import parse_job_spec
 
@@ -340,7 +344,7 @@ def test_batch_job_spec_is_a_valid_openai_batch_job(app: FastAPI, jobs: FakeJobs
     working_dir = Path(jobs.submitted[f"tokenmill-{batch.id}"]["runtime_env"]["working_dir"])
     assert not working_dir.exists()  # a temp dir, uploaded by the Jobs client at submit
     service = batch_routes._installed.service  # type: ignore[union-attr]
-    from pipeline.serve.batches import job_spec_data
+    from pipeline.serve.batch_api.batches import job_spec_data
 
     served = service.spec.model_named("tiny")
     assert served is not None
@@ -553,8 +557,8 @@ def test_concurrent_resumes_of_one_batch_submit_one_job(
 
 def _env_ring(*keys: str) -> Any:
     """The keys of TOKENMILL_API_KEYS=keys[0],keys[1],... as the ingress holds them."""
-    from pipeline.serve.auth import KeyDigests, digest
-    from pipeline.serve.keys import KeyRing
+    from pipeline.serve.access.auth import KeyDigests, digest
+    from pipeline.serve.access.keys import KeyRing
 
     named = tuple((f"env-{i}", digest(k)) for i, k in enumerate(keys, start=1))
     return KeyRing.build(KeyDigests(frozenset(d for _, d in named), named=named), None)
@@ -585,8 +589,8 @@ def test_reordered_env_keys_keep_their_own_files_and_batches(
 
 
 def test_batch_api_refused_without_a_stable_identity(tmp_path: Path, jobs: FakeJobs) -> None:
-    from pipeline.serve.auth import KeyDigests
-    from pipeline.serve.keys import KeyRing
+    from pipeline.serve.access.auth import KeyDigests
+    from pipeline.serve.access.keys import KeyRing
 
     insecure = KeyRing.build(KeyDigests(frozenset(), insecure=True), None)  # --insecure-no-auth
     app = _routes_app(_spec(tmp_path), jobs, lambda key: insecure.identify(f"Bearer {key}"))
@@ -815,8 +819,8 @@ keys:
 
 
 def test_per_key_batch_quotas(tmp_path: Path, jobs: FakeJobs) -> None:
-    from pipeline.serve.auth import KeyDigests, digest
-    from pipeline.serve.keys import KeyRing, parse_key_file
+    from pipeline.serve.access.auth import KeyDigests, digest
+    from pipeline.serve.access.keys import KeyRing, parse_key_file
 
     ring = KeyRing.build(
         KeyDigests(frozenset()), parse_key_file(QUOTA_KEYS % digest("key-q"), "keys.yaml")
@@ -883,7 +887,7 @@ def test_a_refused_submit_leaves_no_batch_and_the_stopped_one_resumable(tmp_path
 
 
 def test_a_record_whose_job_never_came_fails_after_the_grace(tmp_path: Path) -> None:
-    from pipeline.serve.batches import SUBMIT_GRACE_S
+    from pipeline.serve.batch_api.batches import SUBMIT_GRACE_S
 
     clock = [1_000_000.0]
     jobs = FakeJobs()
@@ -904,7 +908,7 @@ def test_a_record_whose_job_never_came_fails_after_the_grace(tmp_path: Path) -> 
 
 
 def test_streaming_validation_matches_the_one_pass_over_lines() -> None:
-    from pipeline.serve.files import StreamingValidator
+    from pipeline.serve.batch_api.files import StreamingValidator
 
     data = _jsonl([_line(0), "{oops", _line(0), _line(3)]) + b"[1]"  # no final line break
     expected = validate_batch_input(io.BytesIO(data), max_lines=10)

@@ -1,11 +1,11 @@
-"""multipart/form-data read in pieces (pipeline.serve.multipart): whatever the pieces, the
+"""multipart/form-data read in pieces (pipeline.serve.batch_api.multipart): whatever the pieces, the
 same parts and bytes come out as from the whole body."""
 
 from __future__ import annotations
 
 import pytest
 
-from pipeline.serve.multipart import (
+from pipeline.serve.batch_api.multipart import (
     MAX_HEADER_BYTES,
     MultipartError,
     MultipartReader,

@@ -15,7 +15,7 @@ from pipeline.batch.read.openai_batch import parse_batch_request
 from pipeline.batch.rows import row_sampling
 from pipeline.openai import params
 from pipeline.openai.errors import ApiError
-from pipeline.serve.requests import parse_request, to_engine_request
+from pipeline.serve.protocol.requests import parse_request, to_engine_request
 from pipeline.spec import SamplingSpec
 from tests.unit.test_serve_protocol import _FakeTokenizer, _info, _served
 

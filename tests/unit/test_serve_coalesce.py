@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from engines.api import GenerationRequest, GenerationResult, SamplingParams, StreamDelta
-from pipeline.serve.coalesce import coalesce
+from pipeline.serve.replicas.coalesce import coalesce
 
 
 def _deltas(n: int, times: list[float], clock: list[float]):

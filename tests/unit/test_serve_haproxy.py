@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.serve import haproxy
+from pipeline.serve.http import haproxy
 
 
 def test_wrapper_runs_the_binary_with_splice_off_and_the_callers_arguments(

@@ -20,7 +20,7 @@ from engines.api import (
     GenerationResult,
 )
 from pipeline.serve.app import result_error
-from pipeline.serve.health import ReplicaHealth, ReplicaUnhealthyError, StallWatch
+from pipeline.serve.replicas.health import ReplicaHealth, ReplicaUnhealthyError, StallWatch
 from pipeline.serve.spec import (
     HealthSpec,
     ServedModelSpec,
@@ -208,7 +208,7 @@ def make_replica(
     monkeypatch: pytest.MonkeyPatch, engine: FakeEngine, board: FakeBoard | None = None
 ):
     import pipeline.engine_setup
-    from pipeline.serve.replica import EngineReplica
+    from pipeline.serve.replicas.replica import EngineReplica
     from pipeline.spec import StorageSpec
 
     monkeypatch.setattr(pipeline.engine_setup, "open_engine", lambda *a, **k: engine)
@@ -272,7 +272,7 @@ def test_a_dead_engine_seen_by_a_request_makes_the_replica_unhealthy(
 def test_a_replica_posts_healthy_at_its_first_check_and_a_failure_at_once(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from pipeline.serve.replica import HEARTBEAT_S, SETTLE_S
+    from pipeline.serve.replicas.replica import HEARTBEAT_S, SETTLE_S
 
     engine, board = FakeEngine(), FakeBoard()
     replica = make_replica(monkeypatch, engine, board)
@@ -304,7 +304,7 @@ def test_a_replica_posts_healthy_at_its_first_check_and_a_failure_at_once(
 
 
 def test_test_hooks_are_off_without_the_env_var(monkeypatch: pytest.MonkeyPatch) -> None:
-    from pipeline.serve.testhooks import break_engine
+    from pipeline.serve.replicas.testhooks import break_engine
 
     monkeypatch.delenv("TOKENMILL_TEST_HOOKS", raising=False)
     engine = SimpleNamespace(runner=SimpleNamespace(execute=lambda: "ok"))

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.serve.auth import KeyDigests, load_key_digests
-from pipeline.serve.keys import (
+from pipeline.serve.access.auth import KeyDigests, load_key_digests
+from pipeline.serve.access.keys import (
     ANONYMOUS,
     KeyFileError,
     KeyFileWatcher,
@@ -171,7 +171,7 @@ def test_reload_adds_removes_and_survives_a_broken_edit(
     assert watcher.ring.identify(bearer("key-a")).limits.requests_per_minute == 5
 
     # A broken edit: logged once (file, entry, field; no value), the last good set stays.
-    caplog.set_level(logging.ERROR, logger="pipeline.serve.keys")
+    caplog.set_level(logging.ERROR, logger="pipeline.serve.access.keys")
     path.write_text(yaml.safe_dump({"keys": [{"name": "team-c", "sha256": "key-c"}]}))
     assert watcher.poll() is False
     assert watcher.poll() is False

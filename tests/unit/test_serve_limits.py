@@ -5,8 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.serve.keys import ApiKey, KeyLimits
-from pipeline.serve.limits import Gate, Limiter, LimitExceeded, TokenBucket, retry_after_header
+from pipeline.serve.access.keys import ApiKey, KeyLimits
+from pipeline.serve.access.limits import (
+    Gate,
+    Limiter,
+    LimitExceeded,
+    TokenBucket,
+    retry_after_header,
+)
 
 
 class Clock:

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from pipeline.serve.local import LocalEngine
+from pipeline.serve.replicas.local import LocalEngine
 from pipeline.serve.spec import ServeSpec
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from engines.api import GenerationResult, TokenLogprob
-from pipeline.serve.logprobs import LogprobsBody
+from pipeline.serve.protocol.logprobs import LogprobsBody
 
 TEXTS = {1: "Hel", 2: "lo", 3: " w", 9: "<eos>"}
 ENTRIES = [
@@ -44,7 +44,7 @@ def test_a_stop_string_keeps_every_token_and_offsets_run_across_chunks() -> None
 
 def test_echoed_prompt_logprobs_come_first_with_running_offsets() -> None:
     from engines.api import TokenLogprob
-    from pipeline.serve.logprobs import LogprobsBody, join_completion_logprobs
+    from pipeline.serve.protocol.logprobs import LogprobsBody, join_completion_logprobs
 
     builder = LogprobsBody("completions", lambda t: f"<{t}>")
     prompt = [5, 6, 7]

@@ -26,9 +26,9 @@ from pipeline.openai.responses import (
     usage_chunk_body,
 )
 from pipeline.openai.sse import sse
-from pipeline.serve.auth import AuthConfigError, load_key_digests
-from pipeline.serve.cost import EqualShareMeter
-from pipeline.serve.requests import capped_max_tokens, parse_request, to_engine_request
+from pipeline.serve.access.auth import AuthConfigError, load_key_digests
+from pipeline.serve.protocol.requests import capped_max_tokens, parse_request, to_engine_request
+from pipeline.serve.replicas.cost import EqualShareMeter
 from pipeline.serve.spec import (
     AuthSpec,
     ServedModelSpec,

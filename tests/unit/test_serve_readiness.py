@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from pipeline.serve.board import STALE_AFTER_S, ReplicaBoard
-from pipeline.serve.readiness import ReadinessView, ReplicaReport, running_by_deployment
+from pipeline.serve.http.readiness import ReadinessView, ReplicaReport, running_by_deployment
+from pipeline.serve.replicas.board import STALE_AFTER_S, ReplicaBoard
 from pipeline.serve.spec import INGRESS_DEPLOYMENT, ServeSpec, engine_deployments
 
 STALE = 30.0
@@ -152,7 +152,7 @@ def test_the_board_keeps_a_failure_whatever_the_replica_posts_later() -> None:
 
 
 def test_the_board_drops_replicas_that_stopped_posting(monkeypatch: pytest.MonkeyPatch) -> None:
-    import pipeline.serve.board as board_module
+    import pipeline.serve.replicas.board as board_module
 
     clock = [1000.0]
     monkeypatch.setattr(board_module.time, "monotonic", lambda: clock[0])

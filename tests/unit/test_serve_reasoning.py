@@ -10,7 +10,7 @@ from engines.api import EngineInfo
 from pipeline.openai.errors import ApiError
 from pipeline.openai.models import parse_completion_request
 from pipeline.openai.responses import Choice, ResponseIds, Usage, choices_body, chunk_body
-from pipeline.serve.requests import parse_request, to_engine_request
+from pipeline.serve.protocol.requests import parse_request, to_engine_request
 from pipeline.serve.spec import ServedModelSpec
 
 MESSAGES = [{"role": "user", "content": "hi"}]

@@ -7,7 +7,7 @@ from collections import namedtuple
 from types import SimpleNamespace
 
 from engines.api import GenerationRequest
-from pipeline.serve.routing import PrefixAffinityRouter, prefix_hashes, rendezvous
+from pipeline.serve.replicas.routing import PrefixAffinityRouter, prefix_hashes, rendezvous
 
 
 def test_prefix_hashes_chain_over_full_blocks() -> None:

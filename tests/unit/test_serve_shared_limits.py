@@ -11,11 +11,16 @@ from collections.abc import Coroutine, Sequence
 
 import pytest
 
-from pipeline.serve.keys import ApiKey, KeyLimits
-from pipeline.serve.limit_coordinator import CoordinatorUnavailable
-from pipeline.serve.limit_ledger import STALE_S, Ask, Grant, Ledger, Need, scaled
-from pipeline.serve.limits import Limiter, LimitExceeded
-from pipeline.serve.shared_limits import LeaseTuning, SharedLease, SharedLimiter, admission_for
+from pipeline.serve.access.keys import ApiKey, KeyLimits
+from pipeline.serve.access.limit_coordinator import CoordinatorUnavailable
+from pipeline.serve.access.limit_ledger import STALE_S, Ask, Grant, Ledger, Need, scaled
+from pipeline.serve.access.limits import Limiter, LimitExceeded
+from pipeline.serve.access.shared_limits import (
+    LeaseTuning,
+    SharedLease,
+    SharedLimiter,
+    admission_for,
+)
 from pipeline.serve.spec import ServeSpec
 
 

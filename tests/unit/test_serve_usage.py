@@ -14,7 +14,7 @@ from pipeline.openai.errors import ApiError
 from pipeline.openai.models import parse_chat_request, parse_completion_request
 from pipeline.openai.responses import Usage
 from pipeline.serve.metrics import ServeMetrics
-from pipeline.serve.requests import check_prompt_bytes
+from pipeline.serve.protocol.requests import check_prompt_bytes
 from pipeline.serve.spec import ServedModelSpec, UsageLogSpec
 from pipeline.serve.usage import (
     FileSink,
@@ -178,7 +178,7 @@ def tiny_tokenizer(tmp_path_factory: pytest.TempPathFactory):
 
 
 def test_bytes_per_token_bound_holds_for_any_text(tiny_tokenizer) -> None:
-    from pipeline.serve.tokens import bytes_per_token_bound
+    from pipeline.serve.protocol.tokens import bytes_per_token_bound
 
     bound = bytes_per_token_bound(tiny_tokenizer)
     assert bound is not None and bound >= 1
@@ -197,7 +197,7 @@ def test_no_bound_for_tokenizers_that_can_drop_text() -> None:
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from pipeline.serve.tokens import bytes_per_token_bound
+    from pipeline.serve.protocol.tokens import bytes_per_token_bound
 
     def fast(pre, norm=None, model=None):
         vocab = {"[UNK]": 0, "a": 1, "b": 2, "ab": 3}

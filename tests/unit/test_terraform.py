@@ -285,7 +285,7 @@ def test_ray_service_serves_the_serve_yaml(workloads: dict[str, Any]) -> None:
     apps = re.findall(
         r'\{name = ([^,]+), import_path = "([^"]+)", route_prefix = "([^"]+)"', serve_config
     )
-    # The app at / and its two probe apps (pipeline/serve/probes.py): /ready watches the app
+    # The app at / and its two probe apps (pipeline/serve/http/probes.py): /ready watches the app
     # named in its args.
     main = "local.serve_app_name"
     assert [(n, r) for n, _, r in apps] == [

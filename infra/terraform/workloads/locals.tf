@@ -11,7 +11,7 @@ locals {
 
   # The keys file (var.serve_keys_file_secret): a secret volume mounted as a whole directory,
   # never through subPath, since a subPath mount is not updated when the secret changes and
-  # the ingress replicas reload the file on change (pipeline/serve/keys.py).
+  # the ingress replicas reload the file on change (pipeline/serve/access/keys.py).
   serve_keys_dir       = "/etc/tokenmill/serve-keys"
   serve_keys_file_path = "${local.serve_keys_dir}/keys.yaml"
 

@@ -1,7 +1,7 @@
 # The long-running OpenAI-compatible endpoint: Ray Serve runs tokenmill's Serve application
 # (what `tokenmill serve SERVE.yaml` runs locally) from the serve YAML mounted at
 # local.serve_config_path. Editing jobs/serve.yaml and applying rolls the app in place.
-# /ready and /health are two small applications of their own (pipeline/serve/probes.py), so
+# /ready and /health are two small applications of their own (pipeline/serve/http/probes.py), so
 # they answer while the main app's only replica is replaced; `app` names the app /ready watches.
 locals {
   serve_app_name = "tokenmill"
@@ -16,13 +16,13 @@ locals {
       },
       {
         name         = "${local.serve_app_name}-ready"
-        import_path  = "pipeline.serve.probes:ready_app_builder"
+        import_path  = "pipeline.serve.http.probes:ready_app_builder"
         route_prefix = "/ready"
         args         = { config = local.serve_config_path, app = local.serve_app_name }
       },
       {
         name         = "${local.serve_app_name}-health"
-        import_path  = "pipeline.serve.probes:health_app_builder"
+        import_path  = "pipeline.serve.http.probes:health_app_builder"
         route_prefix = "/health"
       },
     ]

@@ -33,8 +33,8 @@ from dataclasses import dataclass
 import ray
 
 from engines.api import EngineStats
-from pipeline.serve.limit_coordinator import NAMESPACE
-from pipeline.serve.readiness import ReplicaReport, running_by_deployment
+from pipeline.serve.access.limit_coordinator import NAMESPACE
+from pipeline.serve.http.readiness import ReplicaReport, running_by_deployment
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
-"""`/v1/files` storage and upload validation (no FastAPI here: pipeline.serve.batch_routes).
+"""`/v1/files` storage and upload validation (no FastAPI here: batch_api.batch_routes).
 
 Files live under `<batch_api.uri>/files/<owner>/`, `owner` a digest of the uploading key's
-owner (pipeline.serve.keys: its keys-file name, or the plaintext key's SHA-256), so a key
+owner (pipeline.serve.access.keys: its keys-file name, or the plaintext key's SHA-256), so a key
 only ever lists and opens its own:
 
     file-<id>.jsonl   the uploaded content (input files)
@@ -23,7 +23,7 @@ server can run), with a string body.model, and no custom_id twice. As with OpenA
 problems is still stored: what the pass found (`BatchInputSummary`, bounded) is kept in the
 file object, and a batch made from the file fails during `validating` with those problems and
 its own (a line's url not the batch's endpoint, an unknown model) named by line number
-(pipeline.serve.batches).
+(pipeline.serve.batch_api.batches).
 """
 
 from __future__ import annotations

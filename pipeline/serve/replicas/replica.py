@@ -4,10 +4,11 @@ Built with `open_engine` from the model's ModelSpec / EngineSpec, the same call 
 actors make, so a served model runs the engine, settings and code a nightly job does. The
 replica adds what Serve needs around the engine: cancellation when the caller goes away, and a
 per-request device-seconds figure (its share of engine time) for the response's cost, and
-honest health (pipeline/serve/health.py): Serve's `check_health` fails once the engine is dead
-or its step loop has stalled, requests in flight on such a replica fail at once with
+honest health (pipeline/serve/replicas/health.py): Serve's `check_health` fails once the engine
+is dead or its step loop has stalled, requests in flight on such a replica fail at once with
 ReplicaUnhealthyError (the ingress answers 503) instead of waiting for a step that never comes,
-and the verdict goes to the app's board at once, where /ready reads it (pipeline/serve/probes.py).
+and the verdict goes to the app's board at once, where /ready reads it
+(pipeline/serve/http/probes.py).
 """
 
 from __future__ import annotations
@@ -31,12 +32,12 @@ from engines.api import (
     StreamDelta,
 )
 from pipeline.cost import CostMeter
-from pipeline.serve.board import POST_INTERVAL_S, open_board
-from pipeline.serve.coalesce import coalesce
-from pipeline.serve.cost import EqualShareMeter
-from pipeline.serve.health import ReplicaHealth, StallWatch
+from pipeline.serve.replicas.board import POST_INTERVAL_S, open_board
+from pipeline.serve.replicas.coalesce import coalesce
+from pipeline.serve.replicas.cost import EqualShareMeter
+from pipeline.serve.replicas.health import ReplicaHealth, StallWatch
+from pipeline.serve.replicas.testhooks import BreakMode, break_engine
 from pipeline.serve.spec import ServedModelSpec
-from pipeline.serve.testhooks import BreakMode, break_engine
 from pipeline.spec import StorageSpec
 
 logger = logging.getLogger(__name__)
@@ -205,7 +206,7 @@ class EngineReplica:
 
     async def _post_stats(self) -> None:
         """Post the engine's stats and this replica's health verdict to the app's board
-        (pipeline/serve/board.py), for /metrics and /ready: at once when the poster starts
+        (pipeline/serve/replicas/board.py), for /metrics and /ready: at once when the poster starts
         (the first health check, before Serve routes to the replica) and when the replica
         fails, soon after requests come and go, every POST_INTERVAL_S while steps run, and
         every HEARTBEAT_S when nothing changes."""

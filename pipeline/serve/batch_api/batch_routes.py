@@ -10,9 +10,9 @@ Every call is admitted as a chat request is: an ingress slot and the key's own l
 (requests_per_minute, max_concurrent), 429 beyond them; a body over http.max_body_bytes (an
 upload: over batch_api.max_file_bytes) is refused before it is read. An upload also takes one
 of batch_api.max_concurrent_uploads slots, and streams through: the multipart body is read as
-it arrives (pipeline.serve.multipart), its file part checked line by line and written to
-storage in parts (pipeline.serve.files.Upload), so the ingress holds a few MiB per upload
-whatever the file's size. The key's Batch API quotas (pipeline.serve.keys.BatchQuota) are
+it arrives (pipeline.serve.batch_api.multipart), its file part checked line by line and written to
+storage in parts (pipeline.serve.batch_api.files.Upload), so the ingress holds a few MiB per upload
+whatever the file's size. The key's Batch API quotas (pipeline.serve.access.keys.BatchQuota) are
 checked here (bytes stored) and by the batch service (batches in flight, lines per day).
 """
 
@@ -30,17 +30,29 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pipeline.openai.errors import ApiError
 from pipeline.openai.models import parse_json_body
-from pipeline.serve.batches import BatchService, JobsApi
-from pipeline.serve.files import PURPOSES, FileStore, StoredFile, StreamingValidator, Upload
-from pipeline.serve.httpio import (
+from pipeline.serve.access.keys import ApiKey
+from pipeline.serve.access.limits import Gate
+from pipeline.serve.batch_api.batches import BatchService, JobsApi
+from pipeline.serve.batch_api.files import (
+    PURPOSES,
+    FileStore,
+    StoredFile,
+    StreamingValidator,
+    Upload,
+)
+from pipeline.serve.batch_api.multipart import (
+    MultipartError,
+    MultipartReader,
+    PartData,
+    PartEnd,
+    PartStart,
+)
+from pipeline.serve.http.httpio import (
     HeldStreamingResponse,
     body_too_large,
     check_declared_length,
     read_body,
 )
-from pipeline.serve.keys import ApiKey
-from pipeline.serve.limits import Gate
-from pipeline.serve.multipart import MultipartError, MultipartReader, PartData, PartEnd, PartStart
 from pipeline.serve.spec import ServeSpec
 
 router = APIRouter()
@@ -102,7 +114,7 @@ def _jobs_client(spec: ServeSpec) -> Callable[[], JobsApi]:
 class _Caller:
     service: BatchService
     key: ApiKey
-    owner: str  # what its files and batches belong to (pipeline.serve.keys)
+    owner: str  # what its files and batches belong to (pipeline.serve.access.keys)
     release: Callable[[], None]  # its ingress slot and key admission
 
 

@@ -18,7 +18,7 @@ that long, without a restart. A file that does not parse keeps the last good set
 logs an error naming the file, entry and field. Messages never quote the file's values, since
 a pasted plaintext key would otherwise end up in the logs.
 
-The keys from the environment / plaintext secrets file (pipeline.serve.auth) join the file's
+The keys from the environment / plaintext secrets file (pipeline.serve.access.auth) join the file's
 under their names env-N and file-N, without limits.
 
 A key's `owner` is what its Batch API files and batches belong to, and must not move when
@@ -41,7 +41,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from pipeline.serve.auth import KeyDigests, digest
+from pipeline.serve.access.auth import KeyDigests, digest
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """Per-key limits of one ingress replica among several: admission from a lease on the app's
-ledger (pipeline.serve.limit_ledger), so the limits hold over all ingress replicas together.
+ledger (pipeline.serve.access.limit_ledger), so the limits hold over all ingress replicas together.
 
 Each replica holds, per key, a lease: a few requests and tokens taken from the key's buckets in
 the coordinator, and the max_concurrent slots it was given. A request that its key's lease
@@ -28,7 +28,7 @@ What holds, N being the most ingress replicas the app can have:
 - A keys-file reload: each exchange carries the replica's limits, so the coordinator follows a
   change when the first replica that reloaded the file talks to it; the budget used so far
   carries over, as with one replica.
-With one ingress replica none of this runs: pipeline.serve.limits.Limiter, all in memory.
+With one ingress replica none of this runs: pipeline.serve.access.limits.Limiter, all in memory.
 """
 
 from __future__ import annotations
@@ -41,14 +41,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pipeline.serve.keys import ApiKey, KeyLimits
-from pipeline.serve.limit_coordinator import (
+from pipeline.serve.access.keys import ApiKey, KeyLimits
+from pipeline.serve.access.limit_coordinator import (
     Coordinator,
     CoordinatorUnavailable,
     RemoteCoordinator,
 )
-from pipeline.serve.limit_ledger import STALE_S, Ask, Grant, Ledger, Need, Refusal
-from pipeline.serve.limits import (
+from pipeline.serve.access.limit_ledger import STALE_S, Ask, Grant, Ledger, Need, Refusal
+from pipeline.serve.access.limits import (
     Admission,
     Limiter,
     LimitExceeded,

@@ -2,11 +2,11 @@
 
 With several ingress replicas a key's budgets must be counted in one place, or each replica
 would grant the whole budget again. The ledger holds, per key, the requests_per_minute and
-tokens_per_minute buckets (pipeline.serve.limits.TokenBucket, the same refill rule as one
+tokens_per_minute buckets (pipeline.serve.access.limits.TokenBucket, the same refill rule as one
 replica's) and which replica holds how many of its max_concurrent slots. Replicas never ask it
 per request: each holds a lease (a few units of each budget, taken from the buckets here) and
 admits from it locally, and talks to the ledger in batched `exchange` calls
-(pipeline.serve.shared_limits):
+(pipeline.serve.access.shared_limits):
 
 - `give_*`: unspent units handed back (a negative amount is a debt: tokens a request used
   beyond its charge), so an idle or contended replica sits on nothing;
@@ -24,7 +24,7 @@ replicas is what one bucket admits (a key's budget per minute plus one bucket ov
 stretch); slots held over all replicas never exceed max_concurrent. Units given back go back
 into the bucket (up to its size); units lost with a replica are lost, which only under-admits.
 
-The ledger runs in the coordinator actor (pipeline.serve.limit_coordinator) and, with
+The ledger runs in the coordinator actor (pipeline.serve.access.limit_coordinator) and, with
 `share` = N, inside a replica that cannot reach the coordinator: every limit is then divided
 by N (rounded up) so N replicas on their own still hold the limit in total.
 """
@@ -36,8 +36,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from pipeline.serve.keys import KeyLimits
-from pipeline.serve.limits import LimitName, TokenBucket, bucket_for
+from pipeline.serve.access.keys import KeyLimits
+from pipeline.serve.access.limits import LimitName, TokenBucket, bucket_for
 
 STALE_S = 10.0  # a replica's slot report lasts this long unless repeated
 CONTENDED_S = 5.0  # after a refusal, this long without prefetch for the key

@@ -5,7 +5,7 @@ and/or a secrets file, and only their SHA-256 digests travel on: Ray stores a Se
 application's init arguments in its control store, and plaintext keys have no business there.
 These keys are named by where they came from (env-1, env-2, ..., file-1, ...), have no limits
 and may read /metrics. Named keys with limits live in `auth.keys_file`, which holds digests
-only and is read (and reloaded) by the ingress itself: pipeline.serve.keys.
+only and is read (and reloaded) by the ingress itself: pipeline.serve.access.keys.
 """
 
 from __future__ import annotations

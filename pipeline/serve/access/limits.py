@@ -1,6 +1,6 @@
 """Admission limits of an ingress replica: per-key budgets and the replica's own slots.
 
-Per key (pipeline.serve.keys.KeyLimits):
+Per key (pipeline.serve.access.keys.KeyLimits):
 - requests_per_minute and tokens_per_minute are token buckets holding one minute's budget,
   refilled continuously at budget/60 per second. A request is admitted when the bucket holds
   what it needs, or the whole bucket when it needs more than a minute's budget (so a request
@@ -22,7 +22,7 @@ refuses at once rather than queueing, so a flood meets 429s and bounded memory.
 `Limiter` keeps every key's budget in this replica's memory, changed only on its event loop:
 what an app with one ingress replica uses (no actor, no remote call). An app that can run
 several (http.ingress_replicas > 1, or one_hop with several model replicas) uses
-pipeline.serve.shared_limits.SharedLimiter instead, which leases budget from one coordinator
+pipeline.serve.access.shared_limits.SharedLimiter instead, which leases budget from one coordinator
 per app so the limits hold over all replicas together (the bounds are in its docstring); both
 are `Admission`s, and app.py sees only that and `RequestLease`.
 """
@@ -35,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-from pipeline.serve.keys import ApiKey, KeyLimits
+from pipeline.serve.access.keys import ApiKey, KeyLimits
 
 LimitName = Literal["requests_per_minute", "tokens_per_minute", "max_concurrent"]
 
@@ -140,7 +140,7 @@ class RequestLease(Protocol):
 
 class Admission(Protocol):
     """Per-key limits of one ingress replica: `Limiter` on its own (one ingress replica) or
-    pipeline.serve.shared_limits.SharedLimiter (several, leasing from one coordinator)."""
+    pipeline.serve.access.shared_limits.SharedLimiter (several, leasing from one coordinator)."""
 
     async def acquire(self, key: ApiKey) -> RequestLease:
         """Admit a new request against max_concurrent and requests_per_minute."""

@@ -26,8 +26,8 @@ from pipeline.openai.models import (
 )
 from pipeline.openai.response_format import FormatError, parse_response_format
 from pipeline.openai.responses import Endpoint, ResponseIds, Usage
+from pipeline.serve.protocol.tokens import PromptTokenizer
 from pipeline.serve.spec import ServedModelSpec
-from pipeline.serve.tokens import PromptTokenizer
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -317,8 +317,8 @@ def check_prompt_bytes(
 ) -> None:
     """400 context_length_exceeded, before tokenizing, for a prompt whose byte length alone
     proves it has more tokens than the cap: B bytes are at least B / max_bytes_per_token
-    tokens (pipeline.serve.tokens.bytes_per_token_bound). Chats count only the text of their
-    user messages (stripped), which every chat template renders in full; the template's own
+    tokens (pipeline.serve.protocol.tokens.bytes_per_token_bound). Chats count only the text of
+    their user messages (stripped), which every chat template renders in full; the template's own
     text and other roles only add tokens, and templates may drop or trim other roles' text."""
     if max_bytes_per_token is None:
         return

@@ -1,6 +1,6 @@
 """Per-owner Batch API quotas that need a count shared by every ingress replica: batches in
-flight and lines per UTC day (pipeline.serve.keys.BatchQuota; bytes stored is counted from
-the owner's files themselves, pipeline.serve.files.FileStore.stored_bytes).
+flight and lines per UTC day (pipeline.serve.access.keys.BatchQuota; bytes stored is counted from
+the owner's files themselves, pipeline.serve.batch_api.files.FileStore.stored_bytes).
 
 The count is one small object per owner, `<batch_api.uri>/batches/<owner>/_quota.json`,
 
@@ -21,8 +21,8 @@ import json
 from collections.abc import Callable
 
 from pipeline.openai.errors import ApiError
-from pipeline.serve.keys import BatchQuota
-from pipeline.serve.limits import retry_after_header
+from pipeline.serve.access.keys import BatchQuota
+from pipeline.serve.access.limits import retry_after_header
 from pipeline.storage import OutputDir, PreconditionFailed
 from pipeline.storage.prefix import Versioned
 

@@ -37,7 +37,7 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
-ROUTER_PATH = "pipeline.serve.routing:PrefixAffinityRouter"
+ROUTER_PATH = "pipeline.serve.replicas.routing:PrefixAffinityRouter"
 _MAX_PENDING = 10_000  # requests being routed at once, far above any real backlog
 
 

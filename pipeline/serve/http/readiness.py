@@ -1,15 +1,15 @@
 """Readiness: can every served model take a request now? Pure logic, testable without Ray.
 
-The ready probe (pipeline/serve/probes.py) keeps a view built from two sources, both read in
-the background by the app's board (pipeline/serve/board.py) and from it by the probe, never on
-a probe's request path:
+The ready probe (pipeline/serve/http/probes.py) keeps a view built from two sources, both read
+in the background by the app's board (pipeline/serve/replicas/board.py) and from it by the probe,
+never on a probe's request path:
 
 - Serve's status (the controller): how many replicas of each model's engine deployment are
   RUNNING. It sees a replica whose process died, and says when a new one can be routed to.
-- the replicas' own reports on the app's board (pipeline/serve/board.py): each engine replica
-  posts its verdict (healthy, or why its engine cannot serve) when it starts, every few seconds,
-  and at once when its engine dies or stalls. That is seconds before Serve's controller acts
-  (after 3 failed health checks in a row), which counts the replica RUNNING until then.
+- the replicas' own reports on the app's board (pipeline/serve/replicas/board.py): each engine
+  replica posts its verdict (healthy, or why its engine cannot serve) when it starts, every few
+  seconds, and at once when its engine dies or stalls. That is seconds before Serve's controller
+  acts (after 3 failed health checks in a row), which counts the replica RUNNING until then.
 
 A model is served while Serve counts a RUNNING replica of it and some replica of it reported a
 healthy engine within `stale_after_s`. Until both sources have been read once, nothing is.

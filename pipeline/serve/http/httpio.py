@@ -1,6 +1,6 @@
 """Request bodies read within a limit, and streamed responses that let go of what their
 request held when they end: shared by the chat routes (pipeline.serve.app) and the Batch API
-routes (pipeline.serve.batch_routes)."""
+routes (pipeline.serve.batch_api.batch_routes)."""
 
 # No `from __future__ import annotations`: FastAPI modules read annotations at runtime.
 from collections.abc import Callable

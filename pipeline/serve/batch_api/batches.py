@@ -17,7 +17,7 @@ so of two resumes racing only one runs a job into that output.
 Batch ids begin with their creation time counted down, so a listing of names is newest first
 and a list page reads only its own records.
 
-A batch whose input file has problems (pipeline.serve.files keeps them from the upload) or
+A batch whose input file has problems (pipeline.serve.batch_api.files keeps them from the upload) or
 whose lines do not fit it (a url not its endpoint, a model it cannot run) gets no job: it is
 stored `validating` and fails on its next read with OpenAI's `errors` list, naming lines. A
 batch whose metadata names RESUME_KEY continues a stopped batch of the same file: its job
@@ -35,8 +35,8 @@ output's manifest:
     ... after the completion window passed    expired (the job was stopped at expiry)
     Ray FAILED / STOPPED otherwise            failed
 
-On a terminal job the output and error files are registered (pipeline.serve.files) from the
-committed parts' export files (pipeline.batch.openai_output, written by the job, or here if
+On a terminal job the output and error files are registered (pipeline.serve.batch_api.files)
+from the committed parts' export files (pipeline.batch.openai_output, written by the job, or here if
 the job was killed before it got to them), and request_counts and the cost come from the
 manifest's totals. Nothing here blocks the event loop: callers run it in a thread.
 """
@@ -62,8 +62,9 @@ from pipeline.batch.commit.manifest import Manifest, read_manifest
 from pipeline.batch.openai_output import LineContext, expected_exports, export_committed
 from pipeline.batch.read.openai_batch import EMBEDDINGS_URL, SUPPORTED_BATCH_URLS
 from pipeline.openai.errors import ApiError
-from pipeline.serve.batch_quota import QuotaLedger
-from pipeline.serve.files import (
+from pipeline.serve.access.keys import BatchQuota
+from pipeline.serve.batch_api.batch_quota import QuotaLedger
+from pipeline.serve.batch_api.files import (
     MAX_REPORTED_ERRORS,
     PRIVATE,
     BatchInputSummary,
@@ -71,7 +72,6 @@ from pipeline.serve.files import (
     InputError,
     owner_slug,
 )
-from pipeline.serve.keys import BatchQuota
 from pipeline.serve.spec import BatchApiSpec, ServedModelSpec, ServeSpec
 from pipeline.spec import SpecError, parse_job_spec
 from pipeline.storage import OutputDir, PreconditionFailed, join_uri

@@ -1,6 +1,6 @@
 """The Serve app's limits coordinator: one small named Ray actor holding the ledger.
 
-Several ingress replicas share a key's limits through one pipeline.serve.limit_ledger.Ledger
+Several ingress replicas share a key's limits through one pipeline.serve.access.limit_ledger.Ledger
 in this actor. It is detached and found by name (per app, in its own namespace): the first
 ingress replica that needs it creates it (`get_if_exists`), so there is no creation race and
 `tokenmill serve` / the RayService need no extra step; being detached, it outlives any one
@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 import ray
 
-from pipeline.serve.limit_ledger import Ask, Grant, Ledger
+from pipeline.serve.access.limit_ledger import Ask, Grant, Ledger
 
 logger = logging.getLogger(__name__)
 
