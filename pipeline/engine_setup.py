@@ -31,13 +31,20 @@ def engine_settings(engine: EngineSpec) -> dict[str, Any]:
     return settings
 
 
-def open_engine(model: ModelSpec, engine: EngineSpec, storage: StorageSpec) -> Engine:
-    """Fetch the model to local disk if it is remote (once per node), then load the engine."""
+def open_engine(
+    model: ModelSpec, engine: EngineSpec, storage: StorageSpec, *, own_process: bool = False
+) -> Engine:
+    """Fetch the model to local disk if it is remote (once per node), then load the engine:
+    here, or with `own_process` in a child process of its own (engines/process.py)."""
     from pipeline.storage import materialize_model
 
     local_path = materialize_model(model.path, model.cache_dir, storage)
     if model.quantization is not None:
         local_path = quantized_model(local_path, model, storage)
+    if own_process:
+        from engines.process import ProcessEngine
+
+        return ProcessEngine(engine.kind, model=str(local_path), **engine_settings(engine))
     return load_engine(engine.kind, model=str(local_path), **engine_settings(engine))
 
 

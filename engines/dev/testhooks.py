@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
+from typing import Any
 
 HOOKS_ENV = "TOKENMILL_TEST_HOOKS"
 STEP_DELAY_ENV = "TOKENMILL_TEST_STEP_DELAY_S"
@@ -98,3 +100,30 @@ def forwarded_env() -> dict[str, str]:
 def step_delay_env(seconds: float) -> dict[str, str]:
     """The variables that turn the hooks on with a step delay of `seconds` (for tests)."""
     return {HOOKS_ENV: "1", STEP_DELAY_ENV: str(seconds)}
+
+
+def break_step_loop(engine: Any, mode: str) -> None:
+    """Make the engine's next step fail the way a real fault would (hooks on only).
+
+    crash: the next forward pass raises, so the step loop dies; stall: the next forward pass
+    never returns (a hung device). An engine in a process of its own (engines.process) is
+    broken there. Only the reference engine has a runner to break.
+    """
+    if not enabled():
+        raise PermissionError(f"test hooks are off (set {HOOKS_ENV}=1 in the server)")
+    remote = getattr(engine, "break_step_loop", None)
+    if remote is not None:
+        remote(mode)
+        return
+    runner = getattr(engine, "runner", None)
+    if runner is None:
+        raise NotImplementedError(f"cannot break a {engine.info.kind} engine's step loop")
+    never = threading.Event()
+
+    def crash(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("injected: the device fell off the bus")
+
+    def stall(*args: Any, **kwargs: Any) -> Any:
+        never.wait()
+
+    runner.execute = crash if mode == "crash" else stall

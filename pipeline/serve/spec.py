@@ -83,6 +83,19 @@ class ReplicaSpec(_Strict):
         "0 sends every engine step's tokens on their own.",
     )
 
+    engine_process: bool | None = Field(
+        None,
+        description="Run the engine in a process of its own beside the replica (engines/"
+        "process.py), so its step loop and the replica's request handling (HTTP, JSON, "
+        "tokenizing, streaming) run in parallel instead of taking turns on one GIL. null: on "
+        "for the reference engine, whose step loop is a thread of the replica; off for vLLM "
+        "and TensorRT-LLM, which run their engine cores in processes of their own already.",
+    )
+
+    def runs_engine_process(self, kind: str) -> bool:
+        """Whether this model's engine runs in its own process (engine_process resolved)."""
+        return self.engine_process if self.engine_process is not None else kind == "reference"
+
     @model_validator(mode="after")
     def _bounds(self) -> ReplicaSpec:
         if self.min_replicas > self.max_replicas:

@@ -133,6 +133,7 @@ def _pct(values: list[float], q: float) -> float:
 ROLES = (
     ("OpenAIIngress", "ingress (one_hop: with the engine)"),
     ("EngineReplica", "engine replica"),
+    ("engines.process", "engine process (replicas.engine_process)"),
     ("haproxy", "haproxy"),
     ("ServeController", "serve controller"),
     ("ProxyActor", "serve proxy"),

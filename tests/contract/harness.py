@@ -36,6 +36,8 @@ def kind_params() -> list[Any]:
     """pytest params for the engine kinds: vllm carries the `vllm` mark (its own venv)."""
     return [
         pytest.param("reference", id="reference"),
+        # The reference engine in a process of its own (engines/process.py), as Serve runs it.
+        pytest.param("reference-process", id="reference-process"),
         pytest.param("trtllm", id="trtllm-standin"),
         pytest.param("vllm", id="vllm", marks=pytest.mark.vllm),
         pytest.param("synthetic", id="synthetic"),
@@ -48,7 +50,7 @@ def settings_for(kind: str) -> dict[str, Any]:
         # test aborts, closes or shuts it down (200 steps of 5 ms).
         return {"max_model_len": MAX_MODEL_LEN, "max_batch_size": 16, "ttft_ms": 2.0}
     common = {"max_model_len": MAX_MODEL_LEN, "max_batch_size": 16, "max_num_tokens": 512}
-    if kind == "reference":
+    if kind in ("reference", "reference-process"):
         return {**common, "kv_cache_tokens": 4096, "num_threads": 1}
     if kind == "trtllm":
         return {**common, "check_gpu": False}
@@ -67,6 +69,10 @@ class EngineHarness:
         self._thread.start()
 
         async def load() -> Engine:
+            if kind == "reference-process":
+                from engines.process import ProcessEngine
+
+                return ProcessEngine("reference", model=str(model_dir), **settings_for(kind))
             return load_engine(kind, model=str(model_dir), **settings_for(kind))
 
         self.engine: Engine = self.run(load)
@@ -84,6 +90,8 @@ class EngineHarness:
                 raise RuntimeError("injected: the device fell off the bus")
 
             runner.execute = broken  # the next forward pass raises inside the step loop
+        elif self.kind == "reference-process":
+            os.kill(self.engine.pid, signal.SIGKILL)  # the engine's process dies outright
         elif self.kind == "synthetic":
 
             def failing(*args: Any, **kwargs: Any) -> Any:

@@ -82,7 +82,12 @@ class EngineReplica:
         from pipeline.engine_setup import open_engine
 
         load_start = time.monotonic()
-        self._engine = open_engine(served.model, served.engine, storage)
+        self._engine = open_engine(
+            served.model,
+            served.engine,
+            storage,
+            own_process=served.replicas.runs_engine_process(served.engine.kind),
+        )
         info = self._engine.info
         devices = served.replicas.devices_per_replica
         self._step_meter: CostMeter | None = None

@@ -8,17 +8,17 @@ server cannot be made to kill its engines over HTTP.
 
 from __future__ import annotations
 
-import os
-import threading
 from typing import Any, Literal
 
-HOOKS_ENV = "TOKENMILL_TEST_HOOKS"
+from engines.dev import testhooks
+
+HOOKS_ENV = testhooks.HOOKS_ENV
 
 BreakMode = Literal["crash", "stall"]
 
 
 def hooks_enabled() -> bool:
-    return os.environ.get(HOOKS_ENV) == "1"
+    return testhooks.enabled()
 
 
 def break_engine(engine: Any, mode: BreakMode) -> None:
@@ -26,19 +26,7 @@ def break_engine(engine: Any, mode: BreakMode) -> None:
 
     crash: the next forward pass raises, so the step loop dies (as tests/contract/harness.py
     `EngineHarness.kill` does); stall: the next forward pass never returns (a hung device).
-    Only the reference engine has a runner to break.
+    Only the reference engine has a runner to break (in this process or in the engine's own,
+    engines.process).
     """
-    if not hooks_enabled():
-        raise PermissionError(f"test hooks are off (set {HOOKS_ENV}=1 in the server)")
-    runner = getattr(engine, "runner", None)
-    if runner is None:
-        raise NotImplementedError(f"cannot break a {engine.info.kind} engine's step loop")
-    never = threading.Event()
-
-    def crash(*args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError("injected: the device fell off the bus")
-
-    def stall(*args: Any, **kwargs: Any) -> Any:
-        never.wait()
-
-    runner.execute = crash if mode == "crash" else stall
+    testhooks.break_step_loop(engine, mode)

@@ -1,0 +1,115 @@
+"""engines/process.py beyond the contract suite (which runs it as `reference-process`): what the
+Serve replica relies on from an engine in a child process."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+
+from engines.api import EngineDeadError, GenerationRequest, SamplingParams
+from engines.dev import testhooks
+from engines.process import STATS_INTERVAL_S, ProcessEngine
+
+SETTINGS = {"max_model_len": 256, "max_batch_size": 8, "kv_cache_tokens": 2048, "num_threads": 1}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from engines.dev.tiny import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("proc") / "llama", arch="llama", size="tiny")
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def test_step_records_arrive_before_the_result_and_match_in_process(model_dir: Path) -> None:
+    """Cost splits a request's steps once it has finished: every step it took part in must be
+    drainable by then. The tokens are the in-process engine's, to the id."""
+    from engines.factory import load_engine
+
+    engine = ProcessEngine("reference", model=str(model_dir), **SETTINGS)
+    local = load_engine("reference", model=str(model_dir), **SETTINGS)
+    try:
+
+        async def go() -> None:
+            requests = [
+                GenerationRequest([5, 6, 7, i + 1], greedy(6), request_id=f"r{i}") for i in range(4)
+            ]
+            for request in requests:
+                result = await engine.generate(request)
+                records = engine.drain_step_records()
+                decoded = sum(r.decode_tokens.get(request.request_id, 0) for r in records)
+                assert decoded == 6
+                expected = await local.generate(request)
+                assert result.output_token_ids == expected.output_token_ids
+                assert result.metrics.finish_time >= records[-1].end  # one clock for both
+
+        asyncio.run(go())
+    finally:
+        engine.shutdown()
+        local.shutdown()
+
+
+def test_a_stalled_child_shows_busy_with_its_step_count_frozen(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The replica's stall watch needs a hung step loop to look busy and not stepping; the
+    child posts its stats on its own, with nothing delivered."""
+    monkeypatch.setenv(testhooks.HOOKS_ENV, "1")  # the child inherits it
+    engine = ProcessEngine("reference", model=str(model_dir), **SETTINGS)
+    try:
+        engine.break_step_loop("stall")
+
+        async def go() -> None:
+            task = asyncio.ensure_future(engine.generate(GenerationRequest([1, 2, 3], greedy(4))))
+            deadline = time.monotonic() + 30
+            while engine.stats().num_running + engine.stats().num_waiting == 0:
+                assert time.monotonic() < deadline, "the hung request never showed"
+                await asyncio.sleep(0.05)
+            steps = engine.stats().num_steps
+            await asyncio.sleep(4 * STATS_INTERVAL_S)
+            assert engine.stats().num_steps == steps
+            assert not task.done()
+            task.cancel()
+
+        asyncio.run(go())
+    finally:
+        engine._process.kill()  # a hung step loop cannot be shut down cleanly
+        engine.shutdown()
+
+
+def test_a_crashed_step_loop_fails_requests_with_engine_dead(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(testhooks.HOOKS_ENV, "1")
+    engine = ProcessEngine("reference", model=str(model_dir), **SETTINGS)
+    try:
+        engine.break_step_loop("crash")
+
+        async def go() -> None:
+            with pytest.raises(EngineDeadError, match="device fell off the bus"):
+                await engine.generate(GenerationRequest([1, 2, 3], greedy(4)))
+            with pytest.raises(EngineDeadError):
+                await engine.generate(GenerationRequest([1, 2, 3], greedy(4)))
+
+        asyncio.run(go())
+    finally:
+        engine.shutdown()
+
+
+def test_a_bad_setting_is_the_engines_own_error(model_dir: Path) -> None:
+    with pytest.raises(TypeError, match="no_such_setting"):
+        ProcessEngine("reference", model=str(model_dir), no_such_setting=1)
+
+
+def test_the_child_exits_when_its_parent_goes(model_dir: Path) -> None:
+    """A replica killed outright leaves no engine behind holding memory (or a GPU): the child
+    sees its socket close and exits."""
+    engine = ProcessEngine("reference", model=str(model_dir), **SETTINGS)
+    engine._conn.close()  # what the kernel does for a parent that died
+    assert engine._process.wait(30) == 0
