@@ -1,4 +1,4 @@
-"""An engine in a process of its own, driven over a pipe, with the Engine contract unchanged.
+"""An engine in a process of its own, driven over a socket, with the Engine contract unchanged.
 
 Why: an engine that runs on a thread (the reference engine's step loop) shares its process's
 GIL with whoever calls it. In a Serve replica that is the HTTP ingress: parsing, tokenizing,
@@ -9,7 +9,8 @@ model under load: the replica process spent 31 ms of CPU per request at 30 reque
 of a core, with the other core two thirds idle; docs/benchmarks.md). In a child process the
 engine has a GIL of its own, as vLLM's engine core does, and the two sides run in parallel.
 
-What crosses the pipe (pickled tuples, one `multiprocessing` Pipe):
+What crosses the socket (pickled tuples, a socket pair read and written as a
+`multiprocessing.connection.Connection`):
     parent → child: ("submit", tag, request, stream) | ("abort", request_id)
                     | ("break", mode) | ("shutdown",)
     child → parent: ("loaded", info, stats) or ("failed", error), once; then
@@ -23,7 +24,7 @@ parent-side tag, not by request_id, so a duplicate id gets the engine's own erro
 sides read time.monotonic(), one clock for every process on a machine, so timings and step
 records compare with the parent's own.
 
-The child dies with the parent (its reader sees the pipe close); a child that dies fails every
+The child dies with the parent (it sees the socket close); a child that dies fails every
 request in flight with EngineDeadError, and the parent's later calls raise it.
 """
 
@@ -39,7 +40,6 @@ import subprocess
 import sys
 import threading
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -53,6 +53,7 @@ from engines.api import (
     StepRecord,
     StreamDelta,
 )
+from engines.sinks import Sink, await_result, deliver, stream_items
 
 # The child posts its stats this often while they change, even with nothing to deliver: a
 # step loop that hangs with requests admitted must show as running, not idle, or the replica's
@@ -62,33 +63,8 @@ STATS_INTERVAL_S = 0.05
 SHUTDOWN_TIMEOUT_S = 30.0
 
 
-@dataclass
-class _Sink:
-    """Where one request's items go on the caller's loop: a future or a queue."""
-
-    loop: asyncio.AbstractEventLoop
-    future: asyncio.Future | None = None
-    queue: asyncio.Queue | None = None
-
-    def put(self, item: Any) -> None:
-        if self.future is not None:
-            if self.future.done():
-                return
-            if isinstance(item, BaseException):
-                self.future.set_exception(item)
-            else:
-                self.future.set_result(item)
-        elif self.queue is not None:
-            self.queue.put_nowait(item)
-
-
-def _put_all(batch: list[tuple[_Sink, Any]]) -> None:
-    for sink, item in batch:
-        sink.put(item)
-
-
 class ProcessEngine:
-    """`load_engine(kind, model, **settings)` run in a spawned child process.
+    """`load_engine(kind, model, **settings)` run in a child process.
 
     Loading blocks until the child has loaded the engine, and raises what loading raised there
     (as an EngineError naming it when the exception itself cannot cross the pipe).
@@ -123,7 +99,7 @@ class ProcessEngine:
         self._stats: EngineStats
         self._lock = threading.Lock()  # sinks, records, stats, dead
         self._send_lock = threading.Lock()
-        self._sinks: dict[int, _Sink] = {}
+        self._sinks: dict[int, Sink] = {}
         self._records: list[StepRecord] = []
         self._next_tag = 0
         self._dead: str | None = None
@@ -138,31 +114,16 @@ class ProcessEngine:
     # ---- the Engine contract -------------------------------------------------------------
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
-        loop = asyncio.get_running_loop()
-        sink = _Sink(loop, future=loop.create_future())
-        self._submit(request, sink, stream=False)
-        try:
-            return await sink.future
-        except asyncio.CancelledError:
-            self.abort(request.request_id)
-            raise
+        return await await_result(
+            lambda sink: self._submit(request, sink, stream=False),
+            lambda: self.abort(request.request_id),
+        )
 
-    async def stream(self, request: GenerationRequest) -> AsyncIterator[StreamDelta]:
-        loop = asyncio.get_running_loop()
-        sink = _Sink(loop, queue=asyncio.Queue())
-        self._submit(request, sink, stream=True)
-        finished = False
-        try:
-            while not finished:
-                item = await sink.queue.get()
-                if isinstance(item, BaseException):
-                    finished = True  # the request is over in the child too
-                    raise item
-                finished = item.finished
-                yield item
-        finally:
-            if not finished:
-                self.abort(request.request_id)
+    def stream(self, request: GenerationRequest) -> AsyncIterator[StreamDelta]:
+        return stream_items(
+            lambda sink: self._submit(request, sink, stream=True),
+            lambda: self.abort(request.request_id),
+        )
 
     def abort(self, request_id: str) -> None:
         with contextlib.suppress(EngineDeadError):
@@ -198,7 +159,7 @@ class ProcessEngine:
 
     # ---- plumbing ------------------------------------------------------------------------
 
-    def _submit(self, request: GenerationRequest, sink: _Sink, stream: bool) -> None:
+    def _submit(self, request: GenerationRequest, sink: Sink, stream: bool) -> None:
         with self._lock:
             if self._dead is not None:
                 raise EngineDeadError(f"the engine process has stopped ({self._dead})")
@@ -229,17 +190,15 @@ class ProcessEngine:
                     reason = "shut down"
                     break
                 _, records, stats, items = message
-                by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Sink, Any]]] = {}
+                routed: list[tuple[Sink, Any]] = []
                 with self._lock:
                     self._records.extend(records)
                     self._stats = stats
                     for tag, item, final in items:
                         sink = self._sinks.pop(tag, None) if final else self._sinks.get(tag)
                         if sink is not None:
-                            by_loop.setdefault(sink.loop, []).append((sink, item))
-                for loop, batch in by_loop.items():
-                    with contextlib.suppress(RuntimeError):  # that caller's loop is closed
-                        loop.call_soon_threadsafe(_put_all, batch)
+                            routed.append((sink, item))
+                deliver(routed)
         except (EOFError, OSError):
             code = self._process.poll()
             reason = "its process exited" + (f" with code {code}" if code is not None else "")
@@ -253,12 +212,7 @@ class ProcessEngine:
                 self._dead = reason
             sinks, self._sinks = self._sinks, {}
         error = EngineDeadError(f"the engine process has stopped ({reason})")
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Sink, Any]]] = {}
-        for sink in sinks.values():
-            by_loop.setdefault(sink.loop, []).append((sink, error))
-        for loop, batch in by_loop.items():
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(_put_all, batch)
+        deliver((sink, error) for sink in sinks.values())
 
 
 # ---- the child ---------------------------------------------------------------------------
@@ -294,7 +248,7 @@ def _child_main(fd: int) -> None:
 
 
 class _Child:
-    """The child's side: commands in on a reader thread, one batch out per loop turn."""
+    """The child's side: commands read on its event loop, one batch out per loop turn."""
 
     def __init__(self, conn: Any, engine: Any) -> None:
         self._conn = conn

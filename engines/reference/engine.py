@@ -21,8 +21,6 @@ the step loop itself crashes, in-flight requests raise EngineDeadError with the 
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import functools
 import logging
 import os
@@ -57,6 +55,7 @@ from engines.reference.groups import SampleGroups
 from engines.reference.logprobs import prompt_rows, record_logprobs, record_prompt_logprobs
 from engines.reference.profiling import NO_PROFILER, NoProfiler, StepProfiler
 from engines.requests import admit, bad_words_token_ids, embed_error
+from engines.sinks import Outbox, Sink, await_result, deliver, stream_items
 
 _log = logging.getLogger(__name__)
 
@@ -71,65 +70,12 @@ DEFAULT_DISABLE_ABOVE_BATCH_SIZE = 8
 
 
 @dataclass
-class _Sink:
-    """Where a request's outcome goes: a future (generate) or a queue of deltas (stream)."""
-
-    loop: asyncio.AbstractEventLoop
-    future: asyncio.Future | None = None
-    queue: asyncio.Queue | None = None
-
-    def deliver(self, item: Any) -> None:
-        # Runs on the step-loop thread; the loop may already be closed (caller gone).
-        with contextlib.suppress(RuntimeError):
-            self.loop.call_soon_threadsafe(self._put, item)
-
-    def _put(self, item: Any) -> None:
-        if self.future is not None:
-            if self.future.done():
-                return
-            if isinstance(item, BaseException):
-                self.future.set_exception(item)
-            elif isinstance(item, GenerationResult):
-                self.future.set_result(item)
-        elif self.queue is not None:
-            self.queue.put_nowait(item)
-
-
-class _Outbox:
-    """What the step loop delivers during one iteration, sent together at its end.
-
-    One `call_soon_threadsafe` per caller loop per step instead of one per request: each call
-    writes the loop's wake-up pipe and queues a callback, so at 32 streams a step cost 32
-    wake-ups of the thread that also serves HTTP (and, in one process with it, 32 chances to
-    take the GIL from this one). Batched, the loop wakes once and feeds every stream in one
-    callback. Items keep their order per sink (and overall)."""
-
-    def __init__(self) -> None:
-        self._items: dict[asyncio.AbstractEventLoop, list[tuple[_Sink, Any]]] = {}
-
-    def put(self, sink: _Sink, item: Any) -> None:
-        self._items.setdefault(sink.loop, []).append((sink, item))
-
-    def flush(self) -> None:
-        items, self._items = self._items, {}
-        for loop, batch in items.items():
-            # The loop may already be closed (its callers gone).
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(_put_all, batch)
-
-
-def _put_all(batch: list[tuple[_Sink, Any]]) -> None:
-    for sink, item in batch:
-        sink._put(item)
-
-
-@dataclass
 class _Live:
     """Step-loop state of one admitted request."""
 
     request: GenerationRequest
     sched: Any  # scheduler.Request
-    sink: _Sink
+    sink: Sink
     metrics: RequestMetrics
     is_stream: bool
     detok: Any = None  # IncrementalDetokenizer when text is needed as it grows
@@ -155,7 +101,7 @@ class _Embedding:
     """An embed request waiting for its dense forward (never enters the scheduler)."""
 
     request: GenerationRequest
-    sink: _Sink
+    sink: Sink
     metrics: RequestMetrics
     is_stream: bool
 
@@ -252,7 +198,7 @@ class ReferenceEngine:
         self._test_step_delay_s = testhooks.step_delay_s()  # 0 outside tests
         self._cv = threading.Condition()
         self._inbox: deque[_Live] = deque()
-        self._outbox = _Outbox()  # step-loop thread only
+        self._outbox = Outbox()  # step-loop thread only
         self._embeds: deque[_Embedding] = deque()  # embed requests (under _cv)
         self._max_num_tokens = max_num_tokens
         self._aborts: deque[str] = deque()
@@ -411,30 +357,16 @@ class ReferenceEngine:
 
     # ---- caller side (asyncio) ---------------------------------------------------------
     async def generate(self, request: GenerationRequest) -> GenerationResult:
-        loop = asyncio.get_running_loop()
-        sink = _Sink(loop, future=loop.create_future())
-        self._submit(request, sink, is_stream=False)
-        try:
-            return await sink.future
-        except asyncio.CancelledError:
-            self.abort(request.request_id)
-            raise
+        return await await_result(
+            lambda sink: self._submit(request, sink, is_stream=False),
+            lambda: self.abort(request.request_id),
+        )
 
-    async def stream(self, request: GenerationRequest) -> AsyncIterator[StreamDelta]:
-        loop = asyncio.get_running_loop()
-        sink = _Sink(loop, queue=asyncio.Queue())
-        self._submit(request, sink, is_stream=True)
-        finished = False
-        try:
-            while not finished:
-                item = await sink.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
-        finally:
-            if not finished:
-                self.abort(request.request_id)
+    def stream(self, request: GenerationRequest) -> AsyncIterator[StreamDelta]:
+        return stream_items(
+            lambda sink: self._submit(request, sink, is_stream=True),
+            lambda: self.abort(request.request_id),
+        )
 
     def abort(self, request_id: str) -> None:
         with self._cv:
@@ -482,7 +414,7 @@ class ReferenceEngine:
         if self.drafter is not None:
             self.drafter.close()
 
-    def _submit(self, request: GenerationRequest, sink: _Sink, is_stream: bool) -> None:
+    def _submit(self, request: GenerationRequest, sink: Sink, is_stream: bool) -> None:
         from engines.reference.scheduler import Request
 
         metrics = RequestMetrics(arrival_time=time.monotonic())
@@ -510,7 +442,7 @@ class ReferenceEngine:
             self._cv.notify()
 
     def _submit_embed(
-        self, request: GenerationRequest, sink: _Sink, is_stream: bool, metrics: RequestMetrics
+        self, request: GenerationRequest, sink: Sink, is_stream: bool, metrics: RequestMetrics
     ) -> None:
         """Queue an embed request for the step loop, or answer its row error now."""
         error = embed_error(request, self.config.vocab_size, self.max_model_len)
@@ -522,7 +454,7 @@ class ReferenceEngine:
     def _accept(
         self,
         request: GenerationRequest,
-        sink: _Sink,
+        sink: Sink,
         is_stream: bool,
         metrics: RequestMetrics,
         error: str | None,
@@ -540,7 +472,7 @@ class ReferenceEngine:
         if error is not None:
             metrics.finish_time = metrics.arrival_time
             result = _result(request, [], "", "error", metrics, error=error)
-            sink.deliver(StreamDelta([], "", True, result) if is_stream else result)
+            deliver([(sink, StreamDelta([], "", True, result) if is_stream else result)])
             return False
         self._in_flight.add(request.request_id)
         return True
@@ -1094,10 +1026,11 @@ class ReferenceEngine:
             inbox, self._inbox = self._inbox, deque()
             embeds, self._embeds = self._embeds, deque()
             self._in_flight.clear()
-        self._outbox.flush()  # what the crashed step delivered goes first
         error = EngineDeadError(f"the reference engine stopped: {reason}")
+        # After what the crashed step delivered, in the same batch.
         for live in list(self._live.values()) + list(inbox) + list(embeds):
-            live.sink.deliver(error)
+            self._outbox.put(live.sink, error)
+        self._outbox.flush()
         self._live.clear()
 
 

@@ -12,8 +12,6 @@ from typing import Any, Literal
 
 from engines.dev import testhooks
 
-HOOKS_ENV = testhooks.HOOKS_ENV
-
 BreakMode = Literal["crash", "stall"]
 
 
