@@ -31,7 +31,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engines.adapter import declared_settings
 from engines.api import (
@@ -52,10 +52,26 @@ from engines.reference.config import ModelConfig, load_model_config
 from engines.reference.detokenize import final_text
 from engines.reference.grammar import limitations as grammar_limitations
 from engines.reference.groups import SampleGroups
-from engines.reference.logprobs import prompt_rows, record_logprobs, record_prompt_logprobs
+from engines.reference.logprobs import (
+    RawLogprobs,
+    prompt_rows,
+    raw_logprobs,
+    record_logprobs,
+    take_prompt_logprobs,
+)
 from engines.reference.profiling import NO_PROFILER, NoProfiler, StepProfiler
 from engines.requests import admit, bad_words_token_ids, embed_error
 from engines.sinks import Outbox, Sink, await_result, deliver, stream_items
+
+if TYPE_CHECKING:
+    import torch
+
+    from engines.reference.runner import ChunkInput
+    from engines.reference.scheduler import ScheduledChunk, SchedulerOutput
+
+    # n > 1: a group leader's logits row [1, V] for its waiting samples, and its raw logprobs
+    # row when it wants logprobs.
+    _ForkRows = tuple[torch.Tensor, torch.Tensor | None]
 
 _log = logging.getLogger(__name__)
 
@@ -94,6 +110,28 @@ class _Live:
     spec_proposed: int = 0  # proposed tokens verified so far
     spec_accepted: int = 0  # of them, accepted
     spec_verifications: int = 0  # steps that verified proposals for it
+
+
+@dataclass(slots=True)
+class _SamplingRows:
+    """A step's sampling chunks in logits-row order, their requests, and the row where each
+    chunk's logits start (1 + k rows for a chunk carrying k proposals, else one)."""
+
+    chunks: list[ScheduledChunk]
+    lives: list[_Live]
+    first_rows: list[int]
+    speculating: bool  # some chunk carries proposals: the step verifies them
+
+    @classmethod
+    def of(cls, chunks: list[ScheduledChunk], live: dict[str, _Live]) -> _SamplingRows:
+        sampling = [c for c in chunks if c.is_sampling]
+        first_rows: list[int] = []
+        next_row = 0
+        for c in sampling:
+            first_rows.append(next_row)
+            next_row += c.num_logits
+        speculating = any(c.spec_token_ids for c in sampling)
+        return cls(sampling, [live[c.request_id] for c in sampling], first_rows, speculating)
 
 
 @dataclass
@@ -737,150 +775,200 @@ class ReferenceEngine:
                 live.draft_probs = proposal.probs
 
     def _step(self) -> None:
-        from engines.reference.runner import ChunkInput
-        from engines.reference.sampler import sample
-        from engines.reference.speculative import verify
-
+        """One step: schedule → run the model → sample (or verify proposals) → record the step
+        → deliver. The StepRecord is appended before any result of the step is delivered (the
+        module doc says why)."""
         phase = self._profiler.phase  # named ranges in a profile; no-ops otherwise
         start = time.monotonic()
         with phase("schedule"):
-            self._propose()
-            output = self.scheduler.schedule()
-            if self.drafter is not None:
-                for request_id in output.preempted:  # recomputed from scratch when readmitted
-                    self.drafter.free(request_id)
+            output = self._schedule()
         if not output.chunks:
             # Cannot happen with admission checks in place; fail loudly rather than spin.
             head = self.scheduler.waiting[0].request_id
             self._finish(head, "error", error="the request could not be scheduled")
             return
-        with phase("build_inputs"):
-            inputs = []
-            for chunk in output.chunks:
-                live = self._live[chunk.request_id]
-                if live.metrics.first_scheduled_time is None:
-                    live.metrics.first_scheduled_time = start
-                inputs.append(
-                    ChunkInput(
-                        chunk,
-                        live.sched.token_ids,
-                        self.block_manager.block_ids(chunk.request_id),
-                        *prompt_rows(live, chunk),
-                    )
-                )
-        # build_inputs (tensors) and forward ranges of their own inside
-        logits = self.runner.execute(inputs)  # [S, V]: chunk.num_logits rows per chunk
-        num_rows = sum(c.num_logits for c in output.chunks)
-        if logits.shape[0] > num_rows:  # prompt logprobs asked: their rows come last
-            record_prompt_logprobs(logits[num_rows:], inputs, self._live)
-            logits = logits[:num_rows]
-        sampling_chunks = [c for c in output.chunks if c.is_sampling]
-        lives = [self._live[c.request_id] for c in sampling_chunks]
-        first_rows: list[int] = []  # each sampling chunk's first logits row
-        next_row = 0
-        for c in sampling_chunks:
-            first_rows.append(next_row)
-            next_row += c.num_logits
-        speculating = any(c.spec_token_ids for c in sampling_chunks)
+        logits = self._run_model(output, start)
+        rows = _SamplingRows.of(output.chunks, self._live)
         with phase("sample"):
-            # Rows with logprobs or a grammar never carry proposals: one row each.
-            wanting = [i for i, lv in enumerate(lives) if lv.logprobs is not None]
-            # The model's own distribution: taken before masks (which edit logits in place)
-            # and without temperature or top-k/top-p.
-            raw = None
-            if wanting:
-                raw = logits[[first_rows[i] for i in wanting]].float().log_softmax(-1)
-            constrained = [i for i, lv in enumerate(lives) if lv.matcher is not None]
-            if constrained:
-                # Disallowed tokens get -inf for every constrained row at once, before sampling.
-                self._grammars.mask(
-                    logits,
-                    [first_rows[i] for i in constrained],
-                    [lives[i].matcher for i in constrained],
-                )
-            # Penalties, logit bias, min_tokens and bad words (rows that use them never carry
-            # proposals); temperature, min_p, top-k and top-p follow in the sampler.
-            self._processing.apply(logits, first_rows, lives)
-            params = [lv.request.sampling for lv in lives]
-            generators = [lv.generator for lv in lives]
-            if speculating:
-                verified = verify(
-                    logits,
-                    [c.spec_token_ids for c in sampling_chunks],
-                    params,
-                    generators,
-                    self._default_generator,
-                    [lv.draft_probs for lv in lives],
-                )
-                emitted = [v.tokens for v in verified]
-            else:
-                tokens = sample(logits, params, generators, self._default_generator)
-                emitted = [[t] for t in tokens]
-            for lv in lives:  # verified, or dropped by the scheduler: q is spent either way
-                lv.draft_probs = None
-            if raw is not None:
-                record_logprobs(raw, [lives[i] for i in wanting], [emitted[i][0] for i in wanting])
-            # n > 1: group leaders whose first token this is hand their logits row to the
-            # samples waiting on them (after the mask: they share the leader's format state).
-            leading = [i for i, lv in enumerate(lives) if self._groups.has_waiters(lv)]
-            fork_rows = {
-                i: (
-                    logits[first_rows[i]].unsqueeze(0),
-                    raw[wanting.index(i)].unsqueeze(0) if i in wanting else None,
-                )
-                for i in leading
-            }
+            emitted, fork_rows = self._sample(logits, rows)
         # Stop checks, streaming and results; detokenization has ranges of its own inside.
         with phase("deliver"):
             end = time.monotonic()
-            load = self.runner.expert_load()
-            record = StepRecord(
-                start=start,
-                end=end,
-                prefill_tokens={
-                    c.request_id: c.num_prefill_tokens
-                    for c in output.chunks
-                    if c.num_prefill_tokens
-                },
-                # A verification step computed 1 + k positions for the row: all are its cost.
-                decode_tokens={c.request_id: c.num_logits for c in sampling_chunks},
-                spec_proposed_tokens={
-                    c.request_id: len(c.spec_token_ids) for c in sampling_chunks if c.spec_token_ids
-                },
-                spec_accepted_tokens={
-                    c.request_id: len(tokens) - 1
-                    for c, tokens in zip(sampling_chunks, emitted, strict=True)
-                    if c.spec_token_ids
-                },
-                expert_tokens_max=None if load is None else load.max_tokens,
-                expert_tokens_mean=None if load is None else load.mean_tokens,
-            )
-            with self._records_lock:
-                self._records.append(record)
-            self._num_steps += 1
+            self._record_step(output, rows, emitted, start, end)
+            self._deliver(output, rows, emitted, fork_rows, end)
 
-            sampled = {c.request_id: t for c, t in zip(sampling_chunks, emitted, strict=True)}
-            self.scheduler.update_from_output(output, sampled)
-            # Forks first: a leader that finishes on its first token frees its blocks. A group
-            # whose leader is past its prompt takes no more waiters.
-            forked: list[tuple[_Live, int]] = []
-            for i, live in enumerate(lives):
-                waiters = self._groups.first_token(live)
-                if waiters:
-                    forked += self._fork(live, waiters, *fork_rows[i], end)
-            for chunk, live, tokens in zip(sampling_chunks, lives, emitted, strict=True):
-                if live.metrics.first_token_time is None:
-                    live.metrics.first_token_time = end
-                if chunk.spec_token_ids:
-                    live.spec_proposed += len(chunk.spec_token_ids)
-                    live.spec_accepted += len(tokens) - 1
-                    live.spec_verifications += 1
-                    self._spec_proposed += len(chunk.spec_token_ids)
-                    self._spec_accepted += len(tokens) - 1
-                self._after_tokens(live, tokens)
-            for member, token in forked:
-                if member.request.request_id in self._live:
-                    self._after_tokens(member, [token])
+    def _schedule(self) -> SchedulerOutput:
+        """This step's chunks, after giving speculating requests their proposals."""
+        self._propose()
+        output = self.scheduler.schedule()
+        if self.drafter is not None:
+            for request_id in output.preempted:  # recomputed from scratch when readmitted
+                self.drafter.free(request_id)
+        return output
+
+    def _run_model(self, output: SchedulerOutput, start: float) -> torch.Tensor:
+        """The step's forward pass: logits [S, V], `chunk.num_logits` rows per chunk in order.
+        Prompt logprobs asked for are recorded from the rows after those, which are cut off."""
+        with self._profiler.phase("build_inputs"):
+            inputs = self._chunk_inputs(output, start)
+        # build_inputs (tensors) and forward ranges of their own inside
+        logits = self.runner.execute(inputs)  # [S + P, V]
+        num_rows = sum(c.num_logits for c in output.chunks)
+        return take_prompt_logprobs(logits, num_rows, inputs, self._live)
+
+    def _chunk_inputs(self, output: SchedulerOutput, start: float) -> list[ChunkInput]:
+        """What the runner needs about each scheduled chunk (and the requests' first
+        scheduled time)."""
+        from engines.reference.runner import ChunkInput
+
+        inputs = []
+        for chunk in output.chunks:
+            live = self._live[chunk.request_id]
+            if live.metrics.first_scheduled_time is None:
+                live.metrics.first_scheduled_time = start
+            inputs.append(
+                ChunkInput(
+                    chunk,
+                    live.sched.token_ids,
+                    self.block_manager.block_ids(chunk.request_id),
+                    *prompt_rows(live, chunk),
+                )
+            )
+        return inputs
+
+    def _sample(
+        self, logits: torch.Tensor, rows: _SamplingRows
+    ) -> tuple[list[list[int]], dict[int, _ForkRows]]:
+        """Each sampling chunk's emitted tokens, and the rows group leaders hand to the
+        samples waiting on them (by position in `rows`). Edits `logits` in place."""
+        # The model's own distribution: taken before the mask and the processing edit the
+        # logits in place.
+        raw = raw_logprobs(logits, rows.first_rows, rows.lives)
+        # Disallowed tokens get -inf for every constrained row at once, before sampling.
+        if self._grammars is not None:  # made by the first response_format: none before
+            self._grammars.mask_constrained(logits, rows.first_rows, rows.lives)
+        # Penalties, logit bias, min_tokens and bad words (rows that use them never carry
+        # proposals); temperature, min_p, top-k and top-p follow in the sampler.
+        self._processing.apply(logits, rows.first_rows, rows.lives)
+        emitted = self._verify_or_sample(logits, rows)
+        if raw is not None:
+            raw.record(rows.lives, emitted)
+        return emitted, self._fork_rows(logits, raw, rows)
+
+    def _verify_or_sample(self, logits: torch.Tensor, rows: _SamplingRows) -> list[list[int]]:
+        """Each sampling chunk's emitted tokens: its accepted proposals and the model's own
+        next token when the step carries proposals, else its one sampled token."""
+        from engines.reference.sampler import sample
+        from engines.reference.speculative import verify
+
+        lives = rows.lives
+        params = [lv.request.sampling for lv in lives]
+        generators = [lv.generator for lv in lives]
+        if rows.speculating:
+            verified = verify(
+                logits,
+                [c.spec_token_ids for c in rows.chunks],
+                params,
+                generators,
+                self._default_generator,
+                [lv.draft_probs for lv in lives],
+            )
+            emitted = [v.tokens for v in verified]
+        else:
+            tokens = sample(logits, params, generators, self._default_generator)
+            emitted = [[t] for t in tokens]
+        for lv in lives:  # verified, or dropped by the scheduler: q is spent either way
+            lv.draft_probs = None
+        return emitted
+
+    def _fork_rows(
+        self, logits: torch.Tensor, raw: RawLogprobs | None, rows: _SamplingRows
+    ) -> dict[int, _ForkRows]:
+        """n > 1: group leaders whose first token this is hand their logits row to the
+        samples waiting on them (after the mask: they share the leader's format state), with
+        the raw logprobs row when they want logprobs."""
+        return {
+            i: (
+                logits[rows.first_rows[i]].unsqueeze(0),
+                None if raw is None else raw.row(i),
+            )
+            for i, lv in enumerate(rows.lives)
+            if self._groups.has_waiters(lv)
+        }
+
+    def _record_step(
+        self,
+        output: SchedulerOutput,
+        rows: _SamplingRows,
+        emitted: list[list[int]],
+        start: float,
+        end: float,
+    ) -> None:
+        """Append the step's StepRecord (before any of its results is delivered)."""
+        load = self.runner.expert_load()
+        record = StepRecord(
+            start=start,
+            end=end,
+            prefill_tokens={
+                c.request_id: c.num_prefill_tokens for c in output.chunks if c.num_prefill_tokens
+            },
+            # A verification step computed 1 + k positions for the row: all are its cost.
+            decode_tokens={c.request_id: c.num_logits for c in rows.chunks},
+            spec_proposed_tokens={
+                c.request_id: len(c.spec_token_ids) for c in rows.chunks if c.spec_token_ids
+            },
+            spec_accepted_tokens={
+                c.request_id: len(tokens) - 1
+                for c, tokens in zip(rows.chunks, emitted, strict=True)
+                if c.spec_token_ids
+            },
+            expert_tokens_max=None if load is None else load.max_tokens,
+            expert_tokens_mean=None if load is None else load.mean_tokens,
+        )
+        with self._records_lock:
+            self._records.append(record)
+        self._num_steps += 1
+
+    def _deliver(
+        self,
+        output: SchedulerOutput,
+        rows: _SamplingRows,
+        emitted: list[list[int]],
+        fork_rows: dict[int, _ForkRows],
+        end: float,
+    ) -> None:
+        """Append the emitted tokens to their requests, fork the samples waiting on group
+        leaders, then check each request's stop conditions and stream or finish it."""
+        sampled = {c.request_id: t for c, t in zip(rows.chunks, emitted, strict=True)}
+        self.scheduler.update_from_output(output, sampled)
+        # Forks first: a leader that finishes on its first token frees its blocks.
+        forked = self._fork_groups(rows.lives, fork_rows, end)
+        for chunk, live, tokens in zip(rows.chunks, rows.lives, emitted, strict=True):
+            if live.metrics.first_token_time is None:
+                live.metrics.first_token_time = end
+            if chunk.spec_token_ids:
+                live.spec_proposed += len(chunk.spec_token_ids)
+                live.spec_accepted += len(tokens) - 1
+                live.spec_verifications += 1
+                self._spec_proposed += len(chunk.spec_token_ids)
+                self._spec_accepted += len(tokens) - 1
+            self._after_tokens(live, tokens)
+        for member, token in forked:
+            if member.request.request_id in self._live:
+                self._after_tokens(member, [token])
+
+    def _fork_groups(
+        self, lives: list[_Live], fork_rows: dict[int, _ForkRows], end: float
+    ) -> list[tuple[_Live, int]]:
+        """Fork the samples waiting on each leader in `lives` (which just sampled its first
+        token); returns the forked samples and their first tokens."""
+        forked: list[tuple[_Live, int]] = []
+        for i, live in enumerate(lives):
+            # A group whose leader is past its prompt takes no more waiters.
+            waiters = self._groups.first_token(live)
+            if waiters:
+                forked += self._fork(live, waiters, *fork_rows[i], end)
+        return forked
 
     def _after_tokens(self, live: _Live, tokens: list[int]) -> None:
         """Check the stop conditions for each new token in order (already appended to the

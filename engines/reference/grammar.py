@@ -184,6 +184,15 @@ class Grammars:
             logits, bitmask, vocab_size=self.vocab_size, indices=list(rows)
         )
 
+    def mask_constrained(self, logits: Any, rows: Sequence[int], lives: Sequence[Any]) -> None:
+        """`mask` for the requests in `lives` (the engine's per-request state) that have a
+        matcher (`.matcher`, None when unconstrained); rows[i] is lives[i]'s row. Rows with a
+        grammar never carry proposals: one row each."""
+        constrained = [i for i, live in enumerate(lives) if live.matcher is not None]
+        if constrained:
+            matchers = [lives[i].matcher for i in constrained]
+            self.mask(logits, [rows[i] for i in constrained], matchers)
+
 
 def accept(matcher: Any, token: int) -> bool:
     """Advance `matcher` by `token`; False when the grammar does not allow it (cannot happen

@@ -9,6 +9,7 @@ engine's per-request state: `.request`, `.sched` (scheduler.Request) and the `.l
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,6 +45,42 @@ def record_logprobs(raw: torch.Tensor, lives: Sequence[Any], tokens: Sequence[in
         live.logprobs.append(entry)
 
 
+@dataclass(frozen=True, slots=True)
+class RawLogprobs:
+    """The raw distribution (log-softmax, [W, V]) of a step's rows whose requests want
+    logprobs: row w is that of the request at `indices[w]` among the step's sampling rows."""
+
+    indices: list[int]
+    values: torch.Tensor
+
+    def record(self, lives: Sequence[Any], emitted: Sequence[Sequence[int]]) -> None:
+        """Append each wanting request's entry for the token it emitted (`lives` and
+        `emitted`: all the step's sampling rows)."""
+        record_logprobs(
+            self.values, [lives[i] for i in self.indices], [emitted[i][0] for i in self.indices]
+        )
+
+    def row(self, index: int) -> torch.Tensor | None:
+        """The row [1, V] of the request at `index`; None when it wants no logprobs."""
+        if index not in self.indices:
+            return None
+        return self.values[self.indices.index(index)].unsqueeze(0)
+
+
+def raw_logprobs(
+    logits: torch.Tensor, first_rows: Sequence[int], lives: Sequence[Any]
+) -> RawLogprobs | None:
+    """The model's own distribution for the requests in `lives` that want logprobs (row
+    `first_rows[i]` of `logits` is lives[i]'s); None when none does. Rows with logprobs never
+    carry proposals: one row each. Take it before masks (which edit logits in place); it is
+    without temperature or top-k/top-p."""
+    wanting = [i for i, live in enumerate(lives) if live.logprobs is not None]
+    if not wanting:
+        return None
+    raw = logits[[first_rows[i] for i in wanting]].float().log_softmax(-1)
+    return RawLogprobs(wanting, raw)
+
+
 def prompt_rows(live: Any, chunk: Any) -> tuple[int, int]:
     """(count, offset in the chunk) of the positions whose logits give prompt logprobs not yet
     recorded. Position p predicts token p + 1, so these are the chunk's positions before the
@@ -75,3 +112,14 @@ def record_prompt_logprobs(
         entries = token_logprobs(raw[row : row + item.prompt_rows], targets, [want] * len(targets))
         live.prompt_logprobs.extend(entries)
         row += item.prompt_rows
+
+
+def take_prompt_logprobs(
+    logits: torch.Tensor, num_rows: int, inputs: Sequence[Any], lives: dict[str, Any]
+) -> torch.Tensor:
+    """A step's sampling rows (the first `num_rows` of the runner's `logits`), after recording
+    the prompt logprobs from the rows that follow them, if any were asked for."""
+    if logits.shape[0] > num_rows:  # prompt logprobs asked: their rows come last
+        record_prompt_logprobs(logits[num_rows:], inputs, lives)
+        logits = logits[:num_rows]
+    return logits
