@@ -7,6 +7,7 @@ import asyncio
 import random
 import tempfile
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -177,3 +178,52 @@ def check_speculative_run(results, expected, records, stats, variant: str) -> No
         seconds = split_steps(records)
         busy = sum(rec.end - rec.start for rec in records)
         assert sum(seconds.values()) == pytest.approx(busy, rel=1e-9)
+
+
+@dataclass
+class AttentionPaths:
+    """Which attention path the reference model's layers took (count_attention_paths)."""
+
+    kernel: int = 0  # calls of the paged CPU kernel
+    kernel_sinks: int = 0  # of those, with attention sinks
+    kernel_window: int = 0  # of those, with a sliding window
+    masked_sinks: int = 0  # calls of attend_with_sinks: the SDPA paths' sink attention
+
+
+def count_attention_paths(monkeypatch: pytest.MonkeyPatch) -> AttentionPaths:
+    """Count the paged kernel's calls (and which carry sinks and a window) and the masked SDPA
+    sink path's, for the rest of the test: an equality test then shows which path it checked
+    (the engine's step thread runs in this process, through these module attributes)."""
+    from engines.reference import cpu_kernels, model
+
+    paths = AttentionPaths()
+    kernel, masked = cpu_kernels.paged_attention, model.attend_with_sinks
+
+    def counted_kernel(*args, sinks=None, window=None, **kwargs) -> None:
+        paths.kernel += 1
+        paths.kernel_sinks += sinks is not None
+        paths.kernel_window += bool(window)
+        kernel(*args, sinks=sinks, window=window, **kwargs)
+
+    def counted_masked(*args, **kwargs):
+        paths.masked_sinks += 1
+        return masked(*args, **kwargs)
+
+    monkeypatch.setattr(cpu_kernels, "paged_attention", counted_kernel)
+    monkeypatch.setattr(model, "attend_with_sinks", counted_masked)
+    return paths
+
+
+def check_attention_path(arch: str, paths: AttentionPaths, kernel: bool) -> None:
+    """A run's attention took the path meant: with `kernel` (CPU, kernels built) every layer's
+    through the paged kernel, a GPT-OSS model's with its sinks in every layer and its window in
+    the sliding ones (every other layer); else the SDPA paths, GPT-OSS's sinks through
+    attend_with_sinks."""
+    gpt_oss = arch == "gpt_oss"
+    if kernel:
+        assert paths.kernel > 0 and paths.masked_sinks == 0, paths
+        assert paths.kernel_sinks == (paths.kernel if gpt_oss else 0), paths
+        assert paths.kernel_window == (paths.kernel // 2 if gpt_oss else 0), paths
+    else:
+        assert paths.kernel == 0, paths
+        assert (paths.masked_sinks > 0) == gpt_oss, paths

@@ -35,7 +35,8 @@ class Family:
     qk_norm: bool  # per-head RMSNorm on q and k before RoPE
     # "none": no sliding window; "all": every layer slides (Mistral); "per_layer": Qwen2/3's
     # `use_sliding_window` + `layer_types` / `max_window_layers`; "masked": GPT-OSS's
-    # `layer_types`, attended with a window mask (see ModelConfig.window_layers).
+    # `layer_types`, attended within a window over the full context (see
+    # ModelConfig.window_layers).
     sliding: str
     is_moe: bool = False  # routed experts in the layers the config makes sparse (MoeConfig)
     default_attention_bias: bool = False  # `attention_bias` when config.json omits it
@@ -125,21 +126,16 @@ class ModelConfig:
     torch_dtype: str | None  # dtype the checkpoint was saved in, if stated
     moe: MoeConfig | None = None  # the expert MLP of the sparse layers; None: every layer dense
     # GPT-OSS: its window is far shorter than its context, so instead of capping the context
-    # (sliding_window above) the layers listed here attend through a window mask: a query at
-    # position p sees keys at positions p - masked_window + 1 .. p. Their KV cache still
-    # keeps every position (correctness first: no per-layer ring buffers).
+    # (sliding_window above) the layers listed here attend within a window (the paged CPU
+    # kernel's `window`; a window mask on the SDPA paths): a query at position p sees keys at
+    # positions p - masked_window + 1 .. p. Their KV cache still keeps every position
+    # (correctness first: no per-layer ring buffers).
     masked_window: int | None = None
     window_layers: tuple[int, ...] = ()
     attention_sinks: bool = False  # a learned per-head logit in each softmax (GPT-OSS `sinks`)
     # transformers keeps GPT-OSS's norm weights in fp32 in a bf16 model and rounds after the
     # weight multiply; the engine does the same so bf16 runs round alike.
     fp32_norms: bool = False
-
-    @property
-    def masked_attention(self) -> bool:
-        """Whether some layer needs attention the paged CPU kernel does not do (sinks, a
-        window mask): such a model attends through the SDPA paths."""
-        return self.attention_sinks or bool(self.window_layers)
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe is not None and layer in self.moe.sparse_layers

@@ -2,7 +2,8 @@
 and the switch back to plain torch ops.
 
 - paged_attention.cpp: every chunk of a step (decode tokens, verifications, prefill chunks)
-  attended over the paged KV cache in place, one call per layer.
+  attended over the paged KV cache in place, one call per layer; with GPT-OSS's attention
+  sinks and sliding window where a layer has them.
 - fused_ops.cpp: RMSNorm (with the residual add before it), rotary embedding (with the K/V
   cache write) and SiLU * up, one pass each instead of 3-8 torch ops (each a pass over the
   activations and a dispatch).
@@ -140,9 +141,25 @@ def paged_attention(
     limit: torch.Tensor,  # [R] int32 keys each row attends to (its position + 1)
     tables: torch.Tensor,  # [N, max_blocks] int32 block tables of the step's chunks
     scale: float,
+    sinks: torch.Tensor | None = None,  # [H] a sink logit per query head (GPT-OSS)
+    window: int | None = None,  # a row at position p sees keys p - window + 1 .. p only
 ) -> None:
+    """Causal attention of q[rows] over each row's paged context, written to out[rows]. With
+    `sinks`, each head's softmax also counts its sink logit, which attends to nothing (a sink
+    of -inf is none); with `window`, a row attends to its last `window` keys only."""
     torch.ops.tokenmill.paged_attention(
-        out, q, k_cache, v_cache, rows, req, limit, tables, scale, PARALLEL_GRAIN
+        out,
+        q,
+        k_cache,
+        v_cache,
+        rows,
+        req,
+        limit,
+        tables,
+        scale,
+        PARALLEL_GRAIN,
+        sinks,
+        window or 0,
     )
 
 

@@ -17,12 +17,13 @@ Qwen3-MoE sparse layer's MLP is engines.reference.moe.SparseMoeBlock, whose expe
 MLP as a dense layer's.
 
 GPT-OSS's attention has a learned per-head sink (one more logit in each softmax, attending to
-nothing) and, in every other layer, a sliding window. The paged CPU kernel does neither, so
-such a model attends through the SDPA paths (decode groups and per-request prefill, see
-ModelConfig.masked_attention): the window is part of the boolean mask the runner builds
-(DecodeGroup.window_mask / PrefillSeq.window_mask), and the sink is one extra key of zeros
-whose additive mask entry is the sink logit, so SDPA's softmax has the sink in its
-denominator while its value adds nothing (attend_with_sinks).
+nothing) and, in every other layer, a sliding window (a query at position p sees keys
+p - window + 1 .. p). On CPU the paged kernel takes both (the layer passes its sinks and
+window with each call), so GPT-OSS attends in place like any other family. The SDPA paths
+(CUDA, or the kernels off) do them with masks: the window is part of the boolean mask the
+runner builds (DecodeGroup.window_mask / PrefillSeq.window_mask), and the sink is one extra
+key of zeros whose additive mask entry is the sink logit, so SDPA's softmax has the sink in
+its denominator while its value adds nothing (attend_with_sinks).
 """
 
 from __future__ import annotations
@@ -164,7 +165,8 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         # GPT-OSS: a learned logit per query head in each softmax; None elsewhere.
         self.sinks = nn.Parameter(torch.empty(cfg.num_heads)) if cfg.attention_sinks else None
-        # This layer's window when it slides under a mask (GPT-OSS), else None.
+        # This layer's window when it slides (GPT-OSS), else None: the paged kernel's
+        # `window`, or which of the runner's masks the SDPA paths use.
         self.window = cfg.masked_window if index in cfg.window_layers else None
         self.qkv_proj: nn.Module | None = None  # set by fuse_projections
         # FP8 KV cache scales (ModelOpt `k_scale` / `v_scale`); None keeps K/V unrounded.
@@ -215,10 +217,7 @@ class Attention(nn.Module):
 
         out = torch.empty_like(q)  # [T, H, D]
         if batch.paged is not None:
-            p = batch.paged
-            cpu_kernels.paged_attention(
-                out, q, k_cache, v_cache, p.rows, p.req, p.limit, p.tables, self.head_dim**-0.5
-            )
+            self._attend_paged(out, q, k_cache, v_cache, batch.paged)
         for group in batch.decode_groups:
             out[group.rows] = self._decode(q, k_cache, v_cache, group)
         for seq in batch.prefills:
@@ -245,11 +244,32 @@ class Attention(nn.Module):
             self.qkv_proj(x), cos, sin, k_cache, v_cache, batch.slot_mapping, self.num_heads
         )
         out = torch.empty_like(q)  # [T, H, D]
-        p = batch.paged
-        cpu_kernels.paged_attention(
-            out, q, k_cache, v_cache, p.rows, p.req, p.limit, p.tables, self.head_dim**-0.5
-        )
+        self._attend_paged(out, q, k_cache, v_cache, batch.paged)
         return self.o_proj(out.view(x.shape[0], self.num_heads * self.head_dim))
+
+    def _attend_paged(
+        self,
+        out: torch.Tensor,  # [T, H, D], written at paged.rows
+        q: torch.Tensor,  # [T, H, D]
+        k_cache: torch.Tensor,  # [KVH, num_blocks, block_size, D]
+        v_cache: torch.Tensor,
+        paged: PagedRows,
+    ) -> None:
+        """out[rows] = the kernel's attention of q[rows] over the cache in place, with this
+        layer's sinks and window (GPT-OSS; None elsewhere)."""
+        cpu_kernels.paged_attention(
+            out,
+            q,
+            k_cache,
+            v_cache,
+            paged.rows,
+            paged.req,
+            paged.limit,
+            paged.tables,
+            self.head_dim**-0.5,
+            sinks=self.sinks,
+            window=self.window,
+        )
 
     def _decode(self, q, k_cache, v_cache, group: DecodeGroup) -> torch.Tensor:
         # The n queries of a request times the G query heads sharing a KV head ride in SDPA's

@@ -123,10 +123,11 @@ class ModelRunner:
         self._linear_macs = linear_macs_per_token(cfg)
         self._moe_blocks = model.moe_blocks()  # empty for a dense model
         self._attention_macs = 2 * cfg.q_size  # per (query, key) pair: q·k, then p·v
-        # Every chunk's attention through the CPU kernel, reading the cache in place; not for
-        # attention sinks or window masks, which the kernel lacks (GPT-OSS: SDPA paths).
-        self._paged_kernel = cpu_kernels.use_kernels(device) and not cfg.masked_attention
-        # Sliding-window layers' window (GPT-OSS), for their masks; None: no such layers.
+        # Every chunk's attention through the CPU kernel, reading the cache in place (GPT-OSS's
+        # sinks and windows included: each layer passes its own).
+        self._paged_kernel = cpu_kernels.use_kernels(device)
+        # Sliding-window layers' window (GPT-OSS), for the SDPA paths' masks; None: no such
+        # layers. The kernel needs no mask: it takes the window itself.
         self._window = cfg.masked_window if cfg.window_layers else None
         # Per layer: K and V pools, [KVH, num_blocks, block_size, D]. KV heads outermost so a
         # gather of whole blocks is directly SDPA's [KVH, B, L, D] (see Attention._decode).

@@ -23,8 +23,11 @@ from typing import Any
 
 import pytest
 
+from engines.reference.cpu_kernels import kernels_available
 from engines.reference.engine import ReferenceEngine
 from tests.engine_fixtures import (
+    check_attention_path,
+    count_attention_paths,
     cpu_without_onednn_bf16,
     greedy_requests,
     hf_greedy,
@@ -52,11 +55,14 @@ def agreement(ours: list[list[int]], truth: list[list[int]]) -> tuple[float, flo
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_moe", "gpt_oss"])
-def test_bf16_greedy_is_as_close_to_fp32_as_transformers_bf16(arch: str) -> None:
+def test_bf16_greedy_is_as_close_to_fp32_as_transformers_bf16(
+    arch: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     model_dir = tiny_model(arch)
     requests = greedy_requests(varied_prompts(32, seed=7), seed=3)
     truth = hf_greedy(model_dir, requests)
     theirs = hf_greedy(model_dir, requests, dtype="bfloat16")
+    paths = count_attention_paths(monkeypatch)
     engine = ReferenceEngine(str(model_dir), dtype="bfloat16", num_threads=1, **SETTINGS)
     try:
         results = run_all(engine, requests)
@@ -66,6 +72,7 @@ def test_bf16_greedy_is_as_close_to_fp32_as_transformers_bf16(arch: str) -> None
     ours = [r.output_token_ids for r in results]
     assert [len(o) for o in ours] == [r.sampling.max_tokens for r in requests]
     assert stats.num_preemptions > 0 and stats.kv_blocks_used == 0
+    check_attention_path(arch, paths, kernel=kernels_available())
 
     our_share, our_firsts = agreement(ours, truth)
     their_share, their_firsts = agreement(theirs, truth)

@@ -7,8 +7,17 @@ from __future__ import annotations
 
 import pytest
 
+from engines.reference.cpu_kernels import kernels_available
 from engines.reference.engine import ReferenceEngine
-from tests.engine_fixtures import greedy_requests, hf_greedy, run_all, tiny_model, varied_prompts
+from tests.engine_fixtures import (
+    check_attention_path,
+    count_attention_paths,
+    greedy_requests,
+    hf_greedy,
+    run_all,
+    tiny_model,
+    varied_prompts,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -58,6 +67,7 @@ def test_greedy_ids_match_transformers(arch: str, tied: bool, variant: str, monk
     settings, stagger = VARIANTS[variant]
     if variant == "torch-ops":
         monkeypatch.setattr("engines.reference.cpu_kernels.use_kernels", lambda device: False)
+    paths = count_attention_paths(monkeypatch)
     engine = ReferenceEngine(str(tiny_model(arch, tied)), num_threads=1, **settings)
     try:
         results = run_all(engine, requests, stagger_s=stagger)
@@ -84,3 +94,4 @@ def test_greedy_ids_match_transformers(arch: str, tied: bool, variant: str, monk
     if variant == "chunked-preempting":
         assert stats.num_preemptions > 0
         assert sum(r.num_preemptions for r in results) > 0
+    check_attention_path(arch, paths, kernel=variant != "torch-ops" and kernels_available())

@@ -14,9 +14,16 @@ import torch
 
 from engines.api import EngineError
 from engines.reference.config import load_model_config
+from engines.reference.cpu_kernels import kernels_available
 from engines.reference.engine import ReferenceEngine
 from engines.reference.weights import _split_gpt_oss_experts, load_model, read_tensors
-from tests.engine_fixtures import greedy_requests, run_all, varied_prompts
+from tests.engine_fixtures import (
+    check_attention_path,
+    count_attention_paths,
+    greedy_requests,
+    run_all,
+    varied_prompts,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -87,9 +94,12 @@ def test_mxfp4_experts_load_as_transformers_dequantizes_them(mxfp4_dir: Path) ->
             assert torch.equal(tensors[f"{prefix}.down_proj.weight"], experts.down_proj[e].t())
 
 
-def test_mxfp4_greedy_ids_match_transformers(mxfp4_dir: Path) -> None:
+def test_mxfp4_greedy_ids_match_transformers(
+    mxfp4_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     requests = greedy_requests(varied_prompts(12, seed=5))
     expected = _hf_greedy(_hf_dequantized(mxfp4_dir), requests)
+    paths = count_attention_paths(monkeypatch)
     engine = ReferenceEngine(str(mxfp4_dir), num_threads=1, **CHUNKED_PREEMPTING)
     try:
         results = run_all(engine, requests)
@@ -98,6 +108,7 @@ def test_mxfp4_greedy_ids_match_transformers(mxfp4_dir: Path) -> None:
     finally:
         engine.shutdown()
     assert [r.output_token_ids for r in results] == expected
+    check_attention_path("gpt_oss", paths, kernel=kernels_available())
     assert stats.num_preemptions > 0 and sum(r.cached_prompt_tokens for r in results) > 0
     # Every step ran the experts: its records say how evenly (as for Qwen3-MoE).
     assert all(r.expert_tokens_max is not None and r.expert_tokens_mean > 0 for r in records)

@@ -40,7 +40,7 @@ def _tables(lengths: list[int]) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("path", ["kernel", "groups"])
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gpt_oss"])  # gpt_oss: sinks, window 8
 def test_short_chunks_match_the_prefill_path(arch, path, monkeypatch) -> None:
     runner = _runner(arch)
     if path == "kernel" and not kernels_available():
@@ -84,7 +84,8 @@ def test_short_chunks_match_the_prefill_path(arch, path, monkeypatch) -> None:
     assert grouped.argmax(-1).tolist() == per_request.argmax(-1).tolist()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])  # fused RoPE + cache write; q/k norms
+# llama: fused RoPE + cache write; qwen3: q/k norms; gpt_oss: sinks and a window of 8 keys.
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gpt_oss"])
 def test_prefill_chunks_through_the_kernel_match_the_prefill_path(arch) -> None:
     runner = _runner(arch)
     if not kernels_available():

@@ -1,5 +1,6 @@
 """The CPU kernels against the torch ops they replace: paged attention against plain attention
-over each row's gathered context, the fused element-wise ops against their torch spelling."""
+over each row's gathered context (with GPT-OSS's sinks and sliding window: against the model's
+masked SDPA path, attend_with_sinks), the fused element-wise ops against their torch spelling."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from engines.reference.cpu_kernels import kernels_available, paged_attention
+from engines.reference.model import attend_with_sinks
 
 pytestmark = pytest.mark.skipif(not kernels_available(), reason="no C++ compiler for the kernel")
 
@@ -133,6 +135,163 @@ def test_bad_indices_fail_with_a_message_not_a_crash() -> None:
     with pytest.raises(RuntimeError, match="table index 1 of row 0 outside tables"):
         one = torch.tensor([1, 0], dtype=torch.int32)
         paged_attention(out, q, k_cache, v_cache, rows, one, ok, tables, scale=1.0)
+
+
+# --- sinks and the sliding window (GPT-OSS) against the masked SDPA path ---------------------
+
+# (context length, query rows) per request of one step: decode rows (one of a single key, one
+# at a block boundary), a verification chunk, a prefill chunk continuing a cached prompt and a
+# fresh prompt's whole prefill, of different lengths.
+MIXED_STEP = [(1, 1), (16, 1), (9, 1), (40, 5), (63, 30), (20, 20), (33, 1)]
+
+
+def build_step(
+    chunks: list[tuple[int, int]], block_size: int, num_blocks: int, seed: int
+) -> tuple[torch.Tensor, ...]:
+    """rows, req, limit, tables of one step of `chunks`, blocks scattered over the pool; query
+    j of an n-row chunk over a context of L keys attends to keys 0 .. L - n + j."""
+    rng = random.Random(seed)
+    free = rng.sample(range(num_blocks), num_blocks)
+    width = max(-(-context // block_size) for context, _ in chunks)
+    tables, rows, req, limit = [], [], [], []
+    for i, (context, n) in enumerate(chunks):
+        blocks = [free.pop() for _ in range(-(-context // block_size))]
+        tables.append(blocks + [0] * (width - len(blocks)))
+        for j in range(n):
+            rows.append(len(rows))
+            req.append(i)
+            limit.append(context - n + 1 + j)
+    return (
+        torch.tensor(rows, dtype=torch.int64),
+        torch.tensor(req, dtype=torch.int32),
+        torch.tensor(limit, dtype=torch.int32),
+        torch.tensor(tables, dtype=torch.int32),
+    )
+
+
+def masked_reference(
+    q, k_cache, v_cache, rows, req, limit, tables, sinks: torch.Tensor | None, window: int | None
+) -> torch.Tensor:
+    """Each row through the model's SDPA path: attend_with_sinks over the row's gathered keys
+    (fp32), the window as its boolean mask (keys after p - window for a row at position p, as
+    the runner's window masks), no sinks as sinks of -inf."""
+    kvh, _, block_size, dim = k_cache.shape
+    heads = q.shape[1]
+    head_sinks = torch.full((heads,), float("-inf")) if sinks is None else sinks.float()
+    out = torch.zeros_like(q)
+    for r, row in enumerate(rows.tolist()):
+        keys = int(limit[r])
+        blocks = tables[int(req[r])].long()
+        at = torch.arange(keys)
+        slots = blocks[at // block_size] * block_size + at % block_size
+        k = k_cache.reshape(kvh, -1, dim)[:, slots].float().unsqueeze(0)  # [1, KVH, L, D]
+        v = v_cache.reshape(kvh, -1, dim)[:, slots].float().unsqueeze(0)
+        qr = q[row].float().view(1, heads, 1, dim)
+        mask = at > keys - 1 - window if window else torch.ones(keys, dtype=torch.bool)
+        o = attend_with_sinks(
+            qr, k, v, mask.view(1, 1, 1, keys), head_sinks.view(1, heads, 1, 1), enable_gqa=True
+        )
+        out[row] = o.view(heads, dim).to(q.dtype)
+    return out
+
+
+def random_caches(
+    kv_heads: int, dim: int, dtype: torch.dtype, block_size: int = 8, num_blocks: int = 64
+) -> tuple[torch.Tensor, torch.Tensor]:
+    shape = (kv_heads, num_blocks, block_size, dim)
+    return torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"]
+)
+# Head sizes of the plain loop (16: the tiny GPT-OSS; 32) and of the unrolled fp32 code.
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(4, 2, 16), (4, 4, 32), (8, 2, 64)])
+# 1: the row's own key only; 4: a few blocks' worth cut mid-block; 1000: longer than any context.
+@pytest.mark.parametrize("window", [None, 1, 4, 1000])
+@pytest.mark.parametrize("with_sinks", [True, False], ids=["sinks", "no-sinks"])
+def test_sinks_and_window_match_the_masked_sdpa_path(
+    dtype, tol, heads: int, kv_heads: int, dim: int, window: int | None, with_sinks: bool
+) -> None:
+    torch.manual_seed(heads * dim + (window or 0))
+    k_cache, v_cache = random_caches(kv_heads, dim, dtype)
+    index = build_step(MIXED_STEP, 8, 64, seed=dim)
+    q = torch.randn(int(index[0].shape[0]) + 2, heads, dim).to(dtype)  # 2 rows left alone
+    # Sinks around the scores' size, so they take a visible share of each softmax.
+    sinks = torch.randn(heads) * 2 if with_sinks else None
+    out = torch.full_like(q, 7.0)
+    paged_attention(out, q, k_cache, v_cache, *index, scale=dim**-0.5, sinks=sinks, window=window)
+    expected = masked_reference(q, k_cache, v_cache, *index, sinks, window)
+    rows = index[0]
+    torch.testing.assert_close(out[rows].float(), expected[rows].float(), rtol=tol, atol=tol)
+    assert torch.all(out[-2:] == 7.0)  # untouched
+
+
+@pytest.mark.parametrize("dim", [16, 64])  # the plain loop and the unrolled fp32 code
+def test_sinks_of_minus_infinity_and_a_window_past_the_context_change_nothing(dim: int) -> None:
+    torch.manual_seed(dim)
+    heads = 8
+    k_cache, v_cache = random_caches(2, dim, torch.float32)
+    index = build_step(MIXED_STEP, 8, 64, seed=1)
+    q = torch.randn(int(index[0].shape[0]), heads, dim)
+
+    def attend(**extra) -> torch.Tensor:
+        out = torch.empty_like(q)
+        paged_attention(out, q, k_cache, v_cache, *index, scale=dim**-0.5, **extra)
+        return out
+
+    plain = attend()
+    # exp(-inf - max) is exactly 0 and the max is unchanged: bit for bit the plain softmax.
+    assert torch.equal(attend(sinks=torch.full((heads,), float("-inf"))), plain)
+    assert torch.equal(attend(window=max(c for c, _ in MIXED_STEP)), plain)
+    assert torch.equal(attend(window=0), plain)  # 0: no window
+
+
+def test_a_window_of_one_attends_to_the_row_itself() -> None:
+    # One key left: its softmax share is 1 without a sink, sigmoid(score - sink) with one.
+    torch.manual_seed(3)
+    heads, dim = 4, 64
+    k_cache, v_cache = random_caches(1, dim, torch.float32)
+    rows, req, limit, tables = build_step([(30, 4), (5, 1)], 8, 64, seed=3)
+    q = torch.randn(rows.shape[0], heads, dim)
+    sinks = torch.tensor([0.0, 1.0, -2.0, float("-inf")])
+    out = torch.empty_like(q)
+    paged_attention(out, q, k_cache, v_cache, rows, req, limit, tables, dim**-0.5, sinks, 1)
+    for r in range(rows.shape[0]):
+        position = int(limit[r]) - 1
+        block, offset = int(tables[int(req[r])][position // 8]), position % 8
+        k, v = k_cache[0, block, offset], v_cache[0, block, offset]
+        share = torch.sigmoid(q[r] @ k * dim**-0.5 - sinks)  # [H]; 1 for the -inf sink
+        torch.testing.assert_close(out[r], share[:, None] * v, rtol=1e-5, atol=1e-5)
+
+
+def test_many_rows_with_sinks_and_a_window_split_over_threads_and_agree() -> None:
+    # Enough (row, KV head) pairs for the threads, split by the keys inside each row's window.
+    torch.manual_seed(5)
+    kvh, heads, dim, bs = 2, 8, 64, 16
+    k_cache, v_cache = random_caches(kvh, dim, torch.float32, block_size=bs, num_blocks=1024)
+    chunks = [(int(c), 1) for c in torch.randint(1, 200, (48,))] + [(150, 64)]
+    index = build_step(chunks, bs, 1024, seed=5)
+    q = torch.randn(int(index[0].shape[0]), heads, dim)
+    sinks = torch.randn(heads)
+    out = torch.empty_like(q)
+    paged_attention(out, q, k_cache, v_cache, *index, scale=dim**-0.5, sinks=sinks, window=24)
+    expected = masked_reference(q, k_cache, v_cache, *index, sinks, 24)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_sinks_or_window_fail_with_a_message() -> None:
+    k_cache = v_cache = torch.zeros(1, 4, 8, 16)
+    q = torch.zeros(2, 2, 16)
+    out = torch.empty_like(q)
+    index = build_step([(5, 2)], 8, 4, seed=0)
+    with pytest.raises(RuntimeError, match=r"expected one per query head \(2\)"):
+        paged_attention(out, q, k_cache, v_cache, *index, scale=1.0, sinks=torch.zeros(3))
+    with pytest.raises(RuntimeError, match="floating CPU tensor"):
+        ints = torch.zeros(2, dtype=torch.int32)
+        paged_attention(out, q, k_cache, v_cache, *index, scale=1.0, sinks=ints)
+    with pytest.raises(RuntimeError, match="window -1 is negative"):
+        paged_attention(out, q, k_cache, v_cache, *index, scale=1.0, window=-1)
 
 
 # --- fused element-wise ops against the torch ops they replace ---------------------------------

@@ -253,7 +253,6 @@ def test_gpt_oss_config_fields() -> None:
     # No layer_types: even layers slide, odd ones attend fully (GptOssConfig).
     assert cfg.masked_window == 4 and cfg.window_layers == (0, 2)
     assert cfg.sliding_window is None  # no context cap: the window is masked instead
-    assert cfg.masked_attention
     assert cfg.moe.style == "gpt_oss" and cfg.moe.sparse_layers == (0, 1, 2, 3)
     assert cfg.moe.intermediate_size == 32 and cfg.moe.num_experts == 4
     assert cfg.rope.theta == 150000.0  # GptOssConfig.default_theta
