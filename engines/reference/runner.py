@@ -279,23 +279,35 @@ class ModelRunner:
         """Final-normed hidden states [T, hidden] of whole prompts, back to back (T = their
         tokens together), for embeddings.
 
-        A dense causal forward over the prompts, apart from generation: their K/V go to a
-        scratch pool made for this call and dropped after it, so the shared pool, its
-        prefix cache and the requests generating alongside are untouched, and an embedding
-        never depends on what happened to be cached."""
+        A causal forward over the prompts, apart from generation: their K/V go to a scratch
+        pool made for this call and dropped after it, so the shared pool, its prefix cache
+        and the requests generating alongside are untouched, and an embedding never depends on
+        what happened to be cached. On CPU every prompt is attended in one call of the paged
+        kernel (each prompt in whole blocks of its own in the scratch pool), as generation's
+        prefills are; elsewhere each prompt is one SDPA call over its own K/V."""
         input_ids: list[int] = []
         positions: list[int] = []
         prefills: list[PrefillSeq] = []
+        chunks: list[tuple[int, int, int, Sequence[int]]] = []  # for the paged kernel
+        slots: list[int] = []
+        bs = self.block_size if self._paged_kernel else 1
+        num_blocks = 0
         for prompt in prompts:
             n = len(prompt)
-            # No history: each prompt attends causally to its own K/V (Attention._prefill).
-            prefills.append(PrefillSeq(len(input_ids), n, 0, None, None))
+            blocks = range(num_blocks, num_blocks + -(-n // bs))
+            if self._paged_kernel:
+                chunks.append((len(input_ids), n, n, blocks))
+            else:
+                # No history: each prompt attends causally to its own K/V (Attention._prefill),
+                # within the sliding window in the layers that have one, as in generation.
+                window_mask = self._prefill_window_mask(0, n)
+                prefills.append(PrefillSeq(len(input_ids), n, 0, None, None, window_mask))
+            slots.extend(range(num_blocks * bs, num_blocks * bs + n))
+            num_blocks += len(blocks)
             input_ids.extend(prompt)
             positions.extend(range(n))
-        num_tokens = len(input_ids)
         k_cache, v_cache = self.kv_caches[0]
-        # One slot per token: [KVH, T, 1, D] per layer, slot t = row t.
-        shape = (k_cache.shape[0], num_tokens, 1, k_cache.shape[-1])
+        shape = (k_cache.shape[0], num_blocks, bs, k_cache.shape[-1])  # [KVH, blocks, bs, D]
         scratch = [
             (
                 torch.empty(shape, dtype=k_cache.dtype, device=self.device),
@@ -303,17 +315,31 @@ class ModelRunner:
             )
             for _ in self.kv_caches
         ]
-        rows = torch.arange(num_tokens, dtype=torch.int64)
         pos_t = self._upload(torch.tensor(positions, dtype=torch.int64))
-        batch = AttentionBatch(slot_mapping=self._upload(rows), prefills=prefills)
+        batch = AttentionBatch(
+            slot_mapping=self._upload(torch.tensor(slots, dtype=torch.int64)),
+            prefills=prefills,
+            paged=self._paged_rows(chunks) if chunks else None,
+        )
         return self.model.hidden_states(
             self._upload(torch.tensor(input_ids, dtype=torch.int64)),
             self.cos[pos_t].unsqueeze(1),  # [T, 1, D]
             self.sin[pos_t].unsqueeze(1),
             batch,
             scratch,
-            self._upload(rows),
+            self._upload(torch.arange(len(input_ids), dtype=torch.int64)),
         )
+
+    def _prefill_window_mask(self, start: int, n: int) -> torch.Tensor | None:
+        """[n, start + n] bool: the keys within the sliding window of each query of a chunk
+        at positions start .. start + n - 1 (models with window layers), else None."""
+        if self._window is None:
+            return None
+        context = torch.arange(start + n)
+        queries = torch.arange(start, start + n)
+        keep = context[None, :] <= queries[:, None]
+        keep &= context[None, :] > queries[:, None] - self._window
+        return self._upload(keep)
 
     @torch.inference_mode()
     def prepare(self, inputs: Sequence[ChunkInput]) -> StepInputs:
@@ -353,17 +379,14 @@ class ModelRunner:
                 lens.append(start + n)
                 tables.append(blocks)
             else:
-                gather = mask = window_mask = None
-                context = torch.arange(start + n)
-                queries = torch.arange(start, start + n)
+                gather = mask = None
                 if start > 0:  # attend to cached history: gather the whole context
+                    context = torch.arange(start + n)
+                    queries = torch.arange(start, start + n)
                     table = torch.tensor(blocks, dtype=torch.int64)
                     gather = self._upload(self._slots(table, context))
                     mask = self._upload(context[None, :] <= queries[:, None])  # [n, L]
-                if self._window is not None:  # keys within the window of each query
-                    keep = context[None, :] <= queries[:, None]
-                    keep &= context[None, :] > queries[:, None] - self._window
-                    window_mask = self._upload(keep)  # [n, L]
+                window_mask = self._prefill_window_mask(start, n)
                 prefills.append(PrefillSeq(row, n, start, gather, mask, window_mask))
             # The last real token's row, then one per proposal: verification needs them all.
             logits_rows.extend(range(row + n - chunk.num_logits, row + n))

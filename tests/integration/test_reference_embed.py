@@ -62,6 +62,33 @@ def test_embeddings_match_transformers(arch: str, pooling: str, normalize: bool)
     assert len(records) < len(prompts)  # batched
 
 
+@pytest.mark.parametrize("kernels", ["on", "off"])
+def test_gpt_oss_embeddings_keep_the_sliding_window(
+    kernels: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """GPT-OSS's window layers see only the last `sliding_window` keys and every layer has its
+    sinks: prompts longer than the tiny window, mean pooling so every row counts; through the
+    paged kernel (CPU) and through the masked SDPA path (CUDA's, here with the kernels off)."""
+    from engines.dev.tiny import GPT_OSS_TINY_WINDOW
+    from engines.reference.cpu_kernels import DISABLE_ENV
+
+    if kernels == "off":
+        monkeypatch.setenv(DISABLE_ENV, "0")
+
+    model_dir = tiny_model("gpt_oss")
+    prompts = [p for p in varied_prompts(12, seed=4) if len(p) > 2 * GPT_OSS_TINY_WINDOW][:4]
+    assert len(prompts) == 4
+    expected = _hf_embeddings(model_dir, prompts, "mean", False)
+    engine = ReferenceEngine(str(model_dir), num_threads=1, max_num_tokens=256, dtype="float32")
+    try:
+        params = EmbedParams(pooling="mean", normalize=False)
+        results = run_all(engine, [GenerationRequest(p, embed=params) for p in prompts])
+    finally:
+        engine.shutdown()
+    got = torch.tensor([r.embedding for r in results])
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
 def test_embeddings_alongside_generation_leave_it_unchanged() -> None:
     model_dir = tiny_model("llama")
     gen = greedy_requests(varied_prompts(8, seed=5))
