@@ -928,6 +928,10 @@ class ReferenceEngine:
         with self._records_lock:
             self._records.append(record)
         self._num_steps += 1
+        if load is not None:  # a track of its own in a profile's trace
+            self._profiler.counter(
+                "expert_load", {"max_tokens": load.max_tokens, "mean_tokens": load.mean_tokens}
+            )
 
     def _deliver(
         self,

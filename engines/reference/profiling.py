@@ -7,7 +7,10 @@ record_function object, nothing allocated per step. With `profile_dir` set, a `S
 starts torch.profiler at the first step (on the step-loop thread, which is where the ops
 run), marks each phase with `torch.profiler.record_function` (and an NVTX range on CUDA, so
 `nsys profile` shows the same phases), and after `steps` steps writes a Chrome / Perfetto
-trace JSON and switches itself off.
+trace JSON and switches itself off. Values a step measures besides time (a Mixture-of-Experts
+model's expert load) go in as counters: `profiler.counter(name, values)` during the step, written
+as Chrome counter events at the start of that step, so Perfetto draws them as a track under the
+step ranges.
 """
 
 from __future__ import annotations
@@ -39,6 +42,9 @@ class NoProfiler:
     def step(self) -> contextlib.AbstractContextManager:
         return _NULL
 
+    def counter(self, name: str, values: dict[str, float]) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
@@ -57,6 +63,9 @@ class StepProfiler(NoProfiler):
         self.steps_left = steps
         self._cuda = getattr(device, "type", str(device)) == "cuda"
         self._profile: Any = None  # torch.profiler.profile while recording
+        self._steps_begun = 0  # recorded steps begun so far
+        # (recorded step index, counter name, values), written into the trace at close
+        self._counters: list[tuple[int, str, dict[str, float]]] = []
         self.trace_path = None
 
     @contextlib.contextmanager
@@ -82,6 +91,7 @@ class StepProfiler(NoProfiler):
             return
         if self._profile is None:
             self._start()
+        self._steps_begun += 1
         with self.phase(STEP):
             yield
         self.steps_left -= 1
@@ -98,6 +108,11 @@ class StepProfiler(NoProfiler):
         self._profile = torch.profiler.profile(activities=activities)
         self._profile.__enter__()
 
+    def counter(self, name: str, values: dict[str, float]) -> None:
+        """Values of the step being recorded (none outside a recorded step)."""
+        if self._profile is not None and self._steps_begun:
+            self._counters.append((self._steps_begun - 1, name, dict(values)))
+
     def close(self) -> None:
         """Stop and write the trace (also when the engine stops before `steps` steps)."""
         if self._profile is None:
@@ -108,7 +123,39 @@ class StepProfiler(NoProfiler):
         stamp = time.strftime("%Y%m%d-%H%M%S")
         path = self.out_dir / f"reference-{stamp}-{os.getpid()}.trace.json"
         profile.export_chrome_trace(str(path))
+        if self._counters:
+            _add_counters(path, self._counters)
         self.trace_path = path
+
+
+def _add_counters(path: Path, counters: list[tuple[int, str, dict[str, float]]]) -> None:
+    """Write each counter as a Chrome counter event ("ph": "C") at the start of its step's
+    range. torch.profiler has no counter API, and its timestamps have their own time base:
+    placing them by the step ranges themselves, in order, needs neither."""
+    trace = json.loads(path.read_text())
+    events = trace.setdefault("traceEvents", [])
+    steps = sorted(
+        (
+            e
+            for e in events
+            if e.get("ph") == "X" and e.get("cat") == "user_annotation" and e.get("name") == STEP
+        ),
+        key=lambda e: float(e["ts"]),
+    )
+    for index, name, values in counters:
+        if index < len(steps):
+            step = steps[index]
+            events.append(
+                {
+                    "ph": "C",
+                    "name": name,
+                    "pid": step["pid"],
+                    "tid": step["tid"],
+                    "ts": step["ts"],
+                    "args": values,
+                }
+            )
+    path.write_text(json.dumps(trace))
 
 
 @dataclass(frozen=True)

@@ -135,3 +135,31 @@ def test_bench_profile_prints_the_phase_table_from_its_trace(tmp_path) -> None:
     profile = json.loads(out.read_text())["results"][0]["profile"]
     assert profile["steps"] == 5 and profile["trace"] == str(traces[0])
     assert profile["phase_ms"]["forward"] > 0
+
+
+def test_a_moe_trace_has_the_expert_load_of_each_step(tmp_path) -> None:
+    engine = ReferenceEngine(
+        str(tiny_model("qwen3_moe")), num_threads=1, profile_dir=str(tmp_path), profile_steps=5
+    )
+    requests = [
+        GenerationRequest(p, SamplingParams(max_tokens=8), request_id=f"p{i}")
+        for i, p in enumerate(varied_prompts(4, seed=2))
+    ]
+    try:
+        run_all(engine, requests)
+        records = engine.drain_step_records()
+    finally:
+        engine.shutdown()
+    events = json.loads(engine.profile_trace.read_text())["traceEvents"]
+    steps = sorted(
+        (e for e in events if e.get("name") == STEP and e.get("ph") == "X"),
+        key=lambda e: float(e["ts"]),
+    )
+    counters = [e for e in events if e.get("ph") == "C" and e["name"] == "expert_load"]
+    assert len(steps) == 5 and len(counters) == 5
+    # One per recorded step, at its start, with that step's record's figures.
+    assert [c["ts"] for c in counters] == [s["ts"] for s in steps]
+    assert [(c["args"]["max_tokens"], c["args"]["mean_tokens"]) for c in counters] == [
+        (r.expert_tokens_max, r.expert_tokens_mean) for r in records[:5]
+    ]
+    assert all(c["args"]["max_tokens"] >= c["args"]["mean_tokens"] > 0 for c in counters)
