@@ -38,7 +38,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 _SOURCES = [
-    Path(__file__).parent / "kernels" / name for name in ("paged_attention.cpp", "fused_ops.cpp")
+    Path(__file__).parent / "kernels" / name
+    for name in ("paged_attention.cpp", "fused_ops.cpp", "moe_experts.cpp")
 ]
 _HEADERS = [Path(__file__).parent / "kernels" / "fast_exp.h"]  # part of the build's key
 DISABLE_ENV = "TOKENMILL_CPU_KERNELS"
@@ -196,6 +197,23 @@ def rope_cache(
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SiLU(gate) * up for gate_up = [gate | up] ([T, 2I] -> [T, I])."""
     return torch.ops.tokenmill.silu_mul(gate_up)
+
+
+def moe_experts(
+    grouped: torch.Tensor,  # [P, hidden] the step's (token, expert) pairs, grouped by expert
+    outputs: torch.Tensor,  # [P, hidden] written at each listed expert's rows
+    pair_weights: torch.Tensor,  # [P, 1] routing weight of each pair
+    firsts: list[int],  # first row of each listed expert
+    counts: list[int],  # its rows
+    share_starts: list[int],  # share s = entries share_starts[s] .. share_starts[s + 1] - 1
+    gate_up: list[torch.Tensor],  # each listed expert's packed gate/up weight (OneDnnLinear)
+    down: list[torch.Tensor],  # and down weight
+) -> None:
+    """Each share's experts on one intra-op thread, the shares side by side
+    (kernels/moe_experts.cpp)."""
+    torch.ops.tokenmill.moe_experts(
+        grouped, outputs, pair_weights, firsts, counts, share_starts, gate_up, down
+    )
 
 
 if __name__ == "__main__":  # `make setup`: build once, so no engine start has to

@@ -7,6 +7,13 @@ Tokens are grouped by expert rather than each token visiting its experts: the st
 its rows through the same linears as the dense MLP (oneDNN on CPU, fused gate/up), and the
 weighted outputs go back to their tokens in one index_add. Experts no token chose cost nothing.
 
+With several CPU threads, a step whose experts each get few rows (decode) runs its experts
+side by side instead of one after another (kernels/moe_experts.cpp): a GEMM of a few rows does
+not spread over threads (it streams the expert's weights, on one thread as fast as on two), so
+each intra-op thread takes a share of the experts and runs them single-threaded. Same calls per
+expert, same combine: the outputs are the same (to the last bits where oneDNN would split a
+GEMM's reduction over threads; it splits rows and columns at these sizes).
+
 Module and parameter names match the checkpoints (`mlp.gate.weight`,
 `mlp.experts.{e}.gate_proj.weight`, ...), so weights load by name like the dense model's.
 GPT-OSS's router is `mlp.router` (with a bias) and its stacked expert tensors are split by the
@@ -18,7 +25,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engines.reference import cpu_kernels
 from engines.reference.config import MoeConfig
+from engines.reference.linear import OneDnnLinear
 from engines.reference.mlp import MLP
 
 # GPT-OSS's clamped SwiGLU (GptOssExperts: alpha and limit are constants of the model).
@@ -68,6 +77,23 @@ class GptOssExpert(nn.Module):
         return self.down_proj((up + 1) * glu)
 
 
+# Above this many rows per active expert, the experts run one after another on all threads:
+# their GEMMs are big enough to spread over the threads themselves.
+SIDE_BY_SIDE_MAX_ROWS = 384
+
+
+def balance(spans: list[tuple[int, int, int]], count: int) -> list[list[tuple[int, int, int]]]:
+    """`spans` (expert, first row, rows) in at most `count` shares of about equal rows: the
+    largest span first to the share with the fewest rows so far; no empty share."""
+    shares: list[list[tuple[int, int, int]]] = [[] for _ in range(count)]
+    rows = [0] * count
+    for span in sorted(spans, key=lambda s: -s[2]):
+        i = rows.index(min(rows))
+        shares[i].append(span)
+        rows[i] += span[2]
+    return [share for share in shares if share]
+
+
 class SparseMoeBlock(nn.Module):
     def __init__(self, hidden_size: int, moe: MoeConfig) -> None:
         super().__init__()
@@ -89,6 +115,9 @@ class SparseMoeBlock(nn.Module):
         # Tokens each expert computed in the last forward ([E] int64), for the step's expert
         # load figures; read after the step (ModelRunner.expert_load), never inside it.
         self.last_counts: torch.Tensor | None = None
+        # The experts' packed weights for the side-by-side kernel, found on first use after
+        # the load has fused and packed them.
+        self._packed: tuple[list, list] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         return self._combine(x, torch.zeros_like(x))
@@ -116,12 +145,60 @@ class SparseMoeBlock(nn.Module):
         grouped = x.index_select(0, rows)  # [T * k, hidden]
         pair_weights = weights.reshape(-1, 1).index_select(0, order)  # [T * k, 1]
         outputs = torch.empty_like(grouped)  # [T * k, hidden]
-        start = 0
         # One host sync per layer to size the groups; every later op is a plain matmul.
+        spans: list[tuple[int, int, int]] = []  # (expert, first row, rows) of active experts
+        start = 0
         for expert, count in enumerate(counts.tolist()):
-            if count == 0:
-                continue
-            span = slice(start, start + count)
-            outputs[span] = self.experts[expert](grouped[span]) * pair_weights[span]
+            if count:
+                spans.append((expert, start, count))
             start += count
+        threads = torch.get_num_threads()
+        packed = self._packed_experts(x)
+        if (
+            packed is not None
+            and threads > 1
+            and len(spans) > 1
+            and start <= SIDE_BY_SIDE_MAX_ROWS * len(spans)
+        ):
+            shares = balance(spans, threads)
+            listed = [span for share in shares for span in share]
+            share_starts = [0]
+            for share in shares:
+                share_starts.append(share_starts[-1] + len(share))
+            cpu_kernels.moe_experts(
+                grouped,
+                outputs,
+                pair_weights,
+                [first for _, first, _ in listed],
+                [count for _, _, count in listed],
+                share_starts,
+                [packed[0][e] for e, _, _ in listed],
+                [packed[1][e] for e, _, _ in listed],
+            )
+        else:
+            for expert, first, count in spans:
+                span = slice(first, first + count)
+                outputs[span] = self.experts[expert](grouped[span]) * pair_weights[span]
         return out.index_add_(0, rows, outputs)
+
+    def _packed_experts(self, x: torch.Tensor) -> tuple[list, list] | None:
+        """Every expert's packed gate/up and down weights, where the side-by-side kernel can
+        run them (CPU kernels; SwiGLU experts whose fused gate/up and down are bias-free
+        OneDnnLinears); else None."""
+        if not cpu_kernels.use_kernels(x.device):
+            return None
+        if self._packed is None:  # found once the load has fused and packed them
+            if not all(
+                isinstance(e, MLP)
+                and isinstance(e.gate_up_proj, OneDnnLinear)
+                and isinstance(e.down_proj, OneDnnLinear)
+                and e.gate_up_proj.bias is None
+                and e.down_proj.bias is None
+                for e in self.experts
+            ):
+                return None
+            self._packed = (
+                [e.gate_up_proj.packed for e in self.experts],
+                [e.down_proj.packed for e in self.experts],
+            )
+        return self._packed

@@ -68,6 +68,69 @@ def test_block_matches_the_per_token_loop(norm_topk_prob: bool) -> None:
         )
 
 
+def _packed_block() -> SparseMoeBlock:
+    """A block as the loader leaves it: gate/up fused, every linear a OneDnnLinear."""
+    block = _block(True, num_experts=8, top_k=2)
+    model_like = torch.nn.Module()
+    model_like.block = block
+    with torch.no_grad():
+        for mlp in block.experts:
+            mlp.gate_up_proj = torch.nn.Linear(HIDDEN, 16, bias=False)
+            mlp.gate_up_proj.weight.copy_(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+            del mlp.gate_proj, mlp.up_proj
+    pack_linears(model_like)
+    return block
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 37, 300])
+def test_experts_side_by_side_equal_one_after_another(
+    tokens: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The side-by-side kernel (experts shared out over the threads) against the experts one
+    after another, on the same packed block; and that it really ran."""
+    from engines.reference import cpu_kernels, moe
+
+    if not cpu_kernels.kernels_available():
+        pytest.skip("CPU kernels unavailable on this machine")
+    block = _packed_block()
+    x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(3))
+    calls: list[int] = []
+    real = cpu_kernels.moe_experts
+    monkeypatch.setattr(
+        cpu_kernels, "moe_experts", lambda *args: (calls.append(len(args[3])), real(*args))
+    )
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with torch.inference_mode():
+            monkeypatch.setattr(moe, "SIDE_BY_SIDE_MAX_ROWS", 0)  # never side by side
+            one_after_another = block(x)
+            assert calls == []
+            monkeypatch.setattr(moe, "SIDE_BY_SIDE_MAX_ROWS", 10**9)  # always
+            side_by_side = block(x)
+            active = int((block.last_counts > 0).sum())
+            residual = torch.randn(tokens, HIDDEN)
+            added = block.forward_add(x, residual.clone())
+    finally:
+        torch.set_num_threads(threads)
+    assert calls == [active, active]  # every active expert, in one call per forward
+    torch.testing.assert_close(side_by_side, one_after_another, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(added, residual + one_after_another, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        side_by_side, _per_token(_block(True, 8, 2), x), rtol=1e-5, atol=1e-5
+    )
+
+
+def test_balance_shares_rows_evenly() -> None:
+    from engines.reference.moe import balance
+
+    spans = [(0, 0, 9), (2, 9, 1), (3, 10, 5), (5, 15, 4), (7, 19, 1)]
+    shares = balance(spans, 2)
+    assert sorted(e for share in shares for e, _, _ in share) == [0, 2, 3, 5, 7]
+    assert sorted(sum(c for _, _, c in share) for share in shares) == [10, 10]
+    assert balance(spans[:1], 4) == [[spans[0]]]  # no empty shares
+
+
 def test_a_single_token_and_unchosen_experts() -> None:
     block = _block(True, num_experts=8, top_k=1)
     x = torch.randn(1, HIDDEN, generator=torch.Generator().manual_seed(2))
