@@ -1,12 +1,14 @@
-"""Reasoning output through `tokenmill serve` (real HTTP, the official OpenAI client): a model
-with prompt.reasoning think on the synthetic engine, scripted to write a known reasoning block
-and answer in the tiny think model's tokens, so content, reasoning_content (whole and streamed)
-and the usage counts are known exactly."""
+"""Reasoning output through `tokenmill serve` (real HTTP, the official OpenAI client): two
+models on one server, `<think>` (Qwen3) and harmony (GPT-OSS), each on the synthetic engine
+scripted to write a known reasoning part and answer in its tiny model's tokens, so content,
+reasoning_content (whole and streamed) and the usage counts are known exactly."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -16,47 +18,96 @@ from tests.e2e.serve_fixtures import API_KEY, ServerProcess, start_server
 
 pytestmark = pytest.mark.timeout(400)
 
-REASONING = "the river runs north"
-ANSWER = "It is cold."
-SCRIPT = f"{REASONING}\n</think>\n\n{ANSWER}"
 CHAT = [{"role": "user", "content": "Why is the river cold?"}]
+ANSWER = "It is cold."
+
+
+@dataclass(frozen=True)
+class Format:
+    """A reasoning format's scripted reply: what the synthetic engine writes, and its split."""
+
+    script: str
+    reasoning: str
+
+
+FORMATS = {
+    "think": Format("the river runs north\n</think>\n\n" + ANSWER, "the river runs north"),
+    # GPT-OSS: an analysis message, then a final one; the engine ends with <|return|>.
+    "harmony": Format(
+        "<|channel|>analysis<|message|>The river runs north.<|end|>"
+        "<|start|>assistant<|channel|>final<|message|>" + ANSWER,
+        "The river runs north.",
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Expected:
+    """Exact figures, from the model's own tokenizer."""
+
+    reasoning_tokens: int
+    completion_tokens: int  # every token written, the format's markers and the end too
+    cut: int  # a max_tokens that stops two tokens into the reasoning text
+    cut_reasoning: str  # the reasoning then (2 reasoning tokens)
 
 
 @pytest.fixture(scope="module")
-def think_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     from engines.dev.tiny import make_tiny_model
 
-    return Path(make_tiny_model(tmp_path_factory.mktemp("model") / "think", reasoning="think"))
+    base = tmp_path_factory.mktemp("models")
+    return {fmt: Path(make_tiny_model(base / fmt, reasoning=fmt)) for fmt in FORMATS}
 
 
 @pytest.fixture(scope="module")
-def counts(think_model: Path) -> dict[str, int]:
+def tokenizers(models: dict[str, Path]) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(think_model))
-    ids = tok.encode(SCRIPT, add_special_tokens=False)
-    return {
-        "reasoning": ids.index(tok.convert_tokens_to_ids("</think>")),
-        "completion": len(ids) + 1,  # + the end-of-sequence token
-    }
+    return {fmt: AutoTokenizer.from_pretrained(str(path)) for fmt, path in models.items()}
 
 
 @pytest.fixture(scope="module")
-def server(think_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+def expected(tokenizers: dict[str, Any]) -> dict[str, Expected]:
+    out = {}
+    for fmt, spec in FORMATS.items():
+        tok = tokenizers[fmt]
+        ids = tok.encode(spec.script, add_special_tokens=False)
+        # Where the reasoning text starts: after the analysis header for harmony.
+        head = 0 if fmt == "think" else ids.index(tok.convert_tokens_to_ids("<|message|>")) + 1
+        # <think>: every token before </think> (the newline too); harmony: the analysis
+        # message's own tokens (its header and markers are the format's).
+        if fmt == "think":
+            reasoning_tokens = ids.index(tok.convert_tokens_to_ids("</think>"))
+        else:
+            reasoning_tokens = len(tok.encode(spec.reasoning, add_special_tokens=False))
+        out[fmt] = Expected(
+            reasoning_tokens=reasoning_tokens,
+            completion_tokens=len(ids) + 1,
+            cut=head + 2,
+            cut_reasoning=tok.decode(ids[head : head + 2]).strip(),
+        )
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(
+    models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
     config = {
         "name": "tokenmill-reasoning",
         "models": [
             {
-                "name": "think",
-                "model": {"path": str(think_model)},
+                "name": fmt,
+                "model": {"path": str(models[fmt])},
                 # Steps of a few ms: a stream arrives in several deltas.
                 "engine": {
                     "kind": "synthetic",
-                    "extra": {"script": SCRIPT, "ttft_ms": 1, "step_interval_ms": 5},
+                    "extra": {"script": spec.script, "ttft_ms": 1, "step_interval_ms": 5},
                 },
-                "prompt": {"reasoning": "think"},
+                "prompt": {"reasoning": fmt},
                 "replicas": {"cpus_per_replica": 0.25, "stream_interval_s": 0},
             }
+            for fmt, spec in FORMATS.items()
         ],
         "http": {"cpus_per_ingress": 0.25},
     }
@@ -73,37 +124,49 @@ def client(server: ServerProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.api_url, api_key=API_KEY, max_retries=0, timeout=120)
 
 
-def test_whole_answer(client: openai.OpenAI, counts: dict[str, int]) -> None:
-    reply = client.chat.completions.create(model="think", messages=CHAT, max_tokens=64)
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_whole_answer(
+    client: openai.OpenAI, fmt: str, expected: dict[str, Expected], tokenizers: dict[str, Any]
+) -> None:
+    want, tok = expected[fmt], tokenizers[fmt]
+    reply = client.chat.completions.create(model=fmt, messages=CHAT, max_tokens=64)
     message = reply.choices[0].message
     assert message.content == ANSWER
-    assert message.model_extra["reasoning_content"] == REASONING
-    assert reply.usage.completion_tokens == counts["completion"]  # tokens are tokens
-    assert reply.usage.completion_tokens_details.reasoning_tokens == counts["reasoning"]
-    # reasoning_effort is accepted and reaches the template (its system turn: more tokens).
+    assert message.model_extra["reasoning_content"] == FORMATS[fmt].reasoning
+    assert reply.usage.completion_tokens == want.completion_tokens  # tokens are tokens
+    assert reply.usage.completion_tokens_details.reasoning_tokens == want.reasoning_tokens
+    # reasoning_effort is accepted and reaches the template: the prompt is the one the
+    # model's own template renders with it.
     effort = client.chat.completions.create(
-        model="think", messages=CHAT, max_tokens=64, reasoning_effort="high"
+        model=fmt, messages=CHAT, max_tokens=64, reasoning_effort="high"
     )
-    assert effort.usage.prompt_tokens > reply.usage.prompt_tokens
+    rendered = tok.apply_chat_template(
+        CHAT, add_generation_prompt=True, tokenize=False, reasoning_effort="high"
+    )
+    assert "Reasoning: high" in rendered
+    assert effort.usage.prompt_tokens == len(tok.encode(rendered, add_special_tokens=False))
+    assert effort.choices[0].message.content == ANSWER
     # n choices: each split, the usage counting every choice's reasoning.
     two = client.chat.completions.create(
-        model="think", messages=CHAT, max_tokens=64, n=2, temperature=1.0
+        model=fmt, messages=CHAT, max_tokens=64, n=2, temperature=1.0
     )
-    assert [c.message.model_extra["reasoning_content"] for c in two.choices] == [REASONING] * 2
-    assert two.usage.completion_tokens_details.reasoning_tokens == 2 * counts["reasoning"]
-    # Cut at max_tokens inside the block: all reasoning, an empty answer.
-    cut = client.chat.completions.create(model="think", messages=CHAT, max_tokens=3)
+    assert [c.message.model_extra["reasoning_content"] for c in two.choices] == [
+        FORMATS[fmt].reasoning
+    ] * 2
+    assert two.usage.completion_tokens_details.reasoning_tokens == 2 * want.reasoning_tokens
+    # Cut at max_tokens inside the reasoning: all reasoning so far, an empty answer.
+    cut = client.chat.completions.create(model=fmt, messages=CHAT, max_tokens=want.cut)
     assert cut.choices[0].finish_reason == "length"
-    assert (cut.choices[0].message.content, cut.choices[0].message.model_extra) == (
-        "",
-        {"reasoning_content": "the river"},
-    )
-    assert cut.usage.completion_tokens_details.reasoning_tokens == 3
+    assert cut.choices[0].message.content == ""
+    assert cut.choices[0].message.model_extra["reasoning_content"].strip() == want.cut_reasoning
+    assert cut.usage.completion_tokens_details.reasoning_tokens == 2
 
 
-def test_streamed_answer(client: openai.OpenAI, counts: dict[str, int]) -> None:
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_streamed_answer(client: openai.OpenAI, fmt: str, expected: dict[str, Expected]) -> None:
+    want = expected[fmt]
     stream = client.chat.completions.create(
-        model="think",
+        model=fmt,
         messages=CHAT,
         max_tokens=64,
         stream=True,
@@ -123,8 +186,8 @@ def test_streamed_answer(client: openai.OpenAI, counts: dict[str, int]) -> None:
     kinds = [kind for kind, _ in parts]
     assert kinds == sorted(kinds, key=lambda k: k != "reasoning")  # reasoning first
     assert kinds.count("reasoning") > 1  # really streamed, not one piece at the end
-    assert "".join(t for k, t in parts if k == "reasoning") == REASONING
+    assert "".join(t for k, t in parts if k == "reasoning") == FORMATS[fmt].reasoning
     assert "".join(t for k, t in parts if k == "content") == ANSWER
     assert usage is not None
-    assert usage.completion_tokens == counts["completion"]
-    assert usage.completion_tokens_details.reasoning_tokens == counts["reasoning"]
+    assert usage.completion_tokens == want.completion_tokens
+    assert usage.completion_tokens_details.reasoning_tokens == want.reasoning_tokens
