@@ -22,6 +22,10 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    # Its experts are quantized one by one (ModelOpt's fused-experts support) and exported
+    # under per-expert names, which the reference engine and TensorRT-LLM load; the router
+    # (`mlp.gate`) stays in the source precision.
+    "Qwen3MoeForCausalLM",
 )
 
 

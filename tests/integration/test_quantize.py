@@ -40,6 +40,8 @@ BUILDS = [
     ("llama-fp8-kvfp8", "llama", "fp8", "fp8"),
     ("qwen3-nvfp4-kvfp8", "qwen3", "nvfp4", "fp8"),
     ("qwen2-fp8", "qwen2", "fp8", None),
+    ("qwen3moe-fp8-kvfp8", "qwen3_moe", "fp8", "fp8"),
+    ("qwen3moe-nvfp4", "qwen3_moe", "nvfp4", None),
 ]
 
 
@@ -58,7 +60,8 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     from engines.dev.tiny import make_tiny_model
 
     root = tmp_path_factory.mktemp("quant-src")
-    return {arch: make_tiny_model(root / arch, arch=arch) for arch in ("llama", "qwen2", "qwen3")}
+    archs = ("llama", "qwen2", "qwen3", "qwen3_moe")
+    return {arch: make_tiny_model(root / arch, arch=arch) for arch in archs}
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +81,25 @@ def _tensors(export: Path):
     from safetensors.torch import load_file
 
     return load_file(str(export / "model.safetensors"))
+
+
+def _check_down(tensors, down: str, fmt: str, hidden: int, inter: int) -> None:
+    import torch
+
+    if fmt == "fp8":
+        assert tensors[f"{down}.weight"].dtype == torch.float8_e4m3fn
+        assert tensors[f"{down}.weight"].shape == (hidden, inter)
+        assert tensors[f"{down}.weight_scale"].shape == ()
+        # weight_scale = amax / 448: the largest stored code reaches the FP8 maximum.
+        assert tensors[f"{down}.weight"].float().abs().max() == pytest.approx(448, rel=0.07)
+    else:
+        assert tensors[f"{down}.weight"].dtype == torch.uint8
+        assert tensors[f"{down}.weight"].shape == (hidden, inter // 2)
+        assert tensors[f"{down}.weight_scale"].dtype == torch.float8_e4m3fn
+        assert tensors[f"{down}.weight_scale"].shape == (hidden, inter // 16)
+        assert tensors[f"{down}.weight_scale_2"].shape == ()
+    assert tensors[f"{down}.input_scale"].dtype == torch.float32
+    assert float(tensors[f"{down}.input_scale"]) > 0
 
 
 @pytest.mark.parametrize(("name", "arch", "fmt", "kv"), BUILDS)
@@ -107,29 +129,28 @@ def test_export_layout(builds, name, arch, fmt, kv):
     hidden, inter = src["hidden_size"], src["intermediate_size"]
     assert tensors["model.embed_tokens.weight"].dtype == torch.float32
     assert tensors["lm_head.weight"].dtype == torch.float32
+    experts = src.get("num_local_experts", 0)
+    if experts:  # Qwen3-MoE: every expert quantized under its own names, the router not
+        inter = src["moe_intermediate_size"]
+        assert quant["exclude_modules"].count("model.layers.0.mlp.gate") == 1
     for layer in range(src["num_hidden_layers"]):
         prefix = f"model.layers.{layer}"
-        down = f"{prefix}.mlp.down_proj"
-        if fmt == "fp8":
-            assert tensors[f"{down}.weight"].dtype == torch.float8_e4m3fn
-            assert tensors[f"{down}.weight"].shape == (hidden, inter)
-            assert tensors[f"{down}.weight_scale"].shape == ()
-            # weight_scale = amax / 448: the largest stored code reaches the FP8 maximum.
-            assert tensors[f"{down}.weight"].float().abs().max() == pytest.approx(448, rel=0.07)
-        else:
-            assert tensors[f"{down}.weight"].dtype == torch.uint8
-            assert tensors[f"{down}.weight"].shape == (hidden, inter // 2)
-            assert tensors[f"{down}.weight_scale"].dtype == torch.float8_e4m3fn
-            assert tensors[f"{down}.weight_scale"].shape == (hidden, inter // 16)
-            assert tensors[f"{down}.weight_scale_2"].shape == ()
+        if experts:
+            assert tensors[f"{prefix}.mlp.gate.weight"].dtype == torch.float32
+            assert f"{prefix}.mlp.experts.gate_up_proj" not in tensors  # not the fused layout
+        mlps = [f"{prefix}.mlp.experts.{e}" for e in range(experts)] or [f"{prefix}.mlp"]
+        for mlp in mlps:
+            _check_down(tensors, f"{mlp}.down_proj", fmt, hidden, inter)
+        if fmt == "nvfp4":
             # q/k/v read one input, so they share the global scales (as do gate/up).
             attn = f"{prefix}.self_attn"
             for suffix in ("weight_scale_2", "input_scale"):
                 q = tensors[f"{attn}.q_proj.{suffix}"]
                 assert torch.equal(q, tensors[f"{attn}.k_proj.{suffix}"])
                 assert torch.equal(q, tensors[f"{attn}.v_proj.{suffix}"])
-        assert tensors[f"{down}.input_scale"].dtype == torch.float32
-        assert float(tensors[f"{down}.input_scale"]) > 0
+                for mlp in mlps:
+                    gate = tensors[f"{mlp}.gate_proj.{suffix}"]
+                    assert torch.equal(gate, tensors[f"{mlp}.up_proj.{suffix}"])
         has_kv = f"{prefix}.self_attn.k_proj.k_scale" in tensors
         assert has_kv == (kv is not None)
         if kv:
