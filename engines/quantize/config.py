@@ -15,16 +15,16 @@ QuantFormat = Literal["fp8", "nvfp4"]
 FORMATS: tuple[str, ...] = ("fp8", "nvfp4")
 KV_CACHE_FORMATS: tuple[str, ...] = ("fp8",)
 
-# Hugging Face architectures whose layers ModelOpt's export and both engines handle (dense
-# decoder-only models with q/k/v/o and gate/up/down projections).
+# Hugging Face architectures whose layers ModelOpt's export and the engines handle (decoder-only
+# models with q/k/v/o and gate/up/down projections, per expert in a Mixture-of-Experts layer).
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     # Its experts are quantized one by one (ModelOpt's fused-experts support) and exported
-    # under per-expert names, which the reference engine and TensorRT-LLM load; the router
-    # (`mlp.gate`) stays in the source precision.
+    # under per-expert names (ModelOpt's unified layout, which the reference engine loads);
+    # the router (`mlp.gate`) stays in the source precision.
     "Qwen3MoeForCausalLM",
 )
 

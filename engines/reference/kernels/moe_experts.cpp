@@ -7,7 +7,8 @@
 // single-threaded (oneDNN and ATen run a call made inside a parallel region on the calling
 // thread), with no thread of our own (a second OpenMP pool would make every pool stop spinning
 // at its barriers; see ReferenceEngine._serve). Each expert's arithmetic is the same calls as
-// the one-after-another path, so the outputs are bit-identical.
+// the one-after-another path, so the outputs are the same (to the last bits only where oneDNN
+// would split a GEMM's reduction over threads).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
