@@ -4,6 +4,9 @@ and the switch back to plain torch ops.
 - paged_attention.cpp: every chunk of a step (decode tokens, verifications, prefill chunks)
   attended over the paged KV cache in place, one call per layer; with GPT-OSS's attention
   sinks and sliding window where a layer has them.
+- moe_fused.cpp: a Qwen3-MoE layer after its router in one call (fp32): routing, grouping,
+  the experts' SwiGLU over weights laid out for its micro-kernels, the weighted combine.
+- moe_experts.cpp: the other MoE layers' experts side by side over the threads.
 - fused_ops.cpp: RMSNorm (with the residual add before it), rotary embedding (with the K/V
   cache write) and SiLU * up, one pass each instead of 3-8 torch ops (each a pass over the
   activations and a dispatch).
@@ -39,7 +42,7 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = [
     Path(__file__).parent / "kernels" / name
-    for name in ("paged_attention.cpp", "fused_ops.cpp", "moe_experts.cpp")
+    for name in ("paged_attention.cpp", "fused_ops.cpp", "moe_experts.cpp", "moe_fused.cpp")
 ]
 _HEADERS = [Path(__file__).parent / "kernels" / "fast_exp.h"]  # part of the build's key
 DISABLE_ENV = "TOKENMILL_CPU_KERNELS"
@@ -189,9 +192,14 @@ def rope_cache(
     v_cache: torch.Tensor,
     slots: torch.Tensor,  # [T] int64 flat cache slot of each token
     heads: int,
+    head_norms: tuple[torch.Tensor, torch.Tensor, float] | None = None,  # Qwen3: q, k weights, eps
 ) -> torch.Tensor:
-    """q with RoPE ([T, H, D]); K with RoPE and V go straight into their cache slots."""
-    return torch.ops.tokenmill.rope_cache(qkv, cos, sin, k_cache, v_cache, slots, heads)
+    """q with RoPE ([T, H, D]); K with RoPE and V go straight into their cache slots. With
+    `head_norms`, each q and k head is RMSNorm-ed first (Qwen3's q_norm / k_norm)."""
+    q_norm, k_norm, eps = head_norms if head_norms is not None else (None, None, 0.0)
+    return torch.ops.tokenmill.rope_cache(
+        qkv, cos, sin, k_cache, v_cache, slots, heads, q_norm, k_norm, eps
+    )
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -214,6 +222,20 @@ def moe_experts(
     torch.ops.tokenmill.moe_experts(
         grouped, outputs, pair_weights, firsts, counts, share_starts, gate_up, down
     )
+
+
+def moe_fused(
+    x: torch.Tensor,  # [T, hidden] fp32
+    out: torch.Tensor,  # [T, hidden] fp32: the layer's output is added into it
+    logits: torch.Tensor,  # [T, E] the router's logits
+    top_k: int,
+    renormalize: bool,  # the k routing probabilities renormalised to sum 1 (norm_topk_prob)
+    gate_up: torch.Tensor,  # moe.FusedExperts.gate_up
+    down: torch.Tensor,  # moe.FusedExperts.down
+) -> torch.Tensor:
+    """A Qwen3-MoE layer in one call (kernels/moe_fused.cpp); the tokens each expert took ([E]
+    int64)."""
+    return torch.ops.tokenmill.moe_fused(x, out, logits, top_k, renormalize, gate_up, down)
 
 
 if __name__ == "__main__":  # `make setup`: build once, so no engine start has to

@@ -228,20 +228,26 @@ class Attention(nn.Module):
     def _fused_inputs(self, x: torch.Tensor) -> bool:
         """Whether a step whose chunks all go to the paged kernel can also take the fused RoPE
         and cache write: q/k/v fused, and none of the steps between the projection and the
-        cache that the fused kernel leaves out (Qwen3's q/k norms, FP8 K/V rounding)."""
+        cache that the fused kernel leaves out (FP8 K/V rounding; Qwen3's q/k norms it does
+        take, where their weights are in the model dtype)."""
         return (
             self.qkv_proj is not None
-            and self.q_norm is None
+            and (self.q_norm is None or self.q_norm.weight.dtype == x.dtype)
             and self.k_scale is None
             and self.v_scale is None
             and cpu_kernels.use_kernels(x.device)
         )
 
     def _forward_paged(self, x, cos, sin, batch: AttentionBatch, k_cache, v_cache) -> torch.Tensor:
-        # RoPE and the cache write in one pass over the projection, then every chunk of the
-        # step attended in one kernel call reading the cache in place.
+        # (Qwen3's q/k head norms,) RoPE and the cache write in one pass over the projection,
+        # then every chunk of the step attended in one kernel call reading the cache in place.
+        norms = (
+            (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+            if self.q_norm is not None
+            else None
+        )
         q = cpu_kernels.rope_cache(
-            self.qkv_proj(x), cos, sin, k_cache, v_cache, batch.slot_mapping, self.num_heads
+            self.qkv_proj(x), cos, sin, k_cache, v_cache, batch.slot_mapping, self.num_heads, norms
         )
         out = torch.empty_like(q)  # [T, H, D]
         self._attend_paged(out, q, k_cache, v_cache, batch.paged)

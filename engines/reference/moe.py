@@ -7,12 +7,20 @@ Tokens are grouped by expert rather than each token visiting its experts: the st
 its rows through the same linears as the dense MLP (oneDNN on CPU, fused gate/up), and the
 weighted outputs go back to their tokens in one index_add. Experts no token chose cost nothing.
 
-With several CPU threads, a step whose experts each get few rows (decode) runs its experts
-side by side instead of one after another (kernels/moe_experts.cpp): a GEMM of a few rows does
-not spread over threads (it streams the expert's weights, on one thread as fast as on two), so
-each intra-op thread takes a share of the experts and runs them single-threaded. Same calls per
-expert, same combine: the outputs are the same (to the last bits where oneDNN would split a
-GEMM's reduction over threads; it splits rows and columns at these sizes).
+On CPU in fp32 (SwiGLU experts, the CPU kernels built), the whole layer after the router is
+one call (kernels/moe_fused.cpp): routing, grouping, both projections, SiLU·up, the weights and
+the combine, over the experts' weights laid out at load in the order its micro-kernels read
+them (`fuse_experts`), on huge pages. A decode step's expert GEMMs have a few rows each and are
+bound by reading the weights; a general GEMM reads them at half the memory's speed or less.
+The per-expert modules are dropped then: one copy of the weights.
+
+Elsewhere (bf16, GPT-OSS's biased experts, quantized experts, CUDA), with several CPU threads a
+step whose experts each get few rows (decode) runs its experts side by side instead of one
+after another (kernels/moe_experts.cpp): a GEMM of a few rows does not spread over threads (it
+streams the expert's weights, on one thread as fast as on two), so each intra-op thread takes a
+share of the experts and runs them single-threaded. Same calls per expert, same combine: the
+outputs are the same (to the last bits where oneDNN would split a GEMM's reduction over
+threads; it splits rows and columns at these sizes).
 
 Module and parameter names match the checkpoints (`mlp.gate.weight`,
 `mlp.experts.{e}.gate_proj.weight`, ...), so weights load by name like the dense model's.
@@ -22,10 +30,12 @@ loader into `mlp.experts.{e}.gate_up_proj` / `down_proj` linears (GptOssExpert).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
-from engines.reference import cpu_kernels
+from engines.reference import cpu_kernels, hugepages
 from engines.reference.config import MoeConfig
 from engines.reference.linear import OneDnnLinear
 from engines.reference.mlp import MLP
@@ -118,6 +128,8 @@ class SparseMoeBlock(nn.Module):
         # The experts' packed weights for the side-by-side kernel, found on first use after
         # the load has fused and packed them.
         self._packed: tuple[list, list] | None = None
+        # Every expert's weights in the fused kernel's layout (fuse_experts), else None.
+        self.fused: FusedExperts | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         return self._combine(x, torch.zeros_like(x))
@@ -133,6 +145,17 @@ class SparseMoeBlock(nn.Module):
 
     def _combine(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Adds each token's weighted expert outputs into `out` [T, hidden], returns it."""
+        if self.fused is not None:
+            self.last_counts = cpu_kernels.moe_fused(
+                x.contiguous(),
+                out,
+                self.gate(x).contiguous(),
+                self.top_k,
+                self.norm_topk_prob,
+                self.fused.gate_up,
+                self.fused.down,
+            )
+            return out
         if self.style == "gpt_oss":
             weights, experts = route_top_logits(self.router(x), self.top_k)  # [T, k] each
         else:
@@ -202,3 +225,83 @@ class SparseMoeBlock(nn.Module):
                 [e.down_proj.packed for e in self.experts],
             )
         return self._packed
+
+
+@dataclass(frozen=True)
+class FusedExperts:
+    """A layer's expert weights in the order kernels/moe_fused.cpp reads them: each micro-kernel
+    call streams one contiguous run of weights, once for all of the expert's rows.
+
+    gate_up [I8 / 8, E, hidden, 16]: for 8 intermediate columns, per expert and hidden index,
+      those columns' 8 gate then 8 up weights (SiLU(gate) * up is then formed in registers).
+    down [H16 / 16, E, I8, 16]: for 16 hidden columns, per expert and intermediate index, those
+      columns' weights.
+    Columns outermost: the kernel shares work out by columns, so a thread's share is one run
+    through memory over every expert, and its rows are a share of every expert's rows.
+    I8 and H16 are the intermediate and hidden sizes rounded up to 8 and 16 with zero weights,
+    which add nothing (SiLU(0) * 0 = 0; padded hidden columns are not written)."""
+
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+    @staticmethod
+    def pack(gate_up: torch.Tensor, down: torch.Tensor) -> FusedExperts:
+        """From the stacked linears' weights: gate_up [E, 2I, hidden] (gate rows, then up),
+        down [E, hidden, I]."""
+        experts, hidden, inter = down.shape
+        inter8, hidden16 = -(-inter // 8) * 8, -(-hidden // 16) * 16
+        pad = nn.functional.pad
+        gate = pad(gate_up[:, :inter], (0, 0, 0, inter8 - inter))  # [E, I8, hidden]
+        up = pad(gate_up[:, inter:], (0, 0, 0, inter8 - inter))
+        blocks = (experts, inter8 // 8, 8, hidden)
+        packed_gate_up = torch.cat(
+            [gate.reshape(blocks).transpose(2, 3), up.reshape(blocks).transpose(2, 3)], dim=3
+        ).transpose(0, 1)
+        packed_down = (
+            pad(down, (0, inter8 - inter, 0, hidden16 - hidden))
+            .reshape(experts, hidden16 // 16, 16, inter8)
+            .permute(1, 0, 3, 2)
+        )
+        return FusedExperts(_on_huge_pages(packed_gate_up), _on_huge_pages(packed_down))
+
+
+def _on_huge_pages(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy on 2 MB pages where the OS gives them: the kernel streams these
+    weights at every step, and on 4 KB pages each page is a TLB miss and a restart of the
+    hardware prefetcher (one sparse layer of the bench model ran 1.3-1.7x slower)."""
+    copy = hugepages.zeros(tuple(tensor.shape), tensor.dtype, tensor.device)
+    return copy.copy_(tensor)
+
+
+def fuse_experts(model: nn.Module) -> int:
+    """Give every SparseMoeBlock the fused kernel's weights where it can run them (CPU, fp32,
+    the kernels built, bias-free SwiGLU experts whose gate/up are fused into one plain
+    linear: after model.fuse_projections, before linear.pack_linears), dropping the experts'
+    own modules. Returns how many blocks were fused."""
+    fused = 0
+    for block in model.modules():
+        if not isinstance(block, SparseMoeBlock) or block.style != "qwen3_moe":
+            continue
+        experts = list(block.experts)
+        if not (experts and all(_plain_swiglu(e) for e in experts)):
+            continue
+        weight = experts[0].gate_up_proj.weight
+        if weight.dtype != torch.float32 or not cpu_kernels.use_kernels(weight.device):
+            continue
+        block.fused = FusedExperts.pack(
+            torch.stack([e.gate_up_proj.weight for e in experts]),
+            torch.stack([e.down_proj.weight for e in experts]),
+        )
+        block.experts = nn.ModuleList()  # one copy of the weights: the fused one
+        fused += 1
+    return fused
+
+
+def _plain_swiglu(expert: nn.Module) -> bool:
+    return (
+        isinstance(expert, MLP)
+        and type(getattr(expert, "gate_up_proj", None)) is nn.Linear
+        and type(expert.down_proj) is nn.Linear
+        and expert.gate_up_proj.bias is None
+        and expert.down_proj.bias is None
+    )

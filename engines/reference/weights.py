@@ -24,6 +24,7 @@ from engines.reference import mxfp4
 from engines.reference.config import ModelConfig
 from engines.reference.linear import pack_linears
 from engines.reference.model import CausalLM, fuse_projections
+from engines.reference.moe import fuse_experts
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -294,5 +295,6 @@ def load_model(
     _check_all_used(tensors, used, origin, cfg, model_dir)
     model = model.to(device).eval().requires_grad_(False)
     fuse_projections(model)
+    fuse_experts(model)  # takes the experts' fused gate/up before pack_linears reorders them
     pack_linears(model)  # after fusing: the fused matmuls are the ones to reorder
     return model

@@ -108,6 +108,40 @@ def test_dense_layers_and_routing_variants_match_transformers(tmp_path, override
     assert got == expected
 
 
+def test_the_loaded_fp32_model_runs_each_sparse_layer_in_one_fused_call(monkeypatch) -> None:
+    """On CPU in fp32 with the kernels built, the loader lays every sparse layer's experts out
+    for the fused kernel and drops the per-expert modules; the step then calls the kernel once
+    per sparse layer (and the greedy ids stay transformers'). Without the kernels the experts
+    stay modules."""
+    from engines.reference import cpu_kernels
+    from engines.reference.moe import SparseMoeBlock
+
+    if not cpu_kernels.kernels_available():
+        pytest.skip("CPU kernels unavailable on this machine")
+    src = tiny_model("qwen3_moe")
+    cfg = load_model_config(src)
+    model = load_model(src, cfg, torch.float32, torch.device("cpu"))
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    assert len(blocks) == len(cfg.moe.sparse_layers) > 0
+    assert all(b.fused is not None and len(b.experts) == 0 for b in blocks)
+    calls: list[int] = []
+    real = cpu_kernels.moe_fused
+    monkeypatch.setattr(
+        cpu_kernels, "moe_fused", lambda x, *a: (calls.append(len(x)), real(x, *a))[1]
+    )
+    requests = greedy_requests(varied_prompts(6, seed=31))
+    got, _ = _greedy(src, requests)
+    assert got == hf_greedy(src, requests)
+    assert calls and len(calls) % len(blocks) == 0
+    monkeypatch.setattr(cpu_kernels, "use_kernels", lambda device: False)
+    unfused = load_model(src, cfg, torch.float32, torch.device("cpu"))
+    assert all(
+        m.fused is None and len(m.experts) == cfg.moe.num_experts
+        for m in unfused.modules()
+        if isinstance(m, SparseMoeBlock)
+    )
+
+
 @pytest.mark.parametrize(
     ("extra", "shape"),
     [

@@ -378,6 +378,34 @@ def test_rope_cache_writes_k_and_v_into_their_slots(dtype, tol) -> None:
 
 
 @pytest.mark.parametrize(("dtype", "tol"), DTYPES, ids=["fp32", "bf16"])
+def test_rope_cache_with_qwen3_head_norms(dtype, tol) -> None:
+    """Qwen3's q/k head RMSNorms inside rope_cache: the same numbers as the rms_norm kernel,
+    then rope, then the cache writes; V is written as projected (not normalised)."""
+    from engines.reference.cpu_kernels import rms_norm, rope, rope_cache
+
+    torch.manual_seed(5)
+    tokens, heads, kvh, dim, blocks, bs = 70, 4, 2, 32, 20, 8
+    qkv = (torch.randn(tokens, (heads + 2 * kvh) * dim) * 3).to(dtype)
+    angles = torch.randn(tokens, 1, dim // 2)
+    cos = torch.cat([angles.cos()] * 2, -1).to(dtype)
+    sin = torch.cat([angles.sin()] * 2, -1).to(dtype)
+    q_norm, k_norm = torch.rand(dim).to(dtype) + 0.5, torch.rand(dim).to(dtype) + 0.5
+    k_cache = torch.zeros(kvh, blocks, bs, dim, dtype=dtype)
+    v_cache = torch.zeros(kvh, blocks, bs, dim, dtype=dtype)
+    slots = torch.randperm(blocks * bs)[:tokens]
+    q, k, v = qkv.split([heads * dim, kvh * dim, kvh * dim], dim=-1)
+    got = rope_cache(qkv, cos, sin, k_cache, v_cache, slots, heads, (q_norm, k_norm, 1e-6))
+    q_ref = rope(rms_norm(q.reshape(tokens, heads, dim), q_norm, 1e-6), cos, sin)
+    k_ref = rope(rms_norm(k.reshape(tokens, kvh, dim), k_norm, 1e-6), cos, sin)
+    torch.testing.assert_close(got, q_ref, rtol=tol, atol=tol)
+    k_flat, v_flat = k_cache.view(kvh, -1, dim), v_cache.view(kvh, -1, dim)
+    torch.testing.assert_close(k_flat[:, slots], k_ref.transpose(0, 1), rtol=tol, atol=tol)
+    assert torch.equal(v_flat[:, slots], v.reshape(tokens, kvh, dim).transpose(0, 1))
+    with pytest.raises(RuntimeError, match="both head norms or neither"):
+        torch.ops.tokenmill.rope_cache(qkv, cos, sin, k_cache, v_cache, slots, heads, q_norm)
+
+
+@pytest.mark.parametrize(("dtype", "tol"), DTYPES, ids=["fp32", "bf16"])
 def test_silu_mul(dtype, tol) -> None:
     from engines.reference.cpu_kernels import silu_mul
 

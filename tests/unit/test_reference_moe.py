@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from engines.api import EngineError
+from engines.reference import moe as moe_module
 from engines.reference.config import MoeConfig, load_model_config
 from engines.reference.linear import pack_linears
 from engines.reference.model import CausalLM, fuse_projections
@@ -18,10 +19,16 @@ from engines.reference.runner import linear_macs_per_token
 HIDDEN = 16
 
 
-def _block(norm_topk_prob: bool, num_experts: int = 6, top_k: int = 2) -> SparseMoeBlock:
-    moe = MoeConfig(num_experts, top_k, 8, norm_topk_prob, sparse_layers=(0,))
+def _block(
+    norm_topk_prob: bool,
+    num_experts: int = 6,
+    top_k: int = 2,
+    hidden: int = HIDDEN,
+    inter: int = 8,
+) -> SparseMoeBlock:
+    moe = MoeConfig(num_experts, top_k, inter, norm_topk_prob, sparse_layers=(0,))
     torch.manual_seed(0)
-    block = SparseMoeBlock(HIDDEN, moe)
+    block = SparseMoeBlock(hidden, moe)
     with torch.no_grad():
         for param in block.parameters():
             param.normal_(0.0, 0.5)
@@ -119,6 +126,78 @@ def test_experts_side_by_side_equal_one_after_another(
     torch.testing.assert_close(
         side_by_side, _per_token(_block(True, 8, 2), x), rtol=1e-5, atol=1e-5
     )
+
+
+def _fused_block(norm_topk_prob: bool, hidden: int, inter: int) -> SparseMoeBlock:
+    """A block as the loader leaves it on CPU in fp32: gate/up fused, then fuse_experts."""
+    block = _block(norm_topk_prob, num_experts=8, top_k=2, hidden=hidden, inter=inter)
+    model_like = torch.nn.Module()
+    model_like.block = block
+    with torch.no_grad():
+        for mlp in block.experts:
+            mlp.gate_up_proj = torch.nn.Linear(hidden, 2 * inter, bias=False)
+            mlp.gate_up_proj.weight.copy_(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+            del mlp.gate_proj, mlp.up_proj
+    assert moe_module.fuse_experts(model_like) == 1
+    pack_linears(model_like)  # the router, as the loader leaves it
+    return block
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+@pytest.mark.parametrize(("hidden", "inter"), [(16, 8), (20, 12), (64, 40)])
+@pytest.mark.parametrize("tokens", [1, 5, 37, 300])
+def test_fused_layer_matches_the_per_token_loop(
+    norm_topk_prob: bool, hidden: int, inter: int, tokens: int
+) -> None:
+    """The one-call layer (kernels/moe_fused.cpp) against the definition, with sizes that are
+    and are not multiples of its 8- and 16-column blocks, the residual added in place; the
+    expert counts; the same bits on one thread and two (work is split by columns only)."""
+    from engines.reference import cpu_kernels
+
+    if not cpu_kernels.kernels_available():
+        pytest.skip("CPU kernels unavailable on this machine")
+    reference = _block(norm_topk_prob, num_experts=8, top_k=2, hidden=hidden, inter=inter)
+    block = _fused_block(norm_topk_prob, hidden, inter)
+    assert len(block.experts) == 0 and block.fused is not None  # one copy of the weights
+    generator = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, hidden, generator=generator)
+    residual = torch.randn(tokens, hidden, generator=generator)
+    expected = _per_token(reference, x)
+    # fp32 sums in another order: differences scale with the values (up to ~170 at width 64).
+    atol = 1e-6 * float(expected.abs().max())
+    threads = torch.get_num_threads()
+    outputs = []
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            with torch.inference_mode():
+                outputs.append(block.forward_add(x, residual.clone()))
+                torch.testing.assert_close(block(x), expected, rtol=1e-5, atol=atol)
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(outputs[0], residual + expected, rtol=1e-5, atol=atol)
+    assert torch.equal(outputs[0], outputs[1])
+    probs = torch.softmax(x @ reference.gate.weight.T, dim=-1)
+    chosen = torch.topk(probs, 2).indices.flatten()
+    assert block.last_counts.tolist() == torch.bincount(chosen, minlength=8).tolist()
+
+
+def test_fuse_experts_leaves_what_the_kernel_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16, no kernels, experts already reordered for oneDNN: the experts stay as they are."""
+    block = _packed_block()  # gate/up already OneDnnLinears
+    holder = torch.nn.Module()
+    holder.block = block
+    assert moe_module.fuse_experts(holder) == 0 and len(block.experts) == 8
+    for dtype, kernels in ((torch.bfloat16, True), (torch.float32, False)):
+        monkeypatch.setattr(
+            "engines.reference.cpu_kernels.use_kernels", lambda device, on=kernels: on
+        )
+        block = _block(True, num_experts=4).to(dtype)
+        holder.block = block
+        for mlp in block.experts:
+            mlp.gate_up_proj = torch.nn.Linear(HIDDEN, 16, bias=False, dtype=dtype)
+        assert moe_module.fuse_experts(holder) == 0
+        assert block.fused is None and len(block.experts) == 4
 
 
 def test_balance_shares_rows_evenly() -> None:

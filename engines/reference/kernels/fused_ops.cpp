@@ -16,6 +16,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
+#include <vector>
 
 namespace {
 
@@ -52,6 +54,20 @@ void rms_rows(scalar_t* x, const scalar_t* delta, const scalar_t* w, scalar_t* o
         o[i] = static_cast<scalar_t>(f32(w[i]) * f32(static_cast<scalar_t>(f32(xr[i]) * inv)));
     }
   });
+}
+
+// RMSNorm of `rows` contiguous rows of n in place, the arithmetic of rms_rows (Qwen3's q/k
+// head norms inside rope_cache).
+template <typename scalar_t>
+void rms_head_rows(scalar_t* x, const scalar_t* w, int64_t rows, int64_t n, float eps) {
+  for (int64_t r = 0; r < rows; ++r) {
+    scalar_t* xr = x + r * n;
+    float sq = 0.f;
+    for (int64_t i = 0; i < n; ++i) sq += f32(xr[i]) * f32(xr[i]);
+    const float inv = 1.f / std::sqrt(sq / static_cast<float>(n) + eps);
+    for (int64_t i = 0; i < n; ++i)
+      xr[i] = static_cast<scalar_t>(f32(w[i]) * f32(static_cast<scalar_t>(f32(xr[i]) * inv)));
+  }
 }
 
 // RMSNorm over the last dimension of x ([..., n], rows may be strided, the last dim not).
@@ -142,10 +158,12 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
 // The attention inputs of a step from the fused projection, in one pass over its rows:
 // qkv [T, (H + 2 KVH) * D] -> returns q with RoPE [T, H, D]; K with RoPE and V are written to
 // their cache slots (k_cache / v_cache [KVH, NB, BS, D], slot = block * BS + offset). Replaces
-// two rope passes, two index_copy passes and the transposes between them.
+// two rope passes, two index_copy passes and the transposes between them; with q_norm / k_norm
+// (Qwen3), also the two per-head RMSNorm passes before RoPE.
 at::Tensor rope_cache(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                       at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots,
-                      int64_t heads) {
+                      int64_t heads, const std::optional<at::Tensor>& q_norm,
+                      const std::optional<at::Tensor>& k_norm, double eps) {
   TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous(), "rope_cache: qkv [T, (H + 2 KVH) * D]");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   k_cache.sizes() == v_cache.sizes(),
@@ -163,6 +181,12 @@ at::Tensor rope_cache(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() &&
                   slots.numel() == tokens,
               "rope_cache: slots [T] int64");
+  TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "rope_cache: both head norms or neither");
+  if (q_norm.has_value())
+    TORCH_CHECK(q_norm->is_contiguous() && k_norm->is_contiguous() && q_norm->numel() == dim &&
+                    k_norm->numel() == dim && q_norm->scalar_type() == qkv.scalar_type() &&
+                    k_norm->scalar_type() == qkv.scalar_type(),
+                "rope_cache: q_norm / k_norm [D] in the model dtype");
   const int64_t* sp = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < tokens; ++t)  // a bookkeeping bug fails here, not outside the cache
     TORCH_CHECK(sp[t] >= 0 && sp[t] < cache_slots, "rope_cache: slot ", sp[t], " of token ", t,
@@ -176,15 +200,25 @@ at::Tensor rope_cache(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
     scalar_t* kc = k_cache.data_ptr<scalar_t>();
     scalar_t* vc = v_cache.data_ptr<scalar_t>();
     const int64_t width = qkv.size(1), head_stride = cache_slots * dim;
+    const scalar_t* qn = q_norm.has_value() ? q_norm->data_ptr<scalar_t>() : nullptr;
+    const scalar_t* kn = k_norm.has_value() ? k_norm->data_ptr<scalar_t>() : nullptr;
+    const float epsf = static_cast<float>(eps);
     at::parallel_for(0, tokens, row_grain(width), [&](int64_t begin, int64_t end) {
+      std::vector<scalar_t> normed(qn != nullptr ? (heads + kv_heads) * dim : 0);
       for (int64_t t = begin; t < end; ++t) {
         const scalar_t* row = xp + t * width;
+        if (qn != nullptr) {  // Qwen3: each q and k head RMSNorm-ed before RoPE
+          std::memcpy(normed.data(), row, normed.size() * sizeof(scalar_t));
+          rms_head_rows(normed.data(), qn, heads, dim, epsf);
+          rms_head_rows(normed.data() + heads * dim, kn, kv_heads, dim, epsf);
+          row = normed.data();  // V is read from the projection below, not from here
+        }
         const scalar_t* c = cp + t * dim;
         const scalar_t* s = snp + t * dim;
         rope_heads(row, dim, c, s, heads, dim, qp + t * heads * dim, dim);
         scalar_t* k_slot = kc + sp[t] * dim;
         rope_heads(row + heads * dim, dim, c, s, kv_heads, dim, k_slot, head_stride);
-        const scalar_t* v = row + (heads + kv_heads) * dim;
+        const scalar_t* v = xp + t * width + (heads + kv_heads) * dim;
         for (int64_t h = 0; h < kv_heads; ++h)
           std::memcpy(vc + h * head_stride + sp[t] * dim, v + h * dim, dim * sizeof(scalar_t));
       }
@@ -227,7 +261,8 @@ TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def(
       "rope_cache(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
-      "Tensor slots, int heads) -> Tensor");
+      "Tensor slots, int heads, Tensor? q_norm=None, Tensor? k_norm=None, float eps=0.0) -> "
+      "Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {

@@ -1,0 +1,267 @@
+// One Mixture-of-Experts layer in one call (CPU, fp32, SwiGLU experts): routing, grouping,
+// every active expert's gate/up + SiLU·up and down projections, the routing weights and the
+// combine into the residual stream.
+//
+// Why by hand: in a decode step each active expert has a few rows, so its GEMMs are bound by
+// reading the expert's weights (2 MB an expert on the `small` Qwen3-MoE, more than the L3 holds
+// over a step), and a general GEMM of a few rows reads them at well under the memory's speed.
+// Here each expert's weights are laid out once, at load, in the order the micro-kernel reads
+// them: one contiguous stream per (expert, block of output columns), read once for all of
+// the expert's rows. And the ops around the GEMMs (softmax, top-k, the sort, the gather, SiLU,
+// the weighting, index_add) are loops over data already in cache instead of a dispatch each.
+//
+// Work is split over the intra-op threads by output columns, never by rows: phase A by
+// (expert, 8 intermediate columns), phase B by 16 hidden columns. Each output value is then
+// computed by one thread in a fixed order whatever the thread count (same bits on 1 or 32
+// threads), and in phase B one thread owns a token's columns across all its experts, so the
+// combine needs no atomics and adds the experts in expert order, as the grouped path does.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <utility>
+#include <vector>
+
+#include "fast_exp.h"
+
+namespace {
+
+// Sixteen floats: one AVX-512 register, two AVX2 registers (four SSE where the CPU has no
+// AVX); GCC's vector extension, so one source serves every x86 and Arm build.
+typedef float v16 __attribute__((vector_size(64)));
+
+inline v16 load16(const float* p) {
+  v16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
+
+// Rows per micro-kernel call, one 16-column accumulator each: with AVX-512's 32 registers,
+// 16 rows plus the weights and a broadcast (a decode step's expert has ~2-16 rows: one pass
+// over its weights); with AVX2's 16, 6 rows of two registers each.
+#if defined(__AVX512F__)
+constexpr int kRows = 16;
+#else
+constexpr int kRows = 6;
+#endif
+
+// Floats ahead of the micro-kernels' weight reads to prefetch (one 64-byte line per k step).
+#ifndef PF_DIST
+#define PF_DIST 512
+#endif
+constexpr int64_t kPrefetch = PF_DIST;
+
+// Phase A, one tile of R rows: for 8 intermediate columns, gate and up over the hidden size
+// (`w` is [hidden][16]: 8 gate then 8 up columns per k), then h = SiLU(gate) * up.
+template <int R>
+void gate_up_tile(const float* const* x, const float* w, int64_t hidden, float* const* h) {
+  v16 acc[R];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) acc[r] = v16{};
+  for (int64_t k = 0; k < hidden; ++k) {
+    __builtin_prefetch(w + 16 * k + kPrefetch, 0, 0);
+    const v16 wk = load16(w + 16 * k);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) acc[r] += x[r][k] * wk;
+  }
+  for (int r = 0; r < R; ++r) {
+    float gu[16];
+    store16(gu, acc[r]);
+    for (int c = 0; c < 8; ++c) h[r][c] = gu[c] / (1.f + tokenmill::fast_exp(-gu[c])) * gu[c + 8];
+  }
+}
+
+// Phase B, one tile of R rows: 16 hidden columns of h W_down^T (`w` is [inter][16]), then
+// out[token] += weight * y on the `cols` (<= 16) columns that exist.
+template <int R>
+void down_tile(const float* const* h, const float* w, int64_t inter, float* const* out,
+               const float* weight, int cols) {
+  v16 acc[R];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) acc[r] = v16{};
+  for (int64_t i = 0; i < inter; ++i) {
+    __builtin_prefetch(w + 16 * i + kPrefetch, 0, 0);
+    const v16 wi = load16(w + 16 * i);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) acc[r] += h[r][i] * wi;
+  }
+  for (int r = 0; r < R; ++r) {
+    float y[16];
+    store16(y, acc[r]);
+    for (int c = 0; c < cols; ++c) out[r][c] += weight[r] * y[c];
+  }
+}
+
+// The tile functions for 1 .. kRows rows, indexed by rows - 1.
+template <typename Fn, template <int> class Tile, int... R>
+constexpr std::array<Fn, sizeof...(R)> tiles(std::integer_sequence<int, R...>) {
+  return {Tile<R + 1>::fn...};
+}
+template <int R>
+struct GateUp {
+  static constexpr auto fn = &gate_up_tile<R>;
+};
+template <int R>
+struct Down {
+  static constexpr auto fn = &down_tile<R>;
+};
+using GateUpFn = void (*)(const float* const*, const float*, int64_t, float* const*);
+using DownFn = void (*)(const float* const*, const float*, int64_t, float* const*, const float*,
+                        int);
+constexpr auto kGateUp = tiles<GateUpFn, GateUp>(std::make_integer_sequence<int, kRows>());
+constexpr auto kDown = tiles<DownFn, Down>(std::make_integer_sequence<int, kRows>());
+
+template <typename Tile>
+void by_tiles(int64_t rows, Tile&& tile) {
+  for (int64_t r0 = 0; r0 < rows; r0 += kRows) tile(r0, std::min<int64_t>(kRows, rows - r0));
+}
+
+// Each token's top_k experts and weights, as transformers' Qwen3MoeTopKRouter: softmax over
+// all experts in fp32, the k largest, renormalised to sum 1 if asked. The k largest
+// probabilities are those of the k largest logits (ties go to the lower expert).
+void route(const float* logits, int64_t tokens, int64_t experts, int64_t top_k, bool renormalize,
+           int64_t* ids, float* weights) {
+  std::vector<float> p(experts);
+  for (int64_t t = 0; t < tokens; ++t) {
+    const float* l = logits + t * experts;
+    int64_t* id = ids + t * top_k;
+    float* w = weights + t * top_k;
+    for (int64_t s = 0; s < top_k; ++s) {  // k passes: k and the expert count are small
+      int64_t best = -1;
+      for (int64_t e = 0; e < experts; ++e) {
+        if (std::find(id, id + s, e) != id + s) continue;
+        if (best < 0 || l[e] > l[best]) best = e;
+      }
+      id[s] = best;
+    }
+    const float top = l[id[0]];
+    float sum = 0.f;
+    for (int64_t e = 0; e < experts; ++e) sum += (p[e] = std::exp(l[e] - top));
+    float kept = 0.f;
+    for (int64_t s = 0; s < top_k; ++s) kept += (w[s] = p[id[s]] / sum);
+    if (renormalize)
+      for (int64_t s = 0; s < top_k; ++s) w[s] /= kept;
+  }
+}
+
+// out [T, hidden] += the MoE layer of x [T, hidden]; returns the tokens each expert took ([E]).
+// gate_up [inter8 / 8, E, hidden, 16] and down [hidden16 / 16, E, inter8, 16] are the experts'
+// weights in the micro-kernels' order (engines/reference/moe.py FusedExperts: inter8 and
+// hidden16 the sizes padded with zero weights to 8 and 16 columns).
+at::Tensor moe_fused(const at::Tensor& x, at::Tensor& out, const at::Tensor& logits, int64_t top_k,
+                     bool renormalize, const at::Tensor& gate_up,
+                     const at::Tensor& down) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat &&
+                  logits.scalar_type() == at::kFloat && gate_up.scalar_type() == at::kFloat &&
+                  down.scalar_type() == at::kFloat,
+              "moe_fused: fp32 tensors only");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && out.is_contiguous() &&
+                  out.sizes() == x.sizes() && logits.is_contiguous() && logits.dim() == 2 &&
+                  logits.size(0) == x.size(0),
+              "moe_fused: contiguous x and out [T, hidden], logits [T, experts]");
+  TORCH_CHECK(gate_up.dim() == 4 && gate_up.is_contiguous() && gate_up.size(3) == 16 &&
+                  down.dim() == 4 && down.is_contiguous() && down.size(3) == 16,
+              "moe_fused: packed gate_up [I/8, E, H, 16] and down [H/16, E, I, 16]");
+  const int64_t tokens = x.size(0), hidden = x.size(1), experts = logits.size(1);
+  const int64_t inter_blocks = gate_up.size(0), inter = inter_blocks * 8;
+  const int64_t hidden_blocks = down.size(0);
+  TORCH_CHECK(gate_up.size(1) == experts && down.size(1) == experts &&
+                  gate_up.size(2) == hidden && down.size(2) == inter &&
+                  hidden_blocks * 16 >= hidden && hidden_blocks * 16 < hidden + 16,
+              "moe_fused: packed weights do not match x, logits or each other");
+  TORCH_CHECK(top_k >= 1 && top_k <= experts, "moe_fused: top_k must be in [1, experts]");
+
+  std::vector<int64_t> ids(tokens * top_k);
+  std::vector<float> weights(tokens * top_k);
+  route(logits.data_ptr<float>(), tokens, experts, top_k, renormalize, ids.data(), weights.data());
+
+  // Pairs grouped by expert (a counting sort), tokens in order inside each group.
+  auto counts = at::zeros({experts}, at::kLong);
+  int64_t* count = counts.data_ptr<int64_t>();
+  for (const int64_t e : ids) ++count[e];
+  std::vector<int64_t> first(experts + 1, 0);
+  for (int64_t e = 0; e < experts; ++e) first[e + 1] = first[e] + count[e];
+  const int64_t pairs = tokens * top_k;
+  std::vector<int64_t> token(pairs);
+  std::vector<float> pair_weight(pairs);
+  {
+    std::vector<int64_t> next(first.begin(), first.end() - 1);
+    for (int64_t q = 0; q < pairs; ++q) {
+      const int64_t p = next[ids[q]]++;
+      token[p] = q / top_k;
+      pair_weight[p] = weights[q];
+    }
+  }
+  std::vector<int64_t> active;
+  for (int64_t e = 0; e < experts; ++e)
+    if (count[e]) active.push_back(e);
+  const int64_t n_active = static_cast<int64_t>(active.size());
+
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float* gup = gate_up.data_ptr<float>();
+  const float* dp = down.data_ptr<float>();
+  // SiLU(gate) * up of every pair; not zero-filled, phase A writes all of it.
+  const std::unique_ptr<float[]> h(new float[pairs * inter]);
+
+  // Phase A: h of every pair, one item = (8 intermediate columns, active expert); a thread's
+  // share of items is a share of every expert's columns, so of rows as well as of weights.
+  const int64_t items = n_active * inter_blocks;
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t q = begin; q < end; ++q) {
+      const int64_t j = q / n_active, e = active[q % n_active];
+      const float* w = gup + (j * experts + e) * hidden * 16;
+      by_tiles(count[e], [&](int64_t r0, int64_t rows) {
+        const float* xr[kRows];
+        float* hr[kRows];
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t p = first[e] + r0 + r;
+          xr[r] = xp + token[p] * hidden;
+          hr[r] = h.get() + p * inter + 8 * j;
+        }
+        kGateUp[rows - 1](xr, w, hidden, hr);
+      });
+    }
+  });
+
+  // Phase B: 16 hidden columns of every pair's down projection, weighted, into its token's row.
+  at::parallel_for(0, hidden_blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) {
+      const int cols = static_cast<int>(std::min<int64_t>(16, hidden - 16 * j));
+      for (const int64_t e : active) {
+        const float* w = dp + (j * experts + e) * inter * 16;
+        by_tiles(count[e], [&](int64_t r0, int64_t rows) {
+          const float* hr[kRows];
+          float* orow[kRows];
+          float wr[kRows];
+          for (int64_t r = 0; r < rows; ++r) {
+            const int64_t p = first[e] + r0 + r;
+            hr[r] = h.get() + p * inter;
+            orow[r] = op + token[p] * hidden + 16 * j;
+            wr[r] = pair_weight[p];
+          }
+          kDown[rows - 1](hr, w, inter, orow, wr, cols);
+        });
+      }
+    }
+  });
+  return counts;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
+  m.def(
+      "moe_fused(Tensor x, Tensor(a!) out, Tensor logits, int top_k, bool renormalize, "
+      "Tensor gate_up, Tensor down) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tokenmill, CPU, m) { m.impl("moe_fused", &moe_fused); }
