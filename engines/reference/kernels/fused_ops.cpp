@@ -33,6 +33,17 @@ inline int64_t row_grain(int64_t row_elements) {
 template <typename T>
 inline float f32(T x) { return static_cast<float>(x); }
 
+// RMSNorm of one row of n into o (o may be x): fp32 statistics, then weight * (x * inv) with
+// the product x * inv rounded to the model dtype first, as transformers does.
+template <typename scalar_t>
+inline void rms_row(const scalar_t* x, const scalar_t* w, scalar_t* o, int64_t n, float eps) {
+  float sq = 0.f;
+  for (int64_t i = 0; i < n; ++i) sq += f32(x[i]) * f32(x[i]);
+  const float inv = 1.f / std::sqrt(sq / static_cast<float>(n) + eps);
+  for (int64_t i = 0; i < n; ++i)
+    o[i] = static_cast<scalar_t>(f32(w[i]) * f32(static_cast<scalar_t>(f32(x[i]) * inv)));
+}
+
 // RMSNorm of each row of x into out; with `delta`, x += delta first (in place, the sum rounded
 // to the model dtype before the norm reads it, as x + delta, then the norm, does).
 template <typename scalar_t>
@@ -45,29 +56,15 @@ void rms_rows(scalar_t* x, const scalar_t* delta, const scalar_t* w, scalar_t* o
         const scalar_t* dr = delta + r * n;
         for (int64_t i = 0; i < n; ++i) xr[i] = static_cast<scalar_t>(f32(xr[i]) + f32(dr[i]));
       }
-      scalar_t* o = out + r * n;
-      float sq = 0.f;
-      for (int64_t i = 0; i < n; ++i) sq += f32(xr[i]) * f32(xr[i]);
-      const float inv = 1.f / std::sqrt(sq / static_cast<float>(n) + eps);
-      // weight * (x * inv) rounded to the model dtype first, as transformers does.
-      for (int64_t i = 0; i < n; ++i)
-        o[i] = static_cast<scalar_t>(f32(w[i]) * f32(static_cast<scalar_t>(f32(xr[i]) * inv)));
+      rms_row(xr, w, out + r * n, n, eps);
     }
   });
 }
 
-// RMSNorm of `rows` contiguous rows of n in place, the arithmetic of rms_rows (Qwen3's q/k
-// head norms inside rope_cache).
+// RMSNorm of `rows` contiguous rows of n in place (Qwen3's q/k head norms inside rope_cache).
 template <typename scalar_t>
 void rms_head_rows(scalar_t* x, const scalar_t* w, int64_t rows, int64_t n, float eps) {
-  for (int64_t r = 0; r < rows; ++r) {
-    scalar_t* xr = x + r * n;
-    float sq = 0.f;
-    for (int64_t i = 0; i < n; ++i) sq += f32(xr[i]) * f32(xr[i]);
-    const float inv = 1.f / std::sqrt(sq / static_cast<float>(n) + eps);
-    for (int64_t i = 0; i < n; ++i)
-      xr[i] = static_cast<scalar_t>(f32(w[i]) * f32(static_cast<scalar_t>(f32(xr[i]) * inv)));
-  }
+  for (int64_t r = 0; r < rows; ++r) rms_row(x + r * n, w, x + r * n, n, eps);
 }
 
 // RMSNorm over the last dimension of x ([..., n], rows may be strided, the last dim not).

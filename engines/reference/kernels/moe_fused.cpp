@@ -62,20 +62,27 @@ constexpr int kRows = 6;
 #endif
 constexpr int64_t kPrefetch = PF_DIST;
 
+// The micro-kernel of both phases: acc[r] = sum over k of panel[k][r] * w[k][0..15] for a
+// tile's R rows (`panel` [n][kRows]), streaming `w` ([n][16], contiguous) once.
+template <int R>
+inline void tile_products(const float* panel, const float* w, int64_t n, v16 (&acc)[R]) {
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) acc[r] = v16{};
+  for (int64_t k = 0; k < n; ++k) {
+    __builtin_prefetch(w + 16 * k + kPrefetch, 0, 0);
+    const v16 wk = load16(w + 16 * k);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) acc[r] += panel[k * kRows + r] * wk;
+  }
+}
+
 // Phase A, one tile of R rows: for 8 intermediate columns, gate and up over the hidden size
 // (`w` is [hidden][16]: 8 gate then 8 up columns per k; `x` the tile's panel [hidden][kRows]),
 // then h = SiLU(gate) * up into the tile's h panel at those columns (`h` [8][kRows]).
 template <int R>
 void gate_up_tile(const float* x, const float* w, int64_t hidden, float* h) {
   v16 acc[R];
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) acc[r] = v16{};
-  for (int64_t k = 0; k < hidden; ++k) {
-    __builtin_prefetch(w + 16 * k + kPrefetch, 0, 0);
-    const v16 wk = load16(w + 16 * k);
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) acc[r] += x[k * kRows + r] * wk;
-  }
+  tile_products<R>(x, w, hidden, acc);
   for (int r = 0; r < R; ++r) {
     float gu[16];
     store16(gu, acc[r]);
@@ -91,14 +98,7 @@ template <int R>
 void down_tile(const float* h, const float* w, int64_t inter, float* const* out,
                const float* weight, int cols) {
   v16 acc[R];
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) acc[r] = v16{};
-  for (int64_t i = 0; i < inter; ++i) {
-    __builtin_prefetch(w + 16 * i + kPrefetch, 0, 0);
-    const v16 wi = load16(w + 16 * i);
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) acc[r] += h[i * kRows + r] * wi;
-  }
+  tile_products<R>(h, w, inter, acc);
   for (int r = 0; r < R; ++r) {
     float y[16];
     store16(y, acc[r]);
