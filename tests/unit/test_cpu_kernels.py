@@ -117,6 +117,47 @@ def test_many_rows_run_in_parallel_and_agree() -> None:
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
+def test_a_prefill_row_gets_the_same_bits_however_the_step_is_cut_or_split(group: int) -> None:
+    # Rows with company from their own request go in tiles of 16 // G rows; a row's result must
+    # not depend on which rows share its tile (chunk boundaries), on the thread count, or on
+    # what else is in the step (the split over threads moves with it).
+    torch.manual_seed(group)
+    kvh, dim, bs = 2, 64, 16
+    k_cache, v_cache = random_caches(kvh, dim, torch.float32, block_size=bs, num_blocks=128)
+    rows, req, limit, tables = build_step([(90, 70), (3, 1), (40, 40)], bs, 128, seed=group)
+    q = torch.randn(int(rows.shape[0]), kvh * group, dim)
+
+    def attend(picked: slice, threads: int) -> torch.Tensor:
+        out = torch.zeros_like(q)
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            paged_attention(
+                out,
+                q,
+                k_cache,
+                v_cache,
+                rows[picked],
+                req[picked],
+                limit[picked],
+                tables,
+                scale=dim**-0.5,
+            )
+        finally:
+            torch.set_num_threads(before)
+        return out
+
+    whole = attend(slice(None), 2)
+    assert torch.equal(attend(slice(None), 1), whole)
+    # The first request's 70 rows as chunks of 2, 5 and 63 rows, each call on its own.
+    pieces = [attend(slice(a, b), 2) for a, b in [(0, 2), (2, 7), (7, 70)]]
+    assert torch.equal(sum(pieces)[:70], whole[:70])
+    torch.testing.assert_close(
+        whole, reference(q, k_cache, v_cache, rows, req, limit, tables, bs), rtol=1e-5, atol=1e-5
+    )
+
+
 def test_bad_indices_fail_with_a_message_not_a_crash() -> None:
     k_cache = v_cache = torch.zeros(1, 4, 8, 16)
     q = torch.zeros(2, 2, 16)

@@ -5,8 +5,9 @@
 // sharing h are scored against keys 0 .. limit[r] - 1 of the row's request, key j living in
 // block table[req[r]][j / block_size] at offset j % block_size of the cache. Scores and the
 // softmax are kept in fp32. In fp32 with the common head sizes, each K and V row is read once
-// for all G heads (attend_row_vec); other dtypes and shapes take a plain loop per head
-// (attend_row), whose re-reads come from the core's cache. Work is split over (row, KV head)
+// for all G heads (attend_row_vec), and once for a tile of a chunk's rows (attend_tile);
+// other dtypes and shapes take a plain loop per head (attend_row), whose re-reads come from
+// the core's cache. Work is split over (row, KV head)
 // pairs in runs of equal key counts, one per thread; a step with fewer pairs than `grain` runs
 // on the calling thread (waking OpenMP workers costs more than a small step's work).
 //
@@ -19,9 +20,10 @@
 //   before the window are not read at all. 0: no window.
 //
 // Why one kernel for prefill too: a prefill chunk's rows re-read their request's context from
-// L2, and scoring one row at a time beat torch's flash-attention SDPA (which runs its small
-// GEMMs through MKL's AVX2 code on AMD) by 2.4x on 4 x 500-token prompts, and it needs no
-// gathered copy of a chunk's cached history.
+// L2, and even scoring one row at a time beat torch's flash-attention SDPA (which runs its
+// small GEMMs through MKL's AVX2 code on AMD) by 2.4x on 4 x 500-token prompts, and it needs
+// no gathered copy of a chunk's cached history. In fp32, rows with company from their own
+// request now go in tiles (attend_tile), 1.6x faster again.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -135,6 +137,55 @@ inline void attend_row(
 typedef float vf16 __attribute__((vector_size(64)));
 typedef float vf16u __attribute__((vector_size(64), aligned(4)));  // unaligned access
 typedef float vf8 __attribute__((vector_size(32)));
+typedef int32_t vi16 __attribute__((vector_size(64)));
+
+// A 16 x 16 block (row i in r[i]) transposed in place: at each level, rows i and i + S swap
+// their off-diagonal S x S sub-blocks (64 two-register shuffles in all).
+inline void transpose16(vf16* r) {
+#define TOKENMILL_LEVEL(S, ...)                                              \
+  for (int base = 0; base < 16; base += 2 * S)                               \
+    for (int i = base; i < base + S; ++i) {                                  \
+      const vf16 a = r[i], b = r[i + S];                                     \
+      r[i] = __builtin_shufflevector(a, b, __VA_ARGS__);                     \
+      r[i + S] = __builtin_shufflevector(a, b, TOKENMILL_HI_##S);            \
+    }
+#define TOKENMILL_HI_8 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31
+#define TOKENMILL_HI_4 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31
+#define TOKENMILL_HI_2 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31
+#define TOKENMILL_HI_1 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31
+  TOKENMILL_LEVEL(8, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
+  TOKENMILL_LEVEL(4, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27)
+  TOKENMILL_LEVEL(2, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29)
+  TOKENMILL_LEVEL(1, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30)
+#undef TOKENMILL_LEVEL
+#undef TOKENMILL_HI_8
+#undef TOKENMILL_HI_4
+#undef TOKENMILL_HI_2
+#undef TOKENMILL_HI_1
+}
+
+// tokenmill::fast_exp on 16 lanes (the same arithmetic lane by lane, so the same results).
+inline vf16 fast_exp16(vf16 x) {
+  const vf16 lo = vf16{} - 87.f, hi = vf16{} + 88.f;
+  x = x < lo ? lo : x;
+  x = x > hi ? hi : x;
+  const vf16 t = x * 1.44269504088896341f;
+  vf16 n;
+  for (int i = 0; i < 16; ++i) n[i] = std::nearbyint(t[i]);
+  const vf16 f = (t - n) * 0.693147180559945309f;
+  vf16 p = vf16{} + 1.f / 5040.f;
+  p = p * f + 1.f / 720.f;
+  p = p * f + 1.f / 120.f;
+  p = p * f + 1.f / 24.f;
+  p = p * f + 1.f / 6.f;
+  p = p * f + 0.5f;
+  p = p * f + 1.f;
+  p = p * f + 1.f;
+  const vi16 bits = (__builtin_convertvector(n, vi16) + 127) << 23;
+  vf16 scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
 
 inline vf16 load16(const float* p) { return *reinterpret_cast<const vf16u*>(p); }
 inline void store16(float* p, vf16 v) { *reinterpret_cast<vf16u*>(p) = v; }
@@ -256,6 +307,136 @@ void attend_row_vec(const float* __restrict q_row, const float* __restrict k_hea
   weighted_values<D, G>(scores, keys, v_head, table, span, block_size, block_stride, inv, o_row);
 }
 
+// The rows of a request's prefill chunk (or verification) in tiles of up to 16 / G rows: the
+// tile's L = rows x G queries (L <= 16) ride in the lanes of one vector, so each K and V row
+// is read once per tile and every product is a full-width FMA with a broadcast operand.
+// Scoring a lone row (attend_row_vec) spends about as many shuffles summing each dot
+// product's lanes as multiplies; here there are none (the queries are transposed once per
+// tile instead): one layer of a 2,161-row prefill step of 8 prompts (8 heads over 2 KV heads,
+// D = 64) took 4.6 ms instead of 7.5 on 2 threads. Each query's dot products, softmax and weighted sum run in the same
+// order whichever queries share its tile, so a row's output does not depend on how a step is
+// chunked or split over the threads (tested bit for bit).
+#ifdef __AVX512F__
+constexpr int kTileKeys = 16;  // keys scored per pass: 16 accumulators + the query vector
+constexpr int kTileLanes = 16;  // queries per pass of the weighted sum
+#else
+constexpr int kTileKeys = 4;  // a vf16 is two AVX2 registers (16 of them): fewer at a time
+constexpr int kTileLanes = 8;
+#endif
+
+// Attention of `n` rows of one request (rows[0 .. n - 1], key limits limit[0 .. n - 1]) for
+// KV head h's G query heads; lane i is row i / G, head h * G + i % G. `work` is scratch.
+template <int D, int G>
+void attend_tile(const float* __restrict q, int64_t q_row_stride, const int64_t* rows,
+                 const int32_t* limit, int64_t n, int64_t h, const float* __restrict k_head,
+                 const float* __restrict v_head, const int32_t* __restrict table,
+                 int64_t block_size, int64_t block_stride, float scale,
+                 const float* sinks, int64_t window, std::vector<float>& work,
+                 std::vector<int64_t>& offsets, float* __restrict out) {
+  static_assert(G >= 1 && G <= 8, "a tile holds at least two rows of G queries");
+  const int lanes = static_cast<int>(n) * G;
+  // Each lane's keys [first, end); lanes past `lanes` copy lane 0 (their results are dropped).
+  int64_t first[16], end[16];
+  int64_t lo = INT64_MAX, hi = 0;
+  for (int i = 0; i < 16; ++i) {
+    const KeySpan span = row_keys(limit[i < lanes ? i / G : 0], window);
+    first[i] = span.first;
+    end[i] = span.first + span.count;
+    lo = std::min(lo, first[i]);
+    hi = std::max(hi, end[i]);
+  }
+  const int64_t keys = hi - lo;
+  const int64_t padded = (keys + kTileKeys - 1) / kTileKeys * kTileKeys;
+  // Where each key's K (and V) row starts in its head's pool; padding repeats the first key.
+  offsets.resize(padded);
+  for (int64_t j = 0; j < keys; ++j) {
+    const int64_t key = lo + j;
+    offsets[j] = table[key / block_size] * block_stride + (key % block_size) * D;
+  }
+  for (int64_t j = keys; j < padded; ++j) offsets[j] = offsets[0];
+  // work: the queries transposed ([D][16], scaled), then the scores [padded][16].
+  work.resize(16 * D + padded * 16 + kTileKeys * D + 16);
+  float* qt = work.data() + (16 - reinterpret_cast<uintptr_t>(work.data()) / 4 % 16) % 16;
+  float* scores = qt + 16 * D;
+  const float* qi[16];
+  for (int i = 0; i < 16; ++i) {
+    const int lane = i < lanes ? i : 0;
+    qi[i] = q + rows[lane / G] * q_row_stride + (h * G + lane % G) * D;
+  }
+  for (int c = 0; c < D / 16; ++c) {
+    vf16 block[16];
+    for (int i = 0; i < 16; ++i) block[i] = load16(qi[i] + c * 16) * scale;
+    transpose16(block);
+    for (int d = 0; d < 16; ++d) *reinterpret_cast<vf16*>(qt + (c * 16 + d) * 16) = block[d];
+  }
+  // Scores: s[j][i] = q_i . k_j, kTileKeys keys at a time, D FMAs each, the keys' rows at
+  // fixed distances from one pointer (16 pointers would not fit in registers): in place where
+  // they are consecutive in one block, else copied next to each other first.
+  float* gathered = scores + padded * 16;
+  for (int64_t j0 = 0; j0 < padded; j0 += kTileKeys) {
+    const float* kr = k_head + offsets[j0];
+    if (offsets[j0 + kTileKeys - 1] - offsets[j0] != (kTileKeys - 1) * D) {
+      for (int t = 0; t < kTileKeys; ++t)
+        std::memcpy(gathered + t * D, k_head + offsets[j0 + t], D * sizeof(float));
+      kr = gathered;
+    }
+    vf16 acc[kTileKeys];
+    for (int t = 0; t < kTileKeys; ++t) acc[t] = vf16{};
+    for (int d = 0; d < D; ++d) {
+      const vf16 qd = *reinterpret_cast<const vf16*>(qt + d * 16);
+      for (int t = 0; t < kTileKeys; ++t) acc[t] += kr[t * D + d] * qd;
+    }
+    for (int t = 0; t < kTileKeys; ++t) *reinterpret_cast<vf16*>(scores + (j0 + t) * 16) = acc[t];
+  }
+  // Softmax per lane over its own keys (with its head's sink); keys outside them weigh 0.
+  vi16 first_v, end_v;
+  for (int i = 0; i < 16; ++i) {
+    first_v[i] = static_cast<int32_t>(first[i] - lo);
+    end_v[i] = static_cast<int32_t>(end[i] - lo);
+  }
+  const vf16 none = vf16{} - INFINITY;
+  vf16 top = none;
+  for (int64_t j = 0; j < keys; ++j) {
+    const vi16 in = (first_v <= static_cast<int32_t>(j)) & (end_v > static_cast<int32_t>(j));
+    const vf16 s = *reinterpret_cast<const vf16*>(scores + j * 16);
+    top = in ? (s > top ? s : top) : top;
+  }
+  vf16 sink = none;
+  if (sinks != nullptr) {
+    for (int i = 0; i < 16; ++i) sink[i] = sinks[i % G];
+    top = sink > top ? sink : top;
+  }
+  vf16 total = vf16{};
+  for (int64_t j = 0; j < keys; ++j) {
+    const vi16 in = (first_v <= static_cast<int32_t>(j)) & (end_v > static_cast<int32_t>(j));
+    vf16* s = reinterpret_cast<vf16*>(scores + j * 16);
+    const vf16 p = in ? fast_exp16(*s - top) : vf16{};
+    *s = p;
+    total += p;
+  }
+  float inv[16];
+  for (int i = 0; i < 16; ++i) {
+    if (sinks != nullptr) total[i] += std::exp(sink[i] - top[i]);
+    inv[i] = 1.f / total[i];
+  }
+  // out_i = sum_j p[j][i] v_j: per 16 values of D, kTileLanes lanes at a time.
+  for (int l0 = 0; l0 < lanes; l0 += kTileLanes) {
+    for (int c = 0; c < D / 16; ++c) {
+      vf16 acc[kTileLanes];
+      for (int l = 0; l < kTileLanes; ++l) acc[l] = vf16{};
+      for (int64_t j = 0; j < keys; ++j) {
+        const vf16 val = load16(v_head + offsets[j] + c * 16);
+        const float* p = scores + j * 16 + l0;
+        for (int l = 0; l < kTileLanes; ++l) acc[l] += p[l] * val;
+      }
+      for (int l = 0; l < kTileLanes && l0 + l < lanes; ++l) {
+        const int i = l0 + l;
+        store16(out + rows[i / G] * q_row_stride + (h * G + i % G) * D + c * 16, acc[l] * inv[i]);
+      }
+    }
+  }
+}
+
 #endif
 
 // Contiguous runs of (row, KV head) items of about equal work (a row costs the keys it
@@ -311,6 +492,48 @@ void attend(
       split_by_cost(limit_p, num_rows, kv_heads, parts, extra.window);
   auto run = [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
+#ifdef TOKENMILL_VECTOR_ATTENTION
+    if constexpr (G > 0) {  // fp32 only (attend_group)
+      // A lone row of its request (decode) takes attend_row_vec; rows with company from their
+      // request (a prefill chunk, a verification) go in tiles (attend_tile). Whether a row has
+      // company is read from the whole step, not from this thread's share, so a row takes the
+      // same path however the step is split. Shares start at a row (split_by_cost).
+      constexpr int64_t kTileRows = 16 / G;
+      std::vector<int64_t> offsets;
+      auto alone = [&](int64_t r) {
+        return (r == 0 || req_p[r - 1] != req_p[r]) &&
+               (r + 1 == num_rows || req_p[r + 1] != req_p[r]);
+      };
+      for (int64_t r = begin / kv_heads; r < end / kv_heads;) {
+        const int32_t* table = table_p + static_cast<int64_t>(req_p[r]) * table_width;
+        if (alone(r)) {
+          const int64_t row = rows_p[r];
+          const KeySpan span = row_keys(limit_p[r], extra.window);
+          scores.resize(G * span.count);
+          for (int64_t h = 0; h < kv_heads; ++h) {
+            const int64_t q_off = row * q_row_stride + h * G * dim;
+            attend_row_vec<D, G>(qp + q_off, kp + h * k_head_stride, vp + h * k_head_stride,
+                                 table, span, block_size, block_stride,
+                                 static_cast<float>(scale),
+                                 extra.sinks != nullptr ? extra.sinks + h * G : nullptr,
+                                 scores.data(), op + q_off);
+          }
+          ++r;
+          continue;
+        }
+        int64_t n = 1;
+        while (n < kTileRows && r + n < end / kv_heads && req_p[r + n] == req_p[r]) ++n;
+        for (int64_t h = 0; h < kv_heads; ++h)
+          attend_tile<D, G>(qp, q_row_stride, rows_p + r, limit_p + r, n, h,
+                            kp + h * k_head_stride, vp + h * k_head_stride, table, block_size,
+                            block_stride, static_cast<float>(scale),
+                            extra.sinks != nullptr ? extra.sinks + h * G : nullptr, extra.window,
+                            scores, offsets, op);
+        r += n;
+      }
+      return;
+    }
+#endif
     for (int64_t item = begin; item < end; ++item) {
       const int64_t r = item / kv_heads;
       const int64_t h = item % kv_heads;
@@ -321,14 +544,6 @@ void attend(
       // The sinks of the G query heads h * G .. h * G + G - 1 (q's head order).
       const float* sinks = extra.sinks != nullptr ? extra.sinks + h * group : nullptr;
       scores.resize(group * span.count);
-#ifdef TOKENMILL_VECTOR_ATTENTION
-      if constexpr (G > 0) {  // fp32 only (attend_group)
-        attend_row_vec<D, G>(qp + q_off, kp + h * k_head_stride, vp + h * k_head_stride, table,
-                             span, block_size, block_stride, static_cast<float>(scale), sinks,
-                             scores.data(), op + q_off);
-        continue;
-      }
-#endif
       attend_row<scalar_t, D>(qp + q_off, kp + h * k_head_stride, vp + h * k_head_stride, table,
                               span, block_size, block_stride, group, dim,
                               static_cast<float>(scale), sinks, scores.data(), op + q_off);
