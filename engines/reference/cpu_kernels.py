@@ -7,6 +7,8 @@ and the switch back to plain torch ops.
 - moe_fused.cpp: a Qwen3-MoE layer after its router in one call (fp32): routing, grouping,
   the experts' SwiGLU over weights laid out for its micro-kernels, the weighted combine.
 - moe_experts.cpp: the other MoE layers' experts side by side over the threads.
+- panel_linear.cpp: an fp32 linear over a weight laid out for the micro-kernel the fused MoE
+  layer uses too (panel.h); the LM head takes it (engines.reference.linear.PanelLinear).
 - fused_ops.cpp: RMSNorm (with the residual add before it), rotary embedding (with the K/V
   cache write) and SiLU * up, one pass each instead of 3-8 torch ops (each a pass over the
   activations and a dispatch).
@@ -42,9 +44,16 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = [
     Path(__file__).parent / "kernels" / name
-    for name in ("paged_attention.cpp", "fused_ops.cpp", "moe_experts.cpp", "moe_fused.cpp")
+    for name in (
+        "paged_attention.cpp",
+        "fused_ops.cpp",
+        "moe_experts.cpp",
+        "moe_fused.cpp",
+        "panel_linear.cpp",
+    )
 ]
-_HEADERS = [Path(__file__).parent / "kernels" / "fast_exp.h"]  # part of the build's key
+# Part of the build's key.
+_HEADERS = [Path(__file__).parent / "kernels" / name for name in ("fast_exp.h", "panel.h")]
 DISABLE_ENV = "TOKENMILL_CPU_KERNELS"
 CACHE_ENV = "TOKENMILL_KERNEL_CACHE"
 # Reassociation lets the compiler vectorise the dot products and sums (fp32 results then
@@ -236,6 +245,17 @@ def moe_fused(
     """A Qwen3-MoE layer in one call (kernels/moe_fused.cpp); the tokens each expert took ([E]
     int64)."""
     return torch.ops.tokenmill.moe_fused(x, out, logits, top_k, renormalize, gate_up, down)
+
+
+def panel_linear(
+    x: torch.Tensor,  # [T, K] fp32, contiguous
+    packed: torch.Tensor,  # [ceil(N / 16), K, 16] (linear.PanelLinear.pack)
+    out_features: int,  # N
+    bias: torch.Tensor | None = None,  # [N]
+    residual: torch.Tensor | None = None,  # [T, N], added to the product
+) -> torch.Tensor:
+    """`x W^T (+ bias) (+ residual)`, [T, N] (kernels/panel_linear.cpp)."""
+    return torch.ops.tokenmill.panel_linear(x, packed, out_features, bias, residual)
 
 
 if __name__ == "__main__":  # `make setup`: build once, so no engine start has to

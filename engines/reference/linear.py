@@ -1,5 +1,5 @@
 """Linear layers on CPU through oneDNN, with each weight reordered once into oneDNN's blocked
-layout.
+layout; the fp32 LM head through the kernels' panel micro-kernel instead (PanelLinear).
 
 Why: `nn.Linear` on CPU goes to MKL's sgemm, which on the AMD EPYC (Zen 4) machines measured
 here reaches 170-240 GFLOP/s at the engine's shapes (hidden 512, 32-1024 rows, 2 threads),
@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from engines.dev import testhooks
+from engines.reference import cpu_kernels, hugepages
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,55 @@ class OneDnnLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, oneDNN"
+
+
+class PanelLinear(nn.Module):
+    """`y = x W^T + b` in fp32 through kernels/panel_linear.cpp, W laid out once as
+    [ceil(N / 16), K, 16] on huge pages; the original weight is not kept.
+
+    Why for the LM head: it runs on the step's sampled rows only (a decode step's requests,
+    the last row of each prefill), tens of rows, where oneDNN's inner product ran the `small`
+    models' head at 125-150 GFLOP/s and this kernel at 140-170 with the weight coming from
+    memory, as it does in a step (docs/benchmarks.md). Other linears also see prefill's
+    thousands of rows, where oneDNN is 10-20% faster, and holding both layouts would double
+    their weights' memory."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.packed = self.pack(linear.weight.detach().float())
+        self.bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
+
+    @staticmethod
+    def pack(weight: torch.Tensor) -> torch.Tensor:
+        """[N, K] -> [ceil(N / 16), K, 16], columns past N zero."""
+        out_features, in_features = weight.shape
+        blocks = -(-out_features // 16)
+        padded = torch.zeros(blocks * 16, in_features, dtype=weight.dtype)
+        padded[:out_features] = weight
+        return hugepages.copy(padded.view(blocks, 16, in_features).transpose(1, 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).contiguous()
+        y = cpu_kernels.panel_linear(rows, self.packed, self.out_features, self.bias)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, panel"
+
+
+def pack_head(model: nn.Module) -> bool:
+    """Swap an fp32 CPU model's plain `lm_head` for a PanelLinear where the kernels are built
+    (before pack_linears, which would take it for oneDNN); whether it was swapped. A tied
+    head gets its own copy, as with oneDNN."""
+    head = getattr(model, "lm_head", None)
+    if type(head) is not nn.Linear or head.weight.dtype != torch.float32:
+        return False
+    if not cpu_kernels.use_kernels(head.weight.device):
+        return False
+    model.lm_head = PanelLinear(head)
+    return True
 
 
 @functools.cache

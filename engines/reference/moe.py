@@ -262,15 +262,7 @@ class FusedExperts:
             .reshape(experts, hidden16 // 16, 16, inter8)
             .permute(1, 0, 3, 2)
         )
-        return FusedExperts(_on_huge_pages(packed_gate_up), _on_huge_pages(packed_down))
-
-
-def _on_huge_pages(tensor: torch.Tensor) -> torch.Tensor:
-    """A contiguous copy on 2 MB pages where the OS gives them: the kernel streams these
-    weights at every step, and on 4 KB pages each page is a TLB miss and a restart of the
-    hardware prefetcher (one sparse layer of the bench model ran 1.3-1.7x slower)."""
-    copy = hugepages.zeros(tuple(tensor.shape), tensor.dtype, tensor.device)
-    return copy.copy_(tensor)
+        return FusedExperts(hugepages.copy(packed_gate_up), hugepages.copy(packed_down))
 
 
 def fuse_experts(model: nn.Module) -> int:

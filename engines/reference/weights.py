@@ -22,7 +22,7 @@ import torch
 from engines.api import EngineError
 from engines.reference import mxfp4
 from engines.reference.config import ModelConfig
-from engines.reference.linear import pack_linears
+from engines.reference.linear import pack_head, pack_linears
 from engines.reference.model import CausalLM, fuse_projections
 from engines.reference.moe import fuse_experts
 
@@ -296,5 +296,6 @@ def load_model(
     model = model.to(device).eval().requires_grad_(False)
     fuse_projections(model)
     fuse_experts(model)  # takes the experts' fused gate/up before pack_linears reorders them
+    pack_head(model)
     pack_linears(model)  # after fusing: the fused matmuls are the ones to reorder
     return model

@@ -14,6 +14,7 @@ from engines.dev import testhooks
 from engines.reference import linear as linear_module
 from engines.reference.linear import (
     OneDnnLinear,
+    PanelLinear,
     fallback_note,
     linear_add,
     onednn_refusal,
@@ -149,3 +150,86 @@ def test_no_note_where_onednn_was_never_the_path() -> None:
     assert fallback_note(torch.device("cuda"), torch.bfloat16) is None
     assert fallback_note(CPU, torch.float16) is None
     assert fallback_note(CPU, torch.float32) is None
+
+
+# --- the panel kernel (kernels/panel_linear.cpp) and the LM head on it --------------------------
+needs_kernels = pytest.mark.skipif(
+    not linear_module.cpu_kernels.kernels_available(), reason="no C++ compiler for the kernels"
+)
+
+
+def _with_threads(threads: int, fn):
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_kernels
+@pytest.mark.parametrize("bias", [True, False])
+# 16 and 17 rows: one tile and one more; 300: many tiles over the threads; widths that are and
+# are not multiples of the kernel's 16 columns.
+@pytest.mark.parametrize(
+    ("rows", "in_features", "out_features"),
+    [(1, 64, 48), (16, 96, 80), (17, 40, 33), (300, 128, 200)],
+)
+def test_panel_linear_matches_nn_linear(rows, in_features, out_features, bias: bool) -> None:
+    torch.manual_seed(rows)
+    linear = nn.Linear(in_features, out_features, bias=bias)
+    panel = PanelLinear(linear)
+    x = torch.randn(rows, in_features)
+    with torch.inference_mode():
+        expected, got = linear(x), panel(x)
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    residual = torch.randn(rows, out_features)
+    with_residual = linear_module.cpu_kernels.panel_linear(
+        x, panel.packed, out_features, panel.bias, residual
+    )
+    torch.testing.assert_close(with_residual, expected + residual, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+def test_a_panel_row_gets_the_same_bits_alone_in_any_batch_on_any_thread_count() -> None:
+    # Each output is one sequential sum over K, whatever rows share its tile and whichever
+    # thread computes its columns: a row's logits do not depend on what else is in the step.
+    torch.manual_seed(2)
+    panel = PanelLinear(nn.Linear(256, 1000))
+    x = torch.randn(70, 256)
+    with torch.inference_mode():
+        batch = _with_threads(2, lambda: panel(x))
+        assert torch.equal(_with_threads(1, lambda: panel(x)), batch)
+        for row in (0, 17, 69):
+            assert torch.equal(panel(x[row : row + 1])[0], batch[row])
+        assert torch.equal(panel(x[5:40]), batch[5:40])
+
+
+@needs_kernels
+def test_panel_linear_refuses_what_does_not_fit() -> None:
+    panel = PanelLinear(nn.Linear(32, 40))
+    with pytest.raises(RuntimeError, match="K = x's columns"):
+        linear_module.cpu_kernels.panel_linear(torch.randn(3, 31), panel.packed, 40)
+    with pytest.raises(RuntimeError, match="do not fit the packed weight"):
+        linear_module.cpu_kernels.panel_linear(torch.randn(3, 32), panel.packed, 60)
+    with pytest.raises(RuntimeError, match="residual must be fp32"):
+        linear_module.cpu_kernels.panel_linear(
+            torch.randn(3, 32), panel.packed, 40, None, torch.randn(2, 40)
+        )
+
+
+@needs_kernels
+def test_pack_head_takes_an_fp32_head_only() -> None:
+    class Head(nn.Module):
+        def __init__(self, dtype: torch.dtype) -> None:
+            super().__init__()
+            self.proj = nn.Linear(16, 16)
+            self.lm_head = nn.Linear(16, 50, bias=False).to(dtype)
+
+    fp32 = Head(torch.float32)
+    assert linear_module.pack_head(fp32)
+    assert type(fp32.lm_head) is PanelLinear and type(fp32.proj) is nn.Linear
+    assert pack_linears(fp32) == 1 and type(fp32.lm_head) is PanelLinear  # oneDNN leaves it
+    bf16 = Head(torch.bfloat16)
+    assert not linear_module.pack_head(bf16) and type(bf16.lm_head) is nn.Linear

@@ -32,49 +32,13 @@
 #include <vector>
 
 #include "fast_exp.h"
+#include "panel.h"
 
 namespace {
 
-// Sixteen floats: one AVX-512 register, two AVX2 registers (four SSE where the CPU has no
-// AVX); GCC's vector extension, so one source serves every x86 and Arm build.
-typedef float v16 __attribute__((vector_size(64)));
-
-inline v16 load16(const float* p) {
-  v16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
-
-// Rows per micro-kernel call, one 16-column accumulator each: with AVX-512's 32 registers,
-// 16 rows plus the weights and a broadcast (a decode step's expert has ~2-16 rows: one pass
-// over its weights); with AVX2's 16, 6 rows of two registers each.
-#if defined(__AVX512F__)
-constexpr int kRows = 16;
-#else
-constexpr int kRows = 6;
-#endif
-
-// Floats ahead of the micro-kernels' weight reads to prefetch (one 64-byte line per k step).
-#ifndef PF_DIST
-#define PF_DIST 512
-#endif
-constexpr int64_t kPrefetch = PF_DIST;
-
-// The micro-kernel of both phases: acc[r] = sum over k of panel[k][r] * w[k][0..15] for a
-// tile's R rows (`panel` [n][kRows]), streaming `w` ([n][16], contiguous) once.
-template <int R>
-inline void tile_products(const float* panel, const float* w, int64_t n, v16 (&acc)[R]) {
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) acc[r] = v16{};
-  for (int64_t k = 0; k < n; ++k) {
-    __builtin_prefetch(w + 16 * k + kPrefetch, 0, 0);
-    const v16 wk = load16(w + 16 * k);
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) acc[r] += panel[k * kRows + r] * wk;
-  }
-}
+using tokenmill::kRows;
+using tokenmill::tile_products;
+using tokenmill::v16;
 
 // Phase A, one tile of R rows: for 8 intermediate columns, gate and up over the hidden size
 // (`w` is [hidden][16]: 8 gate then 8 up columns per k; `x` the tile's panel [hidden][kRows]),
@@ -85,7 +49,7 @@ void gate_up_tile(const float* x, const float* w, int64_t hidden, float* h) {
   tile_products<R>(x, w, hidden, acc);
   for (int r = 0; r < R; ++r) {
     float gu[16];
-    store16(gu, acc[r]);
+    tokenmill::store16(gu, acc[r]);
     for (int c = 0; c < 8; ++c)
       h[c * kRows + r] = gu[c] / (1.f + tokenmill::fast_exp(-gu[c])) * gu[c + 8];
   }
@@ -101,16 +65,11 @@ void down_tile(const float* h, const float* w, int64_t inter, float* const* out,
   tile_products<R>(h, w, inter, acc);
   for (int r = 0; r < R; ++r) {
     float y[16];
-    store16(y, acc[r]);
+    tokenmill::store16(y, acc[r]);
     for (int c = 0; c < cols; ++c) out[r][c] += weight[r] * y[c];
   }
 }
 
-// The tile functions for 1 .. kRows rows, indexed by rows - 1.
-template <typename Fn, template <int> class Tile, int... R>
-constexpr std::array<Fn, sizeof...(R)> tiles(std::integer_sequence<int, R...>) {
-  return {Tile<R + 1>::fn...};
-}
 template <int R>
 struct GateUp {
   static constexpr auto fn = &gate_up_tile<R>;
@@ -121,8 +80,9 @@ struct Down {
 };
 using GateUpFn = void (*)(const float*, const float*, int64_t, float*);
 using DownFn = void (*)(const float*, const float*, int64_t, float* const*, const float*, int);
-constexpr auto kGateUp = tiles<GateUpFn, GateUp>(std::make_integer_sequence<int, kRows>());
-constexpr auto kDown = tiles<DownFn, Down>(std::make_integer_sequence<int, kRows>());
+constexpr auto kGateUp =
+    tokenmill::tiles<GateUpFn, GateUp>(std::make_integer_sequence<int, kRows>());
+constexpr auto kDown = tokenmill::tiles<DownFn, Down>(std::make_integer_sequence<int, kRows>());
 
 // Each token's top_k experts and weights, as transformers' Qwen3MoeTopKRouter: softmax over
 // all experts in fp32, the k largest, renormalised to sum 1 if asked. The k largest
@@ -229,10 +189,8 @@ at::Tensor moe_fused(const at::Tensor& x, at::Tensor& out, const at::Tensor& log
       for (int64_t t = tile_first[e]; t < tile_first[e + 1]; ++t) {
         float* panel = x_panels.get() + t * hidden * kRows;
         const int64_t p0 = first[e] + (t - tile_first[e]) * kRows;
-        for (int64_t r = 0; r < tile_rows(e, t); ++r) {
-          const float* row = xp + token[p0 + r] * hidden;
-          for (int64_t k = 0; k < hidden; ++k) panel[k * kRows + r] = row[k];
-        }
+        tokenmill::fill_panel([&](int64_t r) { return xp + token[p0 + r] * hidden; },
+                              tile_rows(e, t), hidden, panel);
       }
     }
   });

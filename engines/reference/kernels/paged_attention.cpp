@@ -313,9 +313,9 @@ void attend_row_vec(const float* __restrict q_row, const float* __restrict k_hea
 // Scoring a lone row (attend_row_vec) spends about as many shuffles summing each dot
 // product's lanes as multiplies; here there are none (the queries are transposed once per
 // tile instead): one layer of a 2,161-row prefill step of 8 prompts (8 heads over 2 KV heads,
-// D = 64) took 4.6 ms instead of 7.5 on 2 threads. Each query's dot products, softmax and weighted sum run in the same
-// order whichever queries share its tile, so a row's output does not depend on how a step is
-// chunked or split over the threads (tested bit for bit).
+// D = 64) took 4.6 ms instead of 7.5 on 2 threads. Each query's dot products, softmax and
+// weighted sum run in the same order whichever queries share its tile, so a row's output does
+// not depend on how a step is chunked or split over the threads (tested bit for bit).
 #ifdef __AVX512F__
 constexpr int kTileKeys = 16;  // keys scored per pass: 16 accumulators + the query vector
 constexpr int kTileLanes = 16;  // queries per pass of the weighted sum
