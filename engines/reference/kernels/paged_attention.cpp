@@ -172,15 +172,7 @@ inline vf16 fast_exp16(vf16 x) {
   const vf16 t = x * 1.44269504088896341f;
   vf16 n;
   for (int i = 0; i < 16; ++i) n[i] = std::nearbyint(t[i]);
-  const vf16 f = (t - n) * 0.693147180559945309f;
-  vf16 p = vf16{} + 1.f / 5040.f;
-  p = p * f + 1.f / 720.f;
-  p = p * f + 1.f / 120.f;
-  p = p * f + 1.f / 24.f;
-  p = p * f + 1.f / 6.f;
-  p = p * f + 0.5f;
-  p = p * f + 1.f;
-  p = p * f + 1.f;
+  const vf16 p = tokenmill::exp_reduced((t - n) * 0.693147180559945309f);
   const vi16 bits = (__builtin_convertvector(n, vi16) + 127) << 23;
   vf16 scale;
   std::memcpy(&scale, &bits, sizeof scale);
