@@ -65,6 +65,8 @@ class FakeJobs:
         return kwargs["submission_id"]
 
     def get_job_info(self, job_id: str) -> Any:
+        if job_id not in self.status:  # as Ray's JobSubmissionClient answers an unknown id
+            raise RuntimeError(f"Request failed with status code 404: Job {job_id} does not exist.")
         return SimpleNamespace(status=self.status[job_id], message="boom")
 
     def stop_job(self, job_id: str) -> bool:
@@ -873,7 +875,7 @@ def test_a_refused_submit_leaves_no_batch_and_the_stopped_one_resumable(tmp_path
     assert service.retrieve("alpha", first["id"])["status"] == "cancelled"
 
     def refuse(**kwargs: Any) -> str:
-        raise ConnectionError("the Ray head did not answer")
+        raise ConnectionRefusedError("the Ray head is not listening")
 
     real_submit, jobs.submit_job = jobs.submit_job, refuse  # type: ignore[method-assign]
     body = {**BODY, "input_file_id": file_id, "metadata": {RESUME_KEY: first["id"]}}
@@ -974,5 +976,310 @@ def test_every_route_is_admitted_and_gives_its_slot_back(tmp_path: Path, jobs: F
             headers={"Authorization": "Bearer key-a"},
         )
         assert response.status_code == 413 and held == []
+    finally:
+        batch_routes._installed = None
+
+
+# --- a submit whose answer was lost ----------------------------------------------------------
+
+
+class LostAnswerJobs(FakeJobs):
+    """A Jobs API whose submits raise a read timeout: after Ray took the job (`lands`), or
+    before (the job never comes); `reachable=False`: lookups fail too (the head away)."""
+
+    def __init__(self, lands: bool, reachable: bool = True) -> None:
+        super().__init__()
+        self.lands = lands
+        self.reachable = reachable
+        self.submit_calls = 0
+
+    def submit_job(self, **kwargs: Any) -> str:
+        import requests
+
+        self.submit_calls += 1
+        if self.lands and kwargs["submission_id"] in self.submitted:
+            raise RuntimeError(
+                "Request failed with status code 400: Job with submission_id "
+                f"{kwargs['submission_id']} already exists."
+            )
+        if self.lands:
+            super().submit_job(**kwargs)
+        raise requests.exceptions.ReadTimeout("read timed out (read timeout=60)")
+
+    def get_job_info(self, job_id: str) -> Any:
+        if not self.reachable:
+            raise ConnectionError("the Ray head did not answer")
+        return super().get_job_info(job_id)
+
+    def stop_job(self, job_id: str) -> bool:
+        if job_id not in self.status:
+            raise RuntimeError(f"Request failed with status code 404: Job {job_id} does not exist.")
+        return super().stop_job(job_id)
+
+
+def _quota_service(tmp_path: Path, jobs: FakeJobs) -> tuple[BatchService, Any]:
+    from pipeline.serve.access.keys import BatchQuota
+
+    service = _service(tmp_path, jobs)
+    service.submit_backoff_s = 0.0
+    return service, BatchQuota(max_batches_in_flight=1)
+
+
+def test_a_job_taken_before_its_answer_was_lost_keeps_its_batch(tmp_path: Path) -> None:
+    """Ray took the job, then the submit's answer timed out: the batch is there, one job
+    runs, the key sees and cancels it, and its quota place stays taken while it runs."""
+    jobs = LostAnswerJobs(lands=True)
+    service, quota = _quota_service(tmp_path, jobs)
+    file_id = _stored_input(service, "alpha")
+    body = {**BODY, "input_file_id": file_id}
+    batch = service.create("alpha", lambda _: True, body, quota)
+    job = f"tokenmill-{batch['id']}"
+    assert list(jobs.submitted) == [job]  # one job, whatever the retries
+    assert [b["id"] for b in service.list("alpha")["data"]] == [batch["id"]]
+    jobs.status[job] = "RUNNING"
+    assert service.retrieve("alpha", batch["id"])["status"] == "in_progress"
+    with pytest.raises(ApiError) as full:  # its place in the quota is taken
+        service.create("alpha", lambda _: True, body, quota)
+    assert full.value.code == "batch_limit_exceeded"
+    assert service.cancel("alpha", batch["id"])["status"] == "cancelling"
+    assert jobs.stopped == [job]
+    assert service.retrieve("alpha", batch["id"])["status"] == "cancelled"
+    assert service.create("alpha", lambda _: True, body, quota)["status"] == "validating"
+
+
+def test_a_submit_of_unknown_fate_keeps_its_batch_until_the_cluster_tells(
+    tmp_path: Path,
+) -> None:
+    """Neither the submit nor a lookup answered: the job may run, so the client gets its
+    batch (its retry starts nothing), the key can cancel it, and its quota place is kept
+    until the cluster says no such job ran (then it ends and the place is free)."""
+    from pipeline.serve.batch_api.batches import SUBMIT_GRACE_S
+
+    clock = [1_000_000.0]
+    jobs = LostAnswerJobs(lands=False, reachable=False)
+    service, quota = _quota_service(tmp_path, jobs)
+    service.now = lambda: clock[0]
+    file_id = _stored_input(service, "alpha")
+    body = {**BODY, "input_file_id": file_id}
+    batch = service.create("alpha", lambda _: True, body, quota)
+    assert batch["status"] == "validating" and jobs.submit_calls >= 2  # tried again
+    assert service.retrieve("alpha", batch["id"])["status"] == "validating"
+    assert service.cancel("alpha", batch["id"])["status"] == "cancelling"
+    with pytest.raises(ApiError) as full:
+        service.create("alpha", lambda _: True, body, quota)
+    assert full.value.code == "batch_limit_exceeded"
+    jobs.reachable = True  # the head answers again: no such job
+    assert service.retrieve("alpha", batch["id"])["status"] == "cancelling"  # within the grace
+    clock[0] += SUBMIT_GRACE_S
+    assert service.retrieve("alpha", batch["id"])["status"] == "cancelled"
+    jobs.lands = True
+    assert service.create("alpha", lambda _: True, body, quota)["status"] == "validating"
+
+
+@pytest.mark.parametrize(
+    "refusal",
+    [
+        ConnectionRefusedError("nothing listens on the head's port"),
+        RuntimeError("Request failed with status code 400: runtime_env is invalid."),
+    ],
+)
+def test_a_surely_refused_submit_frees_its_quota_place(tmp_path: Path, refusal: Exception) -> None:
+    jobs = FakeJobs()
+    service, quota = _quota_service(tmp_path, jobs)
+    file_id = _stored_input(service, "alpha")
+    body = {**BODY, "input_file_id": file_id}
+
+    def refuse(**kwargs: Any) -> str:
+        raise refusal
+
+    real_submit, jobs.submit_job = jobs.submit_job, refuse  # type: ignore[method-assign]
+    with pytest.raises(ApiError) as refused:
+        service.create("alpha", lambda _: True, body, quota)
+    assert refused.value.status == 503 and refused.value.code == "batch_submit_failed"
+    assert service.list("alpha")["data"] == [] and jobs.submitted == {}
+    jobs.submit_job = real_submit  # type: ignore[method-assign]
+    assert service.create("alpha", lambda _: True, body, quota)["status"] == "validating"
+
+
+def test_a_submitted_batch_whose_record_update_fails_is_still_answered(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The job was taken, then recording that failed (the store away for a moment): the client
+    still gets its batch and the quota place stays taken, so no retry starts a second job."""
+    from pipeline.storage import StorageError
+
+    jobs = FakeJobs()
+    service, quota = _quota_service(tmp_path, jobs)
+    file_id = _stored_input(service, "alpha")
+    body = {**BODY, "input_file_id": file_id}
+
+    def store_away(*args: Any) -> None:
+        raise StorageError("503 Slow Down")
+
+    monkeypatch.setattr(service, "_write", store_away)
+    batch = service.create("alpha", lambda _: True, body, quota)
+    assert list(jobs.submitted) == [f"tokenmill-{batch['id']}"]
+    monkeypatch.undo()
+    with pytest.raises(ApiError) as full:
+        service.create("alpha", lambda _: True, body, quota)
+    assert full.value.code == "batch_limit_exceeded"
+    jobs.status[f"tokenmill-{batch['id']}"] = "RUNNING"
+    assert service.retrieve("alpha", batch["id"])["status"] == "in_progress"
+
+
+# --- upload bounds: bytes reserved as they arrive, every byte of a body counted, idle cut ----
+
+STORAGE_QUOTA_KEYS = """
+keys:
+  - name: small
+    sha256: "%s"
+    batch: {max_stored_bytes: %d}
+"""
+
+
+def _quota_app(tmp_path: Path, jobs: FakeJobs, max_stored_bytes: int, **batch_api: Any) -> FastAPI:
+    from pipeline.serve.access.auth import KeyDigests, digest
+    from pipeline.serve.access.keys import KeyRing, parse_key_file
+
+    keys = STORAGE_QUOTA_KEYS % (digest("key-s"), max_stored_bytes)
+    ring = KeyRing.build(KeyDigests(frozenset()), parse_key_file(keys, "keys.yaml"))
+    return _routes_app(
+        _spec(tmp_path, **batch_api), jobs, lambda key: ring.identify(f"Bearer {key}")
+    )
+
+
+def test_concurrent_uploads_never_store_more_than_the_quota(tmp_path: Path, jobs: FakeJobs) -> None:
+    """Uploads that all began before any finished: each reserves its bytes as they arrive, so
+    together they never pass max_stored_bytes (which a check at each upload's start would)."""
+    import asyncio
+
+    quota = 5000
+    app = _quota_app(tmp_path, jobs, quota)
+    content_type = f"multipart/form-data; boundary={BOUNDARY}"
+    data = _jsonl([_line(i) for i in range(20)])[:2108]
+    data = data[: data.rindex(b"\n") + 1]
+
+    async def scenario() -> list[tuple]:
+        hold = asyncio.Event()
+        uploads = [
+            asyncio.ensure_future(
+                _asgi_post(
+                    app,
+                    "/v1/files",
+                    "key-s",
+                    iter([_multipart_head(), data, MULTIPART_TAIL]),
+                    content_type,
+                    hold=hold,
+                )
+            )
+            for _ in range(4)
+        ]
+        await asyncio.sleep(0.3)  # every upload admitted, none has sent its body
+        hold.set()
+        return list(await asyncio.wait_for(asyncio.gather(*uploads), 60))
+
+    try:
+        results = asyncio.run(scenario())
+        ok = [r for r in results if r[0] == 200]
+        refused = [json.loads(r[2])["error"]["code"] for r in results if r[0] != 200]
+        stored = batch_routes._installed.service.files("small").stored_bytes()  # type: ignore[union-attr]
+        assert stored <= quota and stored == len(ok) * len(data), (stored, results)
+        assert 1 <= len(ok) <= quota // len(data)
+        assert set(refused) == {"storage_limit_exceeded"}
+    finally:
+        batch_routes._installed = None
+
+
+def test_byte_reservations_hold_across_replicas_and_expire(tmp_path: Path) -> None:
+    """Two ingress replicas' ledgers over one store: what one reserved, the other sees; a
+    reservation its replica never released (it died) stops counting once it expires."""
+    from pipeline.serve.access.keys import BatchQuota
+    from pipeline.serve.batch_api.batch_quota import UPLOAD_RESERVATION_TTL_S
+
+    clock = [1_000_000.0]
+    spec = _spec(tmp_path)
+    replicas = [BatchService(spec, FakeJobs, now=lambda: clock[0]) for _ in range(2)]
+    quota = BatchQuota(max_stored_bytes=3000)
+    ledgers = [r.quota_ledger("alpha", quota, "alpha") for r in replicas]
+    stored = lambda: 0  # noqa: E731
+    ledgers[0].reserve_bytes("up-1", 2000, stored)
+    with pytest.raises(ApiError) as full:
+        ledgers[1].reserve_bytes("up-2", 1500, stored)
+    assert full.value.status == 429 and full.value.code == "storage_limit_exceeded"
+    assert "2000 reserved by uploads in progress" in full.value.message
+    ledgers[1].reserve_bytes("up-2", 1000, stored)  # what is left fits
+    ledgers[1].release_bytes("up-2")
+    clock[0] += UPLOAD_RESERVATION_TTL_S + 1  # up-1's replica died without releasing
+    ledgers[1].reserve_bytes("up-3", 3000, stored)
+
+
+def test_every_byte_of_an_upload_body_counts(tmp_path: Path, jobs: FakeJobs) -> None:
+    """A chunked upload (no Content-Length) with a large extra form field: refused once the
+    body passes the upload's limit, without reading the rest."""
+    import asyncio
+
+    app = _routes_app(_spec(tmp_path), jobs, KEYS.get)  # max_file_bytes 4096
+    content_type = f"multipart/form-data; boundary={BOUNDARY}"
+    sent = [0]
+
+    def body() -> Iterator[bytes]:
+        yield (f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="note"\r\n\r\n').encode()
+        for _ in range(1024):  # 64 MiB of a field nobody asked for
+            sent[0] += 1
+            yield b"x" * 65536
+        yield b"\r\n" + _multipart_head() + _jsonl([_line(0)]) + MULTIPART_TAIL
+
+    try:
+        status, _, raw = asyncio.run(
+            asyncio.wait_for(_asgi_post(app, "/v1/files", "key-a", body(), content_type), 60)
+        )
+        assert status in (400, 413), raw
+        assert json.loads(raw)["error"]["code"] in ("request_too_large", "invalid_request")
+        assert sent[0] < 16, f"read {sent[0]} chunks of 64 KiB before refusing"
+    finally:
+        batch_routes._installed = None
+
+
+def test_an_upload_that_stops_sending_is_cut_and_frees_its_slot(
+    tmp_path: Path, jobs: FakeJobs
+) -> None:
+    import asyncio
+
+    spec = _spec(tmp_path, max_concurrent_uploads=1)
+    spec.http.body_idle_timeout_s = 0.5
+    app = _routes_app(spec, jobs, KEYS.get)
+    content_type = f"multipart/form-data; boundary={BOUNDARY}"
+
+    async def scenario() -> tuple[tuple, tuple]:
+        never = asyncio.Event()  # the first upload's body never comes
+        stalled = await asyncio.wait_for(
+            _asgi_post(
+                app,
+                "/v1/files",
+                "key-a",
+                iter([_multipart_head(), _jsonl([_line(0)]), MULTIPART_TAIL]),
+                content_type,
+                hold=never,
+            ),
+            30,
+        )
+        after = await asyncio.wait_for(
+            _asgi_post(
+                app,
+                "/v1/files",
+                "key-a",
+                iter([_multipart_head(), _jsonl([_line(0)]), MULTIPART_TAIL]),
+                content_type,
+            ),
+            30,
+        )
+        return stalled, after
+
+    try:
+        stalled, after = asyncio.run(scenario())
+        assert stalled[0] == 408, stalled
+        error = json.loads(stalled[2])["error"]
+        assert error["code"] == "request_timeout" and "body_idle_timeout_s" in error["message"]
+        assert after[0] == 200, after  # the slot was given back
     finally:
         batch_routes._installed = None

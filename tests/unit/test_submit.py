@@ -428,3 +428,73 @@ def test_decide_never_reuses_an_id_and_never_runs_beside_an_active_attempt(
     else:
         assert existing[decision.submission_id] == decision.previous_status
     assert sub.attempt_number(base, decision.submission_id) is not None
+
+
+def test_a_submit_whose_answer_was_lost_runs_once(
+    job_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cluster took the job and the answer timed out: the try sent again under the same id
+    finds it there, and the night runs once."""
+    import requests
+
+    monkeypatch.setattr(sub.time, "sleep", lambda s: None)
+
+    class LostAnswer(FakeClient):
+        def submit_job(self, **kwargs: Any) -> str:
+            super().submit_job(**kwargs)
+            raise requests.exceptions.ReadTimeout("read timed out")
+
+    client = LostAnswer()
+    request = sub.SubmitRequest(job_file, "http://h:8265", date="2026-11-28")
+    outcome, log = _run(request, client, {})
+    assert outcome.exit_code == 0 and len(client.submitted) == 1
+    assert "not starting a second run" in log
+
+
+def test_a_submit_of_unknown_fate_says_the_job_may_be_running(
+    job_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import requests
+
+    monkeypatch.setattr(sub.time, "sleep", lambda s: None)
+
+    class HeadAway(FakeClient):
+        def submit_job(self, **kwargs: Any) -> str:
+            raise requests.exceptions.ReadTimeout("read timed out")
+
+        def get_job_info(self, job_id: str) -> FakeJob:
+            raise requests.exceptions.ConnectionError("connection reset by peer")
+
+    request = sub.SubmitRequest(job_file, "http://h:8265", date="2026-11-28")
+    with pytest.raises(sub.SubmitError) as unknown:
+        _run(request, HeadAway(), {})
+    assert unknown.value.exit_code == sub.EXIT_CLUSTER
+    assert "may be running" in str(unknown.value) and "ray job status" in str(unknown.value)
+
+
+@pytest.mark.parametrize(
+    ("error", "fate"),
+    [
+        (
+            RuntimeError("Request failed with status code 400: Job with id x already exists."),
+            "exists",
+        ),
+        (RuntimeError("Request failed with status code 400: bad runtime_env."), "refused"),
+        (RuntimeError("Request failed with status code 500: timed out waiting."), "unknown"),
+        (ConnectionRefusedError(111, "Connection refused"), "refused"),
+        (TimeoutError("read timed out"), "unknown"),
+    ],
+)
+def test_what_a_failed_submit_may_have_left(error: Exception, fate: str) -> None:
+    assert sub.submit_fate(error) == fate
+
+
+def test_a_connection_never_made_is_a_refusal_through_requests_wrapping() -> None:
+    import requests
+    from urllib3.exceptions import MaxRetryError, NewConnectionError
+
+    inner = NewConnectionError(None, "Failed to establish a new connection")  # type: ignore[arg-type]
+    wrapped = requests.exceptions.ConnectionError(MaxRetryError(None, "/api/jobs/", inner))  # type: ignore[arg-type]
+    assert sub.submit_fate(wrapped) == "refused"
+    reset = requests.exceptions.ConnectionError(ConnectionResetError(104, "reset by peer"))
+    assert sub.submit_fate(reset) == "unknown"
