@@ -350,6 +350,106 @@ def connect(
     raise AssertionError("unreachable")  # the loop returns or raises
 
 
+# --- what a submit that raised left on the cluster -----------------------------------------
+
+# Ray keeps one job per submission id, so a submit whose answer was lost can be sent again with
+# the same id: either it lands now or Ray answers that the id exists (the first one landed).
+SUBMIT_ATTEMPTS = 3
+SUBMIT_BACKOFF_S = 0.5
+
+SubmitFate = Literal["accepted", "exists", "refused", "unknown"]
+# Exceptions (by class name, anywhere in the chain) of a connection that was never made: the
+# request was not sent. requests and urllib3 wrap them, so names are matched, not classes.
+_NEVER_CONNECTED = frozenset(
+    {"ConnectionRefusedError", "NewConnectionError", "ConnectTimeout", "NameResolutionError"}
+)
+
+
+def submit_fate(exc: BaseException) -> SubmitFate:
+    """What a `submit_job` that raised `exc` may have left on the cluster.
+
+    "exists": Ray answered that the submission id exists (another submitter's, or an earlier
+    try of ours whose answer was lost).
+    "refused": Ray answered 4xx (the same body is refused every time), or no connection was
+    made. "unknown": anything else; a read timeout or a reset connection may come after Ray
+    took the job, and a 500 is what the head answers when it times out waiting for the agent
+    that goes on to start the job.
+    """
+    text = str(exc)
+    if "already exists" in text:
+        return "exists"
+    answered = re.search(r"status code (\d{3})", text)
+    if answered is not None and 400 <= int(answered.group(1)) < 500:
+        return "refused"
+    if _never_connected(exc):
+        return "refused"
+    return "unknown"
+
+
+def _never_connected(exc: BaseException) -> bool:
+    seen: set[int] = set()
+    pending: list[Any] = [exc]
+    while pending:
+        item = pending.pop()
+        if not isinstance(item, BaseException) or id(item) in seen:
+            continue
+        seen.add(id(item))
+        if type(item).__name__ in _NEVER_CONNECTED:
+            return True
+        pending += [item.__cause__, item.__context__, getattr(item, "reason", None), *item.args]
+    return False
+
+
+def job_exists(client: Any, submission_id: str) -> bool | None:
+    """Whether the cluster has the job: True, False (Ray answered that it does not exist), or
+    None (no answer: the head is away)."""
+    try:
+        client.get_job_info(submission_id)
+    except Exception as exc:
+        return False if job_missing(exc) else None
+    return True
+
+
+def job_missing(exc: BaseException) -> bool:
+    """Whether a Jobs API call failed because Ray answered that the job does not exist."""
+    text = str(exc)
+    return "status code 404" in text or "does not exist" in text
+
+
+def submit_once(
+    client: Any,
+    attempts: int = SUBMIT_ATTEMPTS,
+    backoff_s: float = SUBMIT_BACKOFF_S,
+    **kwargs: Any,
+) -> tuple[SubmitFate, BaseException | None]:
+    """`client.submit_job(**kwargs)` (a fixed `submission_id` among them) until its fate is
+    known, `attempts` times at most; then what happened (submit_fate; "accepted": this call
+    was answered) and the last error. A submit whose fate stays unknown is looked up before
+    the answer is given: "unknown" means the job may still appear (the caller keeps whatever
+    lets an operator find and stop it)."""
+    fate: SubmitFate = "refused"
+    error: BaseException | None = None
+    for attempt in range(attempts):
+        try:
+            client.submit_job(**kwargs)
+            return "accepted", None
+        except Exception as exc:
+            error = exc
+            this = submit_fate(exc)
+        if this == "exists":
+            return "exists", None
+        answered_no = this == "refused" and "status code" in str(error)
+        if answered_no:
+            return "refused", error  # Ray refused this body: it refused the earlier tries too
+        if this == "unknown":
+            fate = "unknown"
+        if attempt + 1 < attempts:
+            time.sleep(backoff_s * 2**attempt)
+    if fate == "unknown" and job_exists(client, kwargs["submission_id"]):
+        return "exists", None
+    return fate, error
+
+
 def existing_jobs(client: JobsClient) -> dict[str, str]:
     """submission id -> status for every job the cluster knows."""
     return {
@@ -463,24 +563,35 @@ def _submit_attempt(
         entrypoint = run_entrypoint(
             request.job_file.name, date, request.overrides, request.ship_code
         )
-        try:
-            client.submit_job(
-                entrypoint=entrypoint,
-                submission_id=decision.submission_id,
-                runtime_env=runtime_env_for(working_dir, env_vars, request.ship_code),
-                metadata={
-                    "tokenmill_job": spec.name,
-                    "tokenmill_date": date,
-                    "tokenmill_spec_sha": spec_digest(spec),
-                },
+        # An id that exists already (another submitter took it between our listing and our
+        # submit, or our own first try landed before its answer was lost) is attached to:
+        # never two runs of one night.
+        fate, error = submit_once(
+            client,
+            entrypoint=entrypoint,
+            submission_id=decision.submission_id,
+            runtime_env=runtime_env_for(working_dir, env_vars, request.ship_code),
+            metadata={
+                "tokenmill_job": spec.name,
+                "tokenmill_date": date,
+                "tokenmill_spec_sha": spec_digest(spec),
+            },
+        )
+        if fate == "exists":
+            print(
+                f"{decision.submission_id} exists already (submitted by someone else, or by "
+                "an earlier try whose answer was lost); not starting a second run",
+                file=out,
             )
-        except Exception as exc:
-            # Another submitter may have taken the id between our listing and our submit:
-            # attach to theirs rather than fail (never two runs of one night).
-            if decision.submission_id in existing_jobs(client):
-                print(f"{decision.submission_id} was just submitted by someone else", file=out)
-                return
-            raise SubmitError(f"the cluster refused {decision.submission_id}: {exc}") from None
+            return
+        if fate == "refused":
+            raise SubmitError(f"the cluster refused {decision.submission_id}: {error}")
+        if fate == "unknown":
+            raise SubmitError(
+                f"the cluster did not say whether it took {decision.submission_id} ({error}); "
+                f"it may be running: `ray job status {decision.submission_id}` tells, and "
+                "submitting again attaches to it if it exists"
+            )
     retry = f" (retry after {decision.previous_status})" if decision.previous_status else ""
     print(f"submitted {decision.submission_id}{retry}: {entrypoint}", file=out)
     if env_vars:

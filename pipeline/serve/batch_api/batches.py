@@ -75,6 +75,15 @@ from pipeline.serve.batch_api.files import (
 from pipeline.serve.spec import BatchApiSpec, ServedModelSpec, ServeSpec
 from pipeline.spec import SpecError, parse_job_spec
 from pipeline.storage import OutputDir, PreconditionFailed, join_uri
+from pipeline.submit import (
+    SUBMIT_BACKOFF_S,
+    SubmitFate,
+    forwarded_env,
+    job_missing,
+    run_entrypoint,
+    runtime_env_for,
+    submit_once,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -209,6 +218,8 @@ class BatchService:
         self._jobs_factory = jobs
         self._jobs: JobsApi | None = None
         self.now = now
+        # Between tries of a submit whose fate is unknown (tests shorten it).
+        self.submit_backoff_s = SUBMIT_BACKOFF_S
         self._id_lock = threading.Lock()
         self._last_id_ms = 0  # ids made here are strictly ordered, even within a millisecond
 
@@ -322,6 +333,7 @@ class BatchService:
         if resumed is not None:  # only what the stopped batch did not finish runs
             done = resumed.record["request_counts"]
             lines = max(0, done["total"] - done["completed"] - done["failed"])
+        job = self._job(record, served, files.content_uris(stored)[0])
         ledger = None
         if quota is not None and not quota.unlimited:
             ledger = QuotaLedger(out, quota, key_name or owner, self.now)
@@ -330,11 +342,14 @@ class BatchService:
             if resumed is not None:
                 # Claimed before anything is submitted: of two resumes racing, one wins.
                 self._claim(out, resumed, batch_id)
-            self._start(out, record, resumed, served, files.content_uris(stored)[0])
-        except BaseException:
+            self._start(out, record, resumed, job)
+        except _NoJob as refused:
+            # Nothing runs for this batch: its quota place is free again.
             if ledger is not None:
                 ledger.release(batch_id, lines)
-            raise
+            raise refused.error from None
+        # Anything else may have left a job running (a submit interrupted mid-way): the place
+        # stays taken until the batch's record says it ended (_ended_or_gone).
         return _public(record)
 
     def _ended_or_gone(self, out: OutputDir, batch_id: str) -> bool:
@@ -348,38 +363,86 @@ class BatchService:
             created = batch_created_s(batch_id)
             return created is None or self.now() - created >= SUBMIT_GRACE_S
 
-    def _start(
-        self,
-        out: OutputDir,
-        record: dict,
-        resumed: _Loaded | None,
-        served: ServedModelSpec,
-        input_uri: str,
-    ) -> None:
-        """Save the record, submit its job (record removed and claim given back if refused)."""
+    def _job(self, record: dict, served: ServedModelSpec, input_uri: str) -> dict[str, Any]:
+        """The batch's pipeline job, checked before anything is stored or submitted."""
         batch_id = record["id"]
-        output_uri = record[PRIVATE]["output_uri"]
         job = job_spec_data(
             batch_id,
             served,
             self.spec,
             input_uri,
-            output_uri,
+            record[PRIVATE]["output_uri"],
             expires_at=record["expires_at"],
             endpoint=record["endpoint"],
         )
-        # Saved before the submit: no job ever runs without its record.
-        version = out.create(f"{batch_id}.json", _dumps(record))
         try:
-            self._submit(batch_id, job)
-        except ApiError:
-            # The client gets no batch: none is left behind, and the stopped one is free again.
-            out.delete(f"{batch_id}.json")
+            parse_job_spec(job, source=f"batch {batch_id}")  # ours to get right, not the job's
+        except SpecError as exc:
+            raise ApiError(
+                500, f"could not build the batch job: {exc}", type="server_error"
+            ) from None
+        return job
+
+    def _start(
+        self, out: OutputDir, record: dict, resumed: _Loaded | None, job: dict[str, Any]
+    ) -> None:
+        """Save the record, then submit its job.
+
+        A submit that raised is not taken as "nothing happened": Ray may have taken the job
+        before its answer was lost. Its fate is settled first (pipeline.submit.submit_once:
+        sent again under the same submission id, which Ray runs once, then looked up):
+          accepted   the batch goes on as if the first answer had come;
+          refused    the record is removed and the resumed batch unclaimed (_NoJob: the
+                     quota place is given back, the client gets 503);
+          unknown    the record stays, `validating`, visible and cancellable; its reads
+                     follow Ray, and it fails SUBMIT_GRACE_S after creation if the job
+                     never shows (_never_submitted). The client gets the batch, so its retry
+                     starts no second job.
+        """
+        batch_id = record["id"]
+        # Saved before the submit: no job ever runs without its record.
+        try:
+            version = out.create(f"{batch_id}.json", _dumps(record))
+        except Exception as exc:
+            # Nothing was submitted. (A create whose answer was lost leaves a record with no
+            # job, which fails after the grace.)
             if resumed is not None:
                 self._unclaim(out, resumed.record["id"], batch_id)
-            raise
-        record[PRIVATE]["submitted"] = True
-        self._write(out, _Loaded(record, version), lambda r: r[PRIVATE].update(submitted=True))
+            raise _NoJob(exc) from exc
+        fate, error = self._submit(batch_id, job)
+        if fate == "refused":
+            logger.error("the cluster refused batch %s's job: %s", batch_id, error)
+            try:
+                out.delete(f"{batch_id}.json")
+            except Exception:  # left behind, it fails after the grace (_never_submitted)
+                logger.exception("batch %s: removing the record of a refused job failed", batch_id)
+            if resumed is not None:
+                self._unclaim(out, resumed.record["id"], batch_id)
+            raise _NoJob(
+                ApiError(
+                    503,
+                    f"the batch cluster refused the job ({type(error).__name__}); retry shortly",
+                    type="server_error",
+                    code="batch_submit_failed",
+                )
+            )
+        if fate == "unknown":
+            logger.error(
+                "batch %s: the cluster did not say whether it took the job (%s); the batch "
+                "is kept and follows the cluster",
+                batch_id,
+                error,
+            )
+        submitted = True if fate == "accepted" else None  # None: unknown, reads look it up
+        record[PRIVATE]["submitted"] = submitted
+        try:
+            self._write(
+                out, _Loaded(record, version), lambda r: r[PRIVATE].update(submitted=submitted)
+            )
+        except Exception:
+            # The job may run: the client gets its batch all the same (a retry would start a
+            # second one). The next read that finds the job on Ray records it.
+            logger.exception("batch %s: recording the submit failed", batch_id)
 
     def _new_id(self, now: float) -> str:
         with self._id_lock:
@@ -477,15 +540,9 @@ class BatchService:
             )
         return served
 
-    def _submit(self, batch_id: str, job: dict[str, Any]) -> None:
-        from pipeline.submit import forwarded_env, run_entrypoint, runtime_env_for
-
-        try:
-            parse_job_spec(job, source=f"batch {batch_id}")  # ours to get right, not the job's
-        except SpecError as exc:
-            raise ApiError(
-                500, f"could not build the batch job: {exc}", type="server_error"
-            ) from None
+    def _submit(
+        self, batch_id: str, job: dict[str, Any]
+    ) -> tuple[SubmitFate, BaseException | None]:
         env = forwarded_env(os.environ, self.api.env_from)
         # Ray waits this long after SIGTERM (cancel, expiry) before it kills the job: time to
         # commit and export what finished.
@@ -494,20 +551,18 @@ class BatchService:
             (Path(tmp) / "job.yaml").write_text(yaml.safe_dump(job, sort_keys=False))
             date = time.strftime("%Y-%m-%d", time.gmtime(self.now()))
             try:
-                self.jobs.submit_job(
-                    entrypoint=run_entrypoint("job.yaml", date, (), self.api.ship_code),
-                    submission_id=submission_id(batch_id),
-                    runtime_env=runtime_env_for(Path(tmp), env, self.api.ship_code),
-                    metadata={"tokenmill_batch": batch_id},
-                )
-            except Exception as exc:
-                logger.exception("submitting batch %s failed", batch_id)
-                raise ApiError(
-                    503,
-                    f"the batch cluster refused the job ({type(exc).__name__}); retry shortly",
-                    type="server_error",
-                    code="batch_submit_failed",
-                ) from None
+                jobs = self.jobs
+            except Exception as exc:  # no client could be made: nothing was sent
+                return "refused", exc
+            fate, error = submit_once(
+                jobs,
+                backoff_s=self.submit_backoff_s,
+                entrypoint=run_entrypoint("job.yaml", date, (), self.api.ship_code),
+                submission_id=submission_id(batch_id),
+                runtime_env=runtime_env_for(Path(tmp), env, self.api.ship_code),
+                metadata={"tokenmill_batch": batch_id},
+            )
+        return ("accepted" if fate == "exists" else fate), error
 
     # --- read --------------------------------------------------------------------------------
 
@@ -636,9 +691,10 @@ class BatchService:
             return
         try:
             job = self.jobs.get_job_info(record[PRIVATE]["job"])
-        except Exception:
+        except Exception as exc:
             logger.warning("reading %s failed", record[PRIVATE]["job"], exc_info=True)
-            self._never_submitted(record)
+            if job_missing(exc):  # Ray answered: no such job (yet)
+                self._never_submitted(record)
             return  # the last known status; the next read tries again
         record[PRIVATE]["submitted"] = True
         job_status = _job_status(job)
@@ -654,14 +710,22 @@ class BatchService:
 
     def _never_submitted(self, record: dict) -> None:
         """A record saved before its submit whose job never came (the ingress died between
-        the two, or the submit failed and the record could not be removed) fails, once Ray
-        has had SUBMIT_GRACE_S to show the job."""
-        if record[PRIVATE].get("submitted") is not False:
+        the two, the submit's fate was unknown, or it failed and the record could not be
+        removed) ends once Ray has had SUBMIT_GRACE_S to show the job: cancelled if it was
+        cancelled meanwhile, else failed (it can be resumed)."""
+        # Records from before "submitted" was kept were all submitted.
+        if record[PRIVATE].get("submitted", True) is True:
             return
         now = int(self.now())
         if now - record["created_at"] < SUBMIT_GRACE_S:
             return
-        message = "the batch job was never submitted (the server stopped meanwhile); resume it"
+        if record["cancelling_at"] is not None:
+            record["status"], record["cancelled_at"] = "cancelled", now
+            return
+        message = (
+            "the batch job was never submitted (the server stopped meanwhile, or the cluster "
+            "did not take it); resume it"
+        )
         record["status"], record["failed_at"] = "failed", now
         record["errors"] = {
             "object": "list",
@@ -808,6 +872,15 @@ def _check_resumable(old: dict, input_file_id: str, endpoint: str) -> None:
         raise _refuse_resume(
             resume_id, f"it was resumed by {old[PRIVATE]['resumed_by']}; resume that batch"
         )
+
+
+class _NoJob(Exception):
+    """Creating a batch stopped where no job can be running: its quota place is given back
+    and `error` goes to the client."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 def _busy_record(batch_id: str) -> ApiError:
