@@ -604,7 +604,7 @@ class OpenAIIngress:
             "prompt",
             code="request_too_large",
         )
-        return await read_body(request, limit, too_large)
+        return await read_body(request, limit, self._spec.http.body_idle_timeout_s, too_large)
 
     def _served(
         self, name: str, param: str | None = "model", key: ApiKey | None = None

@@ -299,6 +299,13 @@ class HttpSpec(_Strict):
     retry_after_s: int = Field(
         1, ge=1, description="Retry-After seconds sent with a 429 when every queue is full."
     )
+    body_idle_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="Seconds a request body (a chat request, an upload) may pause between "
+        "pieces before the request is cut with 408 and its slots given back: a client that "
+        "stops sending holds nothing for longer.",
+    )
     access_log: bool = Field(
         False,
         description="Serve's access log line per request in the proxy, ingress and replicas; "

@@ -1202,15 +1202,17 @@ def test_byte_reservations_hold_across_replicas_and_expire(tmp_path: Path) -> No
     quota = BatchQuota(max_stored_bytes=3000)
     ledgers = [r.quota_ledger("alpha", quota, "alpha") for r in replicas]
     stored = lambda: 0  # noqa: E731
-    ledgers[0].reserve_bytes("up-1", 2000, stored)
+    assert ledgers[0].reserve_bytes("up-1", 2000, 2000, stored) == 2000
     with pytest.raises(ApiError) as full:
-        ledgers[1].reserve_bytes("up-2", 1500, stored)
+        ledgers[1].reserve_bytes("up-2", 1500, 1500, stored)
     assert full.value.status == 429 and full.value.code == "storage_limit_exceeded"
     assert "2000 reserved by uploads in progress" in full.value.message
-    ledgers[1].reserve_bytes("up-2", 1000, stored)  # what is left fits
+    assert ledgers[1].reserve_bytes("up-2", 500, 4000, stored) == 1000  # what is left
     ledgers[1].release_bytes("up-2")
     clock[0] += UPLOAD_RESERVATION_TTL_S + 1  # up-1's replica died without releasing
-    ledgers[1].reserve_bytes("up-3", 3000, stored)
+    assert ledgers[1].reserve_bytes("up-3", 3000, 3000, stored) == 3000
+    ledgers[1].release_bytes("up-3")
+    assert ledgers[0].reserve_bytes("up-4", 1, 10, lambda: 2995) == 5  # the files took the rest
 
 
 def test_every_byte_of_an_upload_body_counts(tmp_path: Path, jobs: FakeJobs) -> None:
@@ -1234,7 +1236,11 @@ def test_every_byte_of_an_upload_body_counts(tmp_path: Path, jobs: FakeJobs) -> 
             asyncio.wait_for(_asgi_post(app, "/v1/files", "key-a", body(), content_type), 60)
         )
         assert status in (400, 413), raw
-        assert json.loads(raw)["error"]["code"] in ("request_too_large", "invalid_request")
+        assert json.loads(raw)["error"]["code"] in (
+            "request_too_large",
+            "file_too_large",
+            "invalid_request",
+        )
         assert sent[0] < 16, f"read {sent[0]} chunks of 64 KiB before refusing"
     finally:
         batch_routes._installed = None
@@ -1246,7 +1252,9 @@ def test_an_upload_that_stops_sending_is_cut_and_frees_its_slot(
     import asyncio
 
     spec = _spec(tmp_path, max_concurrent_uploads=1)
-    spec.http.body_idle_timeout_s = 0.5
+    spec = spec.model_copy(
+        update={"http": spec.http.model_copy(update={"body_idle_timeout_s": 0.5})}
+    )
     app = _routes_app(spec, jobs, KEYS.get)
     content_type = f"multipart/form-data; boundary={BOUNDARY}"
 
@@ -1283,3 +1291,67 @@ def test_an_upload_that_stops_sending_is_cut_and_frees_its_slot(
         assert after[0] == 200, after  # the slot was given back
     finally:
         batch_routes._installed = None
+
+
+def test_an_upload_whose_file_object_fails_leaves_no_orphan(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The content is stored, then writing the file's object fails: the content goes too (it
+    would count against the storage quota with no file to delete it by), and the error is the
+    store's own, not a second one from cleaning up."""
+    from pipeline.serve.batch_api.files import FileStore
+    from pipeline.storage import StorageError
+
+    files = FileStore(str(tmp_path / "store"), _spec(tmp_path).storage, "alpha")
+    upload = files.open_upload()
+    upload.write(_jsonl([_line(0)]))
+
+    def store_away(*args: Any) -> None:
+        raise StorageError("503 Slow Down")
+
+    monkeypatch.setattr(files, "_save", store_away)
+    with pytest.raises(StorageError):
+        upload.commit("in.jsonl", "batch", {})
+    upload.abort()  # as the route does on any error
+    assert files.stored_bytes() == 0 and list(files.dir.names("file-")) == []
+
+
+def test_an_upload_whose_file_object_landed_unanswered_is_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The file's object was written and its answer lost: the upload is that file (a client
+    told it failed would upload it again, and the key would hold it twice)."""
+    from pipeline.serve.batch_api.files import FileStore
+    from pipeline.storage import StorageError
+
+    files = FileStore(str(tmp_path / "store"), _spec(tmp_path).storage, "alpha")
+    data = _jsonl([_line(0)])
+    upload = files.open_upload()
+    upload.write(data)
+    real_save = files._save
+
+    def landed_unanswered(*args: Any) -> Any:
+        real_save(*args)
+        raise StorageError("read timed out")
+
+    monkeypatch.setattr(files, "_save", landed_unanswered)
+    stored = upload.commit("in.jsonl", "batch", {})
+    assert files.get(stored.id).data["bytes"] == len(data) == files.stored_bytes()
+
+
+def test_two_replicas_counting_the_same_lines_both_count(tmp_path: Path) -> None:
+    """Two replicas add 20 lines to the same count of 10 at once: they would write the same
+    bytes, and the one that lost the race must not take the winner's write for its own."""
+    from pipeline.serve.access.keys import BatchQuota
+
+    service = _service(tmp_path, FakeJobs())
+    quota = BatchQuota(max_lines_per_day=100)
+    first, second = (service.quota_ledger("alpha", quota, "alpha") for _ in range(2))
+    first.reserve("batch_a", 10, lambda b: False)
+    stale = second.out.read_versioned("_quota.json")
+    reads = iter([stale])
+    real = second.out.read_versioned
+    second.out.read_versioned = lambda name: next(reads, None) or real(name)  # type: ignore[method-assign]
+    first.reserve("batch_b", 20, lambda b: False)  # lands between second's read and write
+    second.reserve("batch_c", 20, lambda b: False)
+    assert json.loads(real("_quota.json").data)["lines"] == 50

@@ -19,7 +19,9 @@ checked here (bytes stored) and by the batch service (batches in flight, lines p
 # No `from __future__ import annotations`: FastAPI reads the signatures at runtime.
 import asyncio
 import contextlib
+import logging
 import os
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import cast
@@ -32,6 +34,7 @@ from pipeline.openai.errors import ApiError
 from pipeline.openai.models import parse_json_body
 from pipeline.serve.access.keys import ApiKey
 from pipeline.serve.access.limits import Gate
+from pipeline.serve.batch_api.batch_quota import UPLOAD_RENEW_S, QuotaLedger
 from pipeline.serve.batch_api.batches import BatchService, JobsApi
 from pipeline.serve.batch_api.files import (
     PURPOSES,
@@ -49,18 +52,23 @@ from pipeline.serve.batch_api.multipart import (
 )
 from pipeline.serve.http.httpio import (
     HeldStreamingResponse,
+    body_chunks,
     body_too_large,
     check_declared_length,
     read_body,
 )
 from pipeline.serve.spec import ServeSpec
 
+logger = logging.getLogger(__name__)
 router = APIRouter()
 # Room for the multipart framing around an upload of max_file_bytes.
 MULTIPART_OVERHEAD_BYTES = 64 * 1024
 # An upload's data goes to its thread (checked, then written) in pieces of about this size.
 UPLOAD_PIECE_BYTES = 1024 * 1024
-MAX_FIELD_BYTES = 1024  # a form field other than the file (purpose)
+MAX_FIELD_BYTES = 1024  # a form field other than the file (purpose, or one we do not read)
+# An upload reserves storage quota ahead of its data in steps of at least this much (or what
+# it declared), so a large upload updates the shared count a few times, not per chunk.
+RESERVE_STEP_BYTES = 1024 * 1024
 
 # Takes an ingress slot and the key's admission for one call (429 if refused); returns the
 # function that gives them back.
@@ -165,20 +173,6 @@ def _too_large(limit: int) -> ApiError:
     )
 
 
-def _storage_full(key: ApiKey, stored: int) -> ApiError:
-    limit = key.batch.max_stored_bytes
-    retry = _installed_or_404().spec.http.retry_after_s
-    return ApiError(
-        429,
-        f"Storage limit reached for key '{key.name}': its files would hold more than its "
-        f"{limit} bytes ({stored} stored before this upload). Delete files it no longer needs "
-        "(DELETE /v1/files/{file_id}), then upload again.",
-        type="requests",
-        code="storage_limit_exceeded",
-        headers={"Retry-After": str(retry)},
-    )
-
-
 @router.post("/v1/files")
 async def upload_file(request: Request) -> JSONResponse:
     installed = _installed_or_404()
@@ -202,39 +196,68 @@ async def upload_file(request: Request) -> JSONResponse:
 
 
 class _UploadReceiver:
-    """One upload read from the request as it arrives (see the module docstring)."""
+    """One upload read from the request as it arrives (see the module docstring).
+
+    Bounds: every byte of the body counts against the upload's limit (max_file_bytes plus
+    MULTIPART_OVERHEAD_BYTES of framing and fields) however it is framed, each field other
+    than the file against MAX_FIELD_BYTES, and a body that pauses for
+    http.body_idle_timeout_s is cut (408). With a storage quota, the file's bytes are
+    reserved in the key's shared count (batch_quota.QuotaLedger) before they are written, so
+    uploads side by side on any replicas never store more than the quota together; the
+    reservation is dropped once the file is stored (then its listing counts it) or fails.
+    """
 
     def __init__(self, request: Request, caller: _Caller) -> None:
         self.request = request
         self.caller = caller
         self.limits = caller.service.api
+        self.http = caller.service.spec.http
         self.files: FileStore = caller.service.files(caller.owner)
-        self.room: int | None = None  # bytes the key's storage quota leaves
-        self.stored_before = 0
         self.upload: Upload | None = None
         self.validator = StreamingValidator(self.limits.max_file_lines, self.limits.max_line_bytes)
         self.filename: str | None = None
         self.purpose: bytearray | None = None
+        self.field_bytes = 0  # bytes of the field being read, when it is not the file
         self.received = 0  # bytes of the file part
         self.pending: list[bytes] = []  # file data not yet handed to the thread
         self.pending_bytes = 0
+        # The storage quota's shared count (None: no quota), this upload's reservation in it,
+        # what is reserved so far and when it was last renewed.
+        self.ledger: QuotaLedger | None = None
+        self.reservation = f"upload-{os.urandom(8).hex()}"
+        self.reserved = 0
+        self.renewed_at = 0.0
 
     async def receive(self) -> StoredFile:
-        quota = self.caller.key.batch.max_stored_bytes
-        if quota is not None:
-            self.stored_before = await asyncio.to_thread(self.files.stored_bytes)
-            self.room = quota - self.stored_before
-            declared = self.request.headers.get("content-length", "")
-            at_least = int(declared) - MULTIPART_OVERHEAD_BYTES if declared.isdigit() else 0
-            if self.room <= 0 or at_least > self.room:
-                raise _storage_full(self.caller.key, self.stored_before)
+        key = self.caller.key
+        if key.batch.max_stored_bytes is not None:
+            self.ledger = self.caller.service.quota_ledger(self.caller.owner, key.batch, key.name)
+        try:
+            return await self._receive()
+        finally:
+            if self.reserved:
+                # Shielded: a client that went away still leaves no reservation behind.
+                await asyncio.shield(asyncio.to_thread(self._release))
+
+    async def _receive(self) -> StoredFile:
+        declared = self.request.headers.get("content-length", "")
+        at_least = int(declared) - MULTIPART_OVERHEAD_BYTES if declared.isdigit() else 0
+        if self.ledger is not None and at_least > 0:
+            await self._reserve(at_least, at_least)  # a declared size that cannot fit: refused
         try:
             reader = MultipartReader(self.request.headers.get("content-type", ""))
         except MultipartError as exc:
             raise _bad_upload(str(exc)) from None
+        limit = self.limits.max_file_bytes + MULTIPART_OVERHEAD_BYTES
+        chunks = body_chunks(
+            self.request,
+            limit,
+            _too_large(self.limits.max_file_bytes),
+            self.http.body_idle_timeout_s,
+        )
         try:
             current: str | None = None  # the form field being read
-            async for chunk in self.request.stream():
+            async for chunk in chunks:
                 for event in _events(reader, chunk):
                     if isinstance(event, PartStart):
                         current = await self._start(event)
@@ -242,6 +265,8 @@ class _UploadReceiver:
                         self._data(current, event.data)
                     elif isinstance(event, PartEnd):
                         current = None
+                if self.ledger is not None:
+                    await self._keep_reserved()
                 if self.pending_bytes >= UPLOAD_PIECE_BYTES:
                     await self._flush()
             try:
@@ -270,6 +295,7 @@ class _UploadReceiver:
             raise
 
     async def _start(self, part: PartStart) -> str | None:
+        self.field_bytes = 0
         if part.name == "file":
             if self.upload is not None:
                 raise _bad_upload("the body has two 'file' parts; send one file per upload")
@@ -285,14 +311,40 @@ class _UploadReceiver:
             self.received += len(data)
             if self.received > self.limits.max_file_bytes:
                 raise _too_large(self.limits.max_file_bytes)
-            if self.room is not None and self.received > self.room:
-                raise _storage_full(self.caller.key, self.stored_before)
             self.pending.append(data)
             self.pending_bytes += len(data)
-        elif field == "purpose" and self.purpose is not None:
+            return
+        # Any other field (the preamble and epilogue too) is bounded, read or not.
+        self.field_bytes += len(data)
+        if self.field_bytes > MAX_FIELD_BYTES:
+            name = f"the {field!r} field" if field else "the data outside the form's fields"
+            raise _bad_upload(f"{name} is over {MAX_FIELD_BYTES} bytes")
+        if field == "purpose" and self.purpose is not None:
             self.purpose += data
-            if len(self.purpose) > MAX_FIELD_BYTES:
-                raise _bad_upload(f"the 'purpose' field is over {MAX_FIELD_BYTES} bytes")
+
+    async def _keep_reserved(self) -> None:
+        """Reserve ahead of the file's bytes before they are written (in steps: double what
+        arrived, up to RESERVE_STEP_BYTES more), and renew a reservation held long."""
+        if self.received > self.reserved:
+            await self._reserve(
+                self.received, min(2 * self.received, self.received + RESERVE_STEP_BYTES)
+            )
+        elif self.reserved and time.monotonic() - self.renewed_at > UPLOAD_RENEW_S:
+            await self._reserve(self.reserved, self.reserved)
+
+    async def _reserve(self, need: int, want: int) -> None:
+        assert self.ledger is not None
+        self.reserved = await asyncio.to_thread(
+            self.ledger.reserve_bytes, self.reservation, need, want, self.files.stored_bytes
+        )
+        self.renewed_at = time.monotonic()
+
+    def _release(self) -> None:
+        assert self.ledger is not None
+        try:
+            self.ledger.release_bytes(self.reservation)
+        except Exception:  # it runs out by itself (UPLOAD_RESERVATION_TTL_S)
+            logger.warning("releasing upload reservation %s failed", self.reservation)
 
     async def _flush(self) -> None:
         if not self.pending:
@@ -396,8 +448,10 @@ async def delete_file(file_id: str, request: Request) -> JSONResponse:
 @router.post("/v1/batches")
 async def create_batch(request: Request) -> JSONResponse:
     async with _admitted(request) as caller:
-        limit = caller.service.spec.http.max_body_bytes
-        body = parse_json_body(await read_body(request, limit))
+        http = caller.service.spec.http
+        body = parse_json_body(
+            await read_body(request, http.max_body_bytes, http.body_idle_timeout_s)
+        )
         key = caller.key
         batch = await asyncio.to_thread(
             caller.service.create, caller.owner, key.allows, body, key.batch, key.name

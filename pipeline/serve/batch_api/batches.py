@@ -232,6 +232,10 @@ class BatchService:
     def files(self, owner: str) -> FileStore:
         return FileStore(self.api.uri, self.spec.storage, owner)
 
+    def quota_ledger(self, owner: str, quota: BatchQuota, who: str) -> QuotaLedger:
+        """The count `owner`'s quotas share across ingress replicas (`who`: the key's name)."""
+        return QuotaLedger(self._dir(owner), quota, who, self.now)
+
     def _dir(self, owner: str) -> OutputDir:
         return OutputDir(join_uri(self.api.uri, f"batches/{owner_slug(owner)}"), self.spec.storage)
 
@@ -336,7 +340,7 @@ class BatchService:
         job = self._job(record, served, files.content_uris(stored)[0])
         ledger = None
         if quota is not None and not quota.unlimited:
-            ledger = QuotaLedger(out, quota, key_name or owner, self.now)
+            ledger = self.quota_ledger(owner, quota, key_name or owner)
             ledger.reserve(batch_id, lines, lambda b: self._ended_or_gone(out, b))
         try:
             if resumed is not None:

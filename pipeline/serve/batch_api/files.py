@@ -436,6 +436,7 @@ class Upload:
         out = store.dir
         self._name = f"{file_id}.jsonl"
         self._temp: str | None = None
+        self._stored = False  # the content is a complete object (commit got that far)
         if out.is_s3:
             # Uncommitted until `commit`: parts go up as they fill, the object appears whole.
             self._handle: Any = out.fs.open(
@@ -462,10 +463,24 @@ class Upload:
             self._handle.close()
             os.replace(self._temp, self.store.dir.path(self._name))
             self._temp = None
+        self._stored = True  # the content is an object now: abort deletes it
         # The object last: a listed file has its content.
-        return self.store._save(self.file_id, self.size, filename, purpose, private)
+        try:
+            return self.store._save(self.file_id, self.size, filename, purpose, private)
+        except Exception:
+            # Its answer may be what was lost: a file whose object landed is this upload.
+            with contextlib.suppress(Exception):
+                return self.store.get(self.file_id)
+            raise
 
     def abort(self) -> None:
+        """Leave nothing of the upload behind (called on any failure, also after `commit`)."""
+        if self._stored:
+            with contextlib.suppress(Exception):
+                if self.store.dir.exists(f"{self.file_id}.json"):
+                    return  # a file after all (its object's answer was lost): it stays
+            self.store.dir.delete(self._name)
+            return
         if self._temp is None:
             self._handle.discard()  # aborts the multipart upload: no parts are kept
             self._handle.closed = True  # nothing left to flush when it is collected

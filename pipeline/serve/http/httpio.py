@@ -3,7 +3,8 @@ request held when they end: shared by the chat routes (pipeline.serve.app) and t
 routes (pipeline.serve.batch_api.batch_routes)."""
 
 # No `from __future__ import annotations`: FastAPI modules read annotations at runtime.
-from collections.abc import Callable
+import asyncio
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import Request
@@ -28,19 +29,49 @@ def check_declared_length(request: Request, limit: int, too_large: ApiError) -> 
         raise too_large
 
 
-async def read_body(request: Request, limit: int, too_large: ApiError | None = None) -> bytes:
-    """The whole body, refused (413, or `too_large`) past `limit` bytes: by its declared
-    length at once, by counting for a chunked body that declares none."""
-    too_large = too_large or body_too_large(limit)
+def body_stalled(idle_timeout_s: float) -> ApiError:
+    return ApiError(
+        408,
+        f"The request body stopped arriving: nothing came for {idle_timeout_s:g} s "
+        "(http.body_idle_timeout_s); send the request again",
+        code="request_timeout",
+    )
+
+
+async def body_chunks(
+    request: Request, limit: int, too_large: ApiError, idle_timeout_s: float
+) -> AsyncIterator[bytes]:
+    """The body as it arrives. Every byte counts against `limit` however the body is framed
+    (a declared length is checked at once, a chunked one as it comes: `too_large`), and a
+    body that pauses for `idle_timeout_s` is cut (408)."""
     check_declared_length(request, limit, too_large)
-    chunks: list[bytes] = []
+    chunks = request.stream().__aiter__()
     size = 0
-    async for chunk in request.stream():
+    while True:
+        try:
+            chunk = await asyncio.wait_for(chunks.__anext__(), idle_timeout_s)
+        except StopAsyncIteration:
+            return
+        except asyncio.TimeoutError:
+            raise body_stalled(idle_timeout_s) from None
         size += len(chunk)
         if size > limit:
             raise too_large
-        chunks.append(chunk)
-    return b"".join(chunks)
+        yield chunk
+
+
+async def read_body(
+    request: Request,
+    limit: int,
+    idle_timeout_s: float,
+    too_large: ApiError | None = None,
+) -> bytes:
+    """The whole body, refused (413, or `too_large`) past `limit` bytes, cut (408) when it
+    pauses for `idle_timeout_s` (body_chunks)."""
+    too_large = too_large or body_too_large(limit)
+    return b"".join(
+        [chunk async for chunk in body_chunks(request, limit, too_large, idle_timeout_s)]
+    )
 
 
 class HeldStreamingResponse(StreamingResponse):
