@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import pytest
 
@@ -390,6 +391,26 @@ def test_a_dead_engine_raises_engine_dead_for_every_request(fresh: EngineHarness
     fresh.run(go)
     with pytest.raises(EngineDeadError):
         generate(fresh, PROMPT, greedy(2), "after-death")
+    with pytest.raises(EngineDeadError):  # health checks read stats: a dead engine looks dead
+        fresh.engine.stats()
+
+
+# Kinds whose engine runs in a process that can die while idle (the others' deaths are
+# injected into their next step: idle, they cannot die).
+PROCESS_KINDS = [p for p in KINDS if p.values[0] in ("reference-process", "vllm")]
+
+
+@pytest.mark.parametrize("fresh", PROCESS_KINDS, indirect=True)
+def test_an_engine_killed_while_idle_reads_dead_without_a_request(fresh: EngineHarness) -> None:
+    """The OOM killer picks an idle engine process as readily as a busy one: with no request to
+    trip over the death, stats() itself must say it (a Serve replica's health check reads
+    nothing else)."""
+    fresh.kill()
+    deadline = time.monotonic() + 30
+    with pytest.raises(EngineDeadError):
+        while time.monotonic() < deadline:
+            fresh.engine.stats()
+            time.sleep(0.05)
 
 
 async def _wait_for_tokens(h: EngineHarness, request_id: str, timeout: float = 60) -> None:

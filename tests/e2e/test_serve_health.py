@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import itertools
 import multiprocessing
+import os
+import signal
 import statistics
 import threading
 import time
@@ -376,6 +378,45 @@ def test_a_broken_replica_is_replaced_and_the_probes_answer_throughout(
     wait_ready(server, server.replace_deadline_s(mode))
     bound = max(PROBE_P99_TARGET_S, PROBE_P99_SLOWDOWN * baseline_probe_p99(server))
     print(break_and_replace(server, mode, bound).line())
+
+
+def engine_processes() -> list[int]:
+    """Pids of the engine processes running on this machine (engines/process.py children)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:  # gone meanwhile
+            continue
+        if b"-m" in argv and b"engines.process" in argv:
+            pids.append(int(entry.name))
+    return pids
+
+
+def test_an_idle_engine_process_killed_is_seen_by_the_health_check(server: Server) -> None:
+    """SIGKILL of the replica's idle engine process (what the OOM killer does): with no request
+    to trip over it, the health check itself sees it within one period, /ready turns 503, the
+    replica is replaced, and the official client's next requests are served."""
+    deadline_s = server.replace_deadline_s("crash")
+    client = chat_client(server, timeout_s=deadline_s)
+    wait_ready(server, deadline_s)
+    old = served_by(client)
+    (pid,) = engine_processes()  # one replica, its engine in a process of its own
+    time.sleep(0.5)  # idle: nothing in flight
+    killed_at = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    # No request is sent until /ready has told: only the health check can see the death.
+    while httpx.get(server.base_url + "/ready", timeout=PROBE_TIMEOUT_S).status_code != 503:
+        assert time.monotonic() - killed_at < CHECK_PERIOD_S + READY_503_AFTER_CRASH_S, (
+            "/ready stayed 200 after the engine process died"
+        )
+        time.sleep(0.05)
+    new = until_replaced(client, old, deadline_s)
+    wait_ready(server, deadline_s)
+    assert served_by(client) == new
+    assert engine_processes() != [pid]
 
 
 @pytest.mark.slow

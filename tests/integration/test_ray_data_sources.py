@@ -273,3 +273,30 @@ def test_module_function_dataset(
     said: list[str] = []
     assert run_job(spec, emit=said.append).status == "already_complete"
     assert any("reusing the staged snapshot" in line for line in said)
+
+
+def test_a_staging_that_lost_the_race_leaves_no_copy_behind(
+    ray_local: Any, s3_server: S3Server, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Two runs stage one source at once; the second to create the marker uses the first's
+    snapshot, and its own copy (named by no marker) is deleted, not left to cost storage."""
+    from pipeline.data import stage
+    from pipeline.data.sources import source_fingerprint
+    from pipeline.storage import OutputDir
+
+    source = tmp_path / "prompts.csv"
+    pacsv.write_csv(_prompts(0, 4), source)
+    spec = make_spec(
+        "csv-race",
+        _ray_data_input(reader="read_csv", reader_args={"paths": str(source)}),
+        str(tmp_path / "out"),
+        s3_server,
+        tiny_model_dir,
+    )
+    fingerprint = source_fingerprint(spec.input, spec.storage)
+    where = OutputDir(str(tmp_path / "out" / "_staging" / fingerprint.key), spec.storage)
+    first = stage._write_snapshot(spec, fingerprint, where)
+    second = stage._write_snapshot(spec, fingerprint, where)  # the marker is there already
+    assert second == first
+    copies = [p.name for p in Path(where.root).iterdir() if p.is_dir()]
+    assert copies == [first.uri.rsplit("/", 1)[-1]]

@@ -451,6 +451,28 @@ def test_parquet_passthrough_types_unify_across_files(tmp_path: Path) -> None:
     assert read_all(spec).column("u").to_pylist() == [1, 2**40]
 
 
+def test_a_parquet_bool_in_a_numeric_passthrough_column_is_an_error_not_a_number(
+    tmp_path: Path,
+) -> None:
+    """Arrow's cast would write True as 1 without a word: a cell that does not plainly fit its
+    column's declared type is an error row, as the same cell in JSONL is."""
+    pq.write_table(pa.table({"q": ["a", "b"], "n": [True, None]}), tmp_path / "a.parquet")
+    spec = make_spec(
+        StorageSpec(),
+        {
+            "uri": str(tmp_path),
+            "format": "parquet",
+            "prompt_column": "q",
+            "passthrough_columns": ["n"],
+            "passthrough_types": {"n": "int64"},
+        },
+    )
+    table = read_all(spec)
+    assert table.column("n").to_pylist() == [None, None]
+    errors = table.column("error").to_pylist()
+    assert errors[0] is not None and "input.passthrough_types.n" in errors[0] and errors[1] is None
+
+
 @pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
 def test_overrides_of_shared_sampling_fields_reach_each_rows_params(
     tmp_path: Path, fmt: str

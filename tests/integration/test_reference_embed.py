@@ -197,3 +197,29 @@ def test_embed_stream_delivers_one_final_delta() -> None:
     finally:
         engine.shutdown()
     assert len(deltas) == 1 and deltas[0].finished and deltas[0].result.embedding
+
+
+def test_a_crash_mid_embed_batch_fails_its_callers_and_reads_dead() -> None:
+    """The forward of an embed batch raises (a device lost): the batch's callers get
+    EngineDeadError (not a wait forever), and stats() says dead, not idle."""
+    from engines.api import EngineDeadError
+
+    model_dir = tiny_model("llama", False)
+    engine = ReferenceEngine(str(model_dir), num_threads=1, max_num_tokens=64, dtype="float32")
+
+    def lost(*args: object) -> None:
+        raise RuntimeError("injected: the device fell off the bus")
+
+    engine.runner.embed_hidden = lost  # type: ignore[method-assign]
+    try:
+
+        async def go() -> None:
+            request = GenerationRequest([5, 6, 7], embed=EmbedParams(pooling="last"))
+            with pytest.raises(EngineDeadError, match="fell off the bus"):
+                await asyncio.wait_for(engine.generate(request), 30)
+
+        asyncio.run(go())
+        with pytest.raises(EngineDeadError, match="fell off the bus"):
+            engine.stats()
+    finally:
+        engine.shutdown()

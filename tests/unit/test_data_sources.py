@@ -194,3 +194,135 @@ def test_listing_a_ray_data_input_says_it_is_staged_first(tmp_path: Path) -> Non
 
     with pytest.raises(SpecError, match=r"input.format ray_data has no files to list before"):
         list_input_files(_csv_job(tmp_path))
+
+
+# --- credentials: never written, never hashed ------------------------------------------------
+
+# The credential keys each reader the docs name takes, as its library spells them, each with a
+# value no output may hold. A rotation changes every value.
+SECRET = "PLAINTEXT-CREDENTIAL-{}-{}"
+CREDENTIAL_KEYS = {
+    # pyiceberg catalog properties (REST, S3, ADLS, GCS)
+    "read_iceberg": [
+        "token",
+        "credential",
+        "s3.access-key-id",
+        "s3.secret-access-key",
+        "s3.session-token",
+        "adls.account-key",
+        "adls.sas-token",
+        "adls.client-secret",
+        "gcs.oauth2.token",
+        "header.Authorization",
+    ],
+    # deltalake / object_store storage options (AWS, Azure, GCS)
+    "read_delta": [
+        "aws_access_key_id",
+        "aws_secret_access_key",
+        "aws_session_token",
+        "account_key",
+        "azure_storage_account_key",
+        "sas_token",
+        "azure_storage_sas_key",
+        "client_secret",
+        "azure_client_secret",
+        "bearer_token",
+        "google_service_account_key",
+        "service_account_key",
+        "google_application_credentials",
+        "service_account",
+    ],
+    # lance storage options (the same object_store names)
+    "read_lance": ["aws_secret_access_key", "account_key", "sas_token", "service_account_key"],
+}
+
+
+def _reader_input(reader: str, tmp_path: Path, rotation: int) -> InputSpec:
+    secrets = {k: SECRET.format(k, rotation) for k in CREDENTIAL_KEYS[reader]}
+    if reader == "read_iceberg":
+        args: dict[str, Any] = {
+            "table_identifier": "db.prompts",
+            "snapshot_id": 7,
+            "catalog_kwargs": {
+                "name": "main",
+                "type": "rest",
+                "uri": "https://catalog.example.com",
+                **secrets,
+            },
+        }
+    elif reader == "read_delta":
+        args = {"path": "s3://bucket/table", "version": 3, "storage_options": secrets}
+    else:
+        if not (tmp_path / "ds.lance").exists():
+            (tmp_path / "ds.lance").mkdir()
+            (tmp_path / "ds.lance" / "data.bin").write_bytes(b"x")
+        args = {"uri": str(tmp_path / "ds.lance"), "storage_options": secrets}
+    return InputSpec(format="ray_data", reader=reader, reader_args=args)
+
+
+@pytest.mark.parametrize("reader", sorted(CREDENTIAL_KEYS))
+def test_no_credential_is_written_or_hashed_and_rotating_one_keeps_the_snapshot(
+    reader: str, tmp_path: Path
+) -> None:
+    import json
+
+    from pipeline.batch.commit.manifest import spec_snapshot
+
+    storage = StorageSpec()
+    first = source_fingerprint(_reader_input(reader, tmp_path, 1), storage)
+    rotated = source_fingerprint(_reader_input(reader, tmp_path, 2), storage)
+    assert rotated.value == first.value and rotated.key == first.key
+    written = json.dumps(first.to_json())
+    assert "PLAINTEXT-CREDENTIAL" not in written, written
+    # What locates the data is kept (it is what the snapshot is of).
+    if reader == "read_iceberg":
+        assert first.args["catalog_kwargs"]["uri"] == "https://catalog.example.com"
+        assert first.args["table_identifier"] == "db.prompts"
+    # The manifest's copy of the spec holds none either.
+    job = parse_job_spec(
+        _job(
+            {
+                "format": "ray_data",
+                "reader": reader,
+                "reader_args": dict(_reader_input(reader, tmp_path, 1).reader_args),
+                "prompt_column": "text",
+            }
+        )
+    )
+    assert "PLAINTEXT-CREDENTIAL" not in json.dumps(spec_snapshot(job))
+    # A change in what is read still changes the fingerprint.
+    other = _reader_input(reader, tmp_path, 1)
+    moved = dict(other.reader_args)
+    key = {"read_iceberg": "table_identifier", "read_delta": "path", "read_lance": "uri"}[reader]
+    moved[key] = moved[key] + "_other" if reader != "read_lance" else str(tmp_path / "ds.lance")
+    if reader != "read_lance":
+        changed = source_fingerprint(other.model_copy(update={"reader_args": moved}), storage)
+        assert changed.value != first.value
+
+
+def test_uris_lose_their_passwords_and_signatures() -> None:
+    from pipeline.spec.redact import redact
+
+    args = {
+        "uri": "mongodb://app:hunter2@db.example.com:27017/?authSource=admin&password=x2",
+        "paths": [
+            "https://acct.blob.core.windows.net/c/in.csv?sv=2024-01-01&se=2026&sig=S1GNATURE",
+            "https://bucket.s3.amazonaws.com/in.csv?X-Amz-Credential=AKIA&X-Amz-Signature=ab12"
+            "&X-Amz-Security-Token=tok&X-Amz-Expires=60",
+        ],
+    }
+    text = str(redact({"reader_args": args}))
+    for secret in ("hunter2", "app:", "x2", "S1GNATURE", "AKIA", "ab12", "tok&"):
+        assert secret not in text, (secret, text)
+    assert "db.example.com:27017" in text and "authSource=admin" in text
+    assert "se=2026" in text and "X-Amz-Expires=60" in text  # the terms, not the signature
+
+
+def test_settings_that_are_not_credentials_are_not_masked() -> None:
+    """Token counts and the like in the spec stay in the manifest's copy of it."""
+    from pipeline.spec.redact import is_credential
+
+    for name in ("max_tokens", "kv_cache_tokens", "max_num_tokens", "id_column", "keyword"):
+        assert not is_credential(name), name
+    for name in ("token", "api-key", "s3.secret-access-key", "sas_token", "X-Amz-Signature"):
+        assert is_credential(name), name

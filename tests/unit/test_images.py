@@ -8,6 +8,7 @@ check_install.py the GPU images run before installing.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -111,3 +112,89 @@ def test_cpu_image_matches_the_gpu_images_python_and_pins() -> None:
     # The CPU build of the GPU image's own torch release.
     gpu_torch = exact_pins(PINS / f"{default_pins}.txt")["torch"]
     assert gpu_torch.startswith(arg_default(steps, "TORCH").rsplit(".", 1)[0])
+
+
+# --- the non-root user: run the step itself over prepared roots -------------------------------
+
+ETC_FIXTURES = Path(__file__).parent / "fixtures" / "etc"
+NEEDS_ROOT = pytest.mark.skipif(
+    not hasattr(os, "geteuid") or os.geteuid() != 0 or shutil.which("useradd") is None,
+    reason="useradd --prefix changes files as root (CI and this machine run as root)",
+)
+
+
+def _prepared_root(tmp_path: Path, base: str) -> Path:
+    """A copy of a base image's /etc/{passwd,group,shadow,gshadow} (and its users' homes)."""
+    root = tmp_path / base
+    shutil.copytree(ETC_FIXTURES / base, root / "etc")
+    for line in (root / "etc" / "passwd").read_text().splitlines():
+        _, _, uid, _, _, home, _ = line.split(":")
+        if int(uid) >= 1000 and uid != "65534":
+            (root / home.lstrip("/")).mkdir(parents=True)
+            os.chown(root / home.lstrip("/"), int(uid), int(uid))
+    return root
+
+
+def _entries(root: Path, name: str) -> list[list[str]]:
+    return [line.split(":") for line in (root / "etc" / name).read_text().splitlines()]
+
+
+def _run_user_step(root: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["sh", str(IMAGES / "ray-user.sh"), str(root)], capture_output=True, text=True, check=False
+    )
+
+
+@NEEDS_ROOT
+def test_the_old_useradd_step_fails_where_uid_1000_is_taken(tmp_path: Path) -> None:
+    """What the images ran before: on an Ubuntu 24.04 base (user `ubuntu`, UID 1000) it exits 4,
+    and the image does not build."""
+    root = _prepared_root(tmp_path, "ubuntu-24.04")
+    old = subprocess.run(
+        ["useradd", "--prefix", str(root), "--create-home", "--uid", "1000", "ray"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert old.returncode == 4, old
+
+
+@NEEDS_ROOT
+@pytest.mark.parametrize("base", ["ubuntu-24.04", "debian-12", "debian-12-gid-1000-taken"])
+def test_the_user_step_makes_ray_1000_on_every_base(tmp_path: Path, base: str) -> None:
+    if base == "debian-12-gid-1000-taken":
+        root = _prepared_root(tmp_path, "debian-12")
+        with (root / "etc" / "group").open("a") as group:
+            group.write("render:x:1000:\n")
+        with (root / "etc" / "gshadow").open("a") as gshadow:
+            gshadow.write("render:*::\n")
+    else:
+        root = _prepared_root(tmp_path, base)
+    before = {row[0] for row in _entries(root, "passwd")}
+    first = _run_user_step(root)
+    assert first.returncode == 0, first.stderr
+    users = {row[0]: row for row in _entries(root, "passwd")}
+    assert users["ray"][2:4] == ["1000", "1000"]
+    assert users["ray"][5:] == ["/home/ray", "/bin/bash"]
+    assert [name for name, row in users.items() if row[2] == "1000"] == ["ray"]
+    assert set(users) - {"ray", "ubuntu"} == before - {"ray", "ubuntu"}  # nobody else changed
+    groups = _entries(root, "group")
+    assert [row[0] for row in groups if row[2] == "1000"] == ["ray"]
+    assert not [row[0] for row in groups if "ray" in row[3].split(",")]  # no sudo, no adm
+    assert {row[0] for row in _entries(root, "shadow")} == set(users)
+    home = root / "home" / "ray"
+    assert home.is_dir() and home.stat().st_uid == 1000 and home.stat().st_gid == 1000
+    assert not (root / "home" / "ubuntu").exists()
+    files = {n: (root / "etc" / n).read_text() for n in ("passwd", "group", "shadow", "gshadow")}
+    again = _run_user_step(root)  # a rebuild over a layer that has it already
+    assert again.returncode == 0, again.stderr
+    assert {n: (root / "etc" / n).read_text() for n in files} == files
+
+
+def test_every_image_makes_its_user_with_the_script() -> None:
+    for dockerfile in DOCKERFILES:
+        steps = instructions(dockerfile)
+        runs = [args for op, args in steps if op == "RUN"]
+        assert not any("useradd" in run for run in runs), dockerfile.name
+        assert "sh images/ray-user.sh" in runs, dockerfile.name
+        assert ("USER", "1000") in steps, dockerfile.name

@@ -4,8 +4,11 @@ Serve replica relies on from an engine in a child process."""
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -113,3 +116,80 @@ def test_the_child_exits_when_its_parent_goes(model_dir: Path) -> None:
     engine = ProcessEngine("reference", model=str(model_dir), **SETTINGS)
     engine._conn.close()  # what the kernel does for a parent that died
     assert engine._process.wait(30) == 0
+
+
+def test_an_idle_child_killed_reads_dead_not_idle(model_dir: Path) -> None:
+    """SIGKILL (what the OOM killer sends) of an idle child: its last stats said idle, and a
+    health check reading them would call the replica healthy. stats() itself must fail."""
+    import signal
+
+    engine = ProcessEngine("reference", model=str(model_dir), **SETTINGS)
+    try:
+        assert engine.stats().num_running == 0
+        os.kill(engine.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        with pytest.raises(EngineDeadError, match="code -9"):
+            while time.monotonic() < deadline:
+                engine.stats()
+                time.sleep(0.01)
+        with pytest.raises(EngineDeadError):  # and it stays dead
+            engine.stats()
+    finally:
+        engine.shutdown()
+
+
+def test_requests_a_hung_child_never_reported_count_as_waiting(model_dir: Path) -> None:
+    """A child stopped before it posted anything (SIGSTOP here; a deadlock alike): requests
+    sent to it show as waiting, with its step count frozen, so the stall watch can see it."""
+    import signal
+
+    engine = ProcessEngine("reference", model=str(model_dir), **SETTINGS)
+    try:
+        os.kill(engine.pid, signal.SIGSTOP)
+
+        async def go() -> None:
+            steps = engine.stats().num_steps
+            tasks = [
+                asyncio.ensure_future(engine.generate(GenerationRequest([1, 2, 3], greedy(4))))
+                for _ in range(2)
+            ]
+            await asyncio.sleep(4 * STATS_INTERVAL_S)
+            stats = engine.stats()
+            assert stats.num_waiting + stats.num_running == 2 and stats.num_steps == steps
+            for task in tasks:
+                task.cancel()
+
+        asyncio.run(go())
+    finally:
+        engine._process.kill()
+        engine.shutdown()
+
+
+def test_a_load_interrupted_on_our_side_leaves_no_child(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C (or any error here) while the child loads: the child is stopped, not left
+    loading, then serving, a model nobody will use (on a GPU: holding its memory)."""
+    from multiprocessing.connection import Connection
+
+    children: list[Any] = []
+    real_popen = subprocess.Popen
+
+    def popen(*args: Any, **kwargs: Any) -> Any:
+        children.append(real_popen(*args, **kwargs))
+        return children[-1]
+
+    def interrupted(self: Connection) -> Any:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    monkeypatch.setattr(Connection, "recv", interrupted)
+    with pytest.raises(KeyboardInterrupt) as caught:  # held: the engine object stays alive
+        ProcessEngine("reference", model=str(model_dir), **SETTINGS)
+    monkeypatch.undo()
+    (child,) = children
+    try:
+        assert child.wait(20) is not None, "the child kept running"
+    finally:
+        child.kill()
+    del caught

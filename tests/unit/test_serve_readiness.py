@@ -167,3 +167,35 @@ def test_the_board_drops_replicas_that_stopped_posting(monkeypatch: pytest.Monke
     clock[0] += 2
     assert [r.replica for r in b.reports()] == ["here"]
     assert b.latest() == {}  # no stats posted: nothing for /metrics
+
+
+def test_a_serve_count_nobody_refreshes_stops_counting() -> None:
+    """Fresh replica reports, but Serve's count was last read long ago (its reader stuck or
+    dead): that count may describe replicas long gone, so nothing is ready on it."""
+    view = view_of({"a": 1}, [healthy("a")], models=("a",))
+    assert view.current(100.0 + STALE - 1).ready
+    view.set_reports([healthy("a")], at=100.0 + STALE + 5)  # the replicas keep posting
+    stale = view.current(100.0 + STALE + 5.1)
+    assert not stale.ready and stale.unserved == ("a",)
+    view.set_running({"engine-a": 1}, at=100.0 + STALE + 6)
+    assert view.current(100.0 + STALE + 6.1).ready
+
+
+def test_the_board_restarts_a_status_watcher_that_died(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Serve's status watcher is a thread of the board: one that died (an error it did not
+    expect) is started again by the next snapshot, not trusted to still be watching."""
+    import threading
+
+    board_cls = ReplicaBoard.__ray_metadata__.modified_class
+    instance = board_cls("app")
+    starts: list[int] = []
+
+    def watch(self: object) -> None:
+        starts.append(1)  # returns at once: the thread is dead
+
+    monkeypatch.setattr(board_cls, "_watch_serve", watch)
+    instance.snapshot()
+    instance._watcher.join(5)
+    instance.snapshot()
+    instance._watcher.join(5)
+    assert len(starts) == 2 and isinstance(instance._watcher, threading.Thread)

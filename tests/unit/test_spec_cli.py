@@ -183,3 +183,28 @@ def test_count_job_rows_estimates_big_jsonl_inputs(
     limited = load_job_spec(job, overrides=["input.limit=12"])
     monkeypatch.setattr(plan_module, "EXACT_COUNT_BYTES", files[0].size * 2)
     assert plan_module.count_job_rows(limited, files) == (12, True)
+
+
+def test_plan_reads_a_column_whose_type_differs_between_files(
+    tmp_path: Path, model_dir: Path
+) -> None:
+    """A passthrough column of numbers in one file and text in the next (and an id too large
+    for int64): the run fixes one type for them; the plan's sample must read them too."""
+    job = write_job(tmp_path, model_dir, input={"passthrough_columns": ["tag", "big"]})
+    inputs = tmp_path / "in"
+    first = [json.dumps({"q": f"question {i}", "tag": i, "big": 2**63 + i}) for i in range(3)]
+    second = [json.dumps({"q": f"question {i}", "tag": f"t{i}", "big": i}) for i in range(3)]
+    (inputs / "a.jsonl").write_text("\n".join(first) + "\n")
+    (inputs / "b.jsonl").write_text("\n".join(second) + "\n")
+    result = run("plan", str(job), "--tokens-per-s", "20", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["sample_rows"] == 6
+
+
+def test_a_json_number_past_int64_is_inferred_as_text() -> None:
+    import pyarrow as pa
+
+    from pipeline.batch.schema import infer_type
+
+    assert infer_type([1, 2**63]) == pa.string()
+    assert infer_type([1, 2]) == pa.int64()
