@@ -177,6 +177,13 @@ class VendorAdapter:
         if reason is not None:
             raise self._stopped(reason)
 
+    def _raise_if_dead(self) -> None:
+        """For stats(): EngineDeadError once the vendor engine has stopped on its own (a
+        clean shutdown is not a death: stats stay readable after it)."""
+        reason = None if self._closed else self._dead_reason()
+        if reason is not None:
+            raise self._stopped(reason)
+
     def _stopped(self, reason: str) -> EngineDeadError:
         return EngineDeadError(f"the {self.vendor} engine has stopped: {reason}")
 

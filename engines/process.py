@@ -14,7 +14,8 @@ What crosses the socket (pickled tuples, a socket pair read and written as a
     parent → child: ("submit", tag, request, stream) | ("abort", request_id)
                     | ("break", mode) | ("shutdown",)
     child → parent: ("loaded", info, stats) or ("failed", error), once; then
-                    ("batch", records, stats, items) with items [(tag, item, final)], and
+                    ("batch", records, stats, items) with items [(tag, item, final)] (stats:
+                    the EngineDeadError reading them raised, once the engine died), and
                     ("closed",) last.
 A batch holds everything that reached the child's loop in one turn of it: with the reference
 engine's per-step delivery, one message per step for all requests. Its step records travel
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import pickle
 import signal
@@ -83,16 +85,14 @@ class ProcessEngine:
         theirs.close()
         self._conn = Connection(ours.detach())
         try:
-            self._conn.send((kind, model, settings))
-            message = self._conn.recv()
-        except (EOFError, OSError):
-            code = self._process.wait(5)
-            raise EngineError(
-                f"the {kind} engine process exited while loading (exit code {code}); its "
-                "log says why"
-            ) from None
+            message = self._load(kind, model, settings)
+        except BaseException:
+            # However loading ended here (the child died, settings that cannot cross, Ctrl-C),
+            # no child is left loading a model nobody will use.
+            self._stop_child()
+            raise
         if message[0] == "failed":
-            self._process.wait(SHUTDOWN_TIMEOUT_S)
+            self._stop_child(SHUTDOWN_TIMEOUT_S)
             raise message[1]
         _, self.info, self._stats = message
         self.info: EngineInfo
@@ -103,9 +103,30 @@ class ProcessEngine:
         self._records: list[StepRecord] = []
         self._next_tag = 0
         self._dead: str | None = None
+        self._shut_down = False  # shutdown() was called: an exit then is not a death
         self._closed = threading.Event()
         self._reader = threading.Thread(target=self._read, name="engine-pipe-reader", daemon=True)
         self._reader.start()
+
+    def _load(self, kind: str, model: str, settings: dict[str, Any]) -> tuple:
+        self._conn.send((kind, model, settings))
+        try:
+            return self._conn.recv()  # type: ignore[no-any-return]
+        except (EOFError, OSError):
+            code = self._process.wait(5)
+            raise EngineError(
+                f"the {kind} engine process exited while loading (exit code {code}); its "
+                "log says why"
+            ) from None
+
+    def _stop_child(self, grace_s: float = 0.0) -> None:
+        """Wait up to `grace_s` for the child to exit, then kill it; close the socket."""
+        try:
+            self._process.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait(5)
+        self._conn.close()
 
     @property
     def pid(self) -> int:
@@ -135,12 +156,27 @@ class ProcessEngine:
         return records
 
     def stats(self) -> EngineStats:
+        """The child's last posted stats, checked against the child itself: raises
+        EngineDeadError once it has exited (its last stats would say "idle" forever, and a
+        health check reading them would call a dead engine healthy), and counts requests
+        sent but not yet reported by it as waiting (a child that hangs before it posts them
+        shows busy with its step count frozen, which the stall watch calls a stall)."""
+        code = self._process.poll()
         with self._lock:
-            return self._stats
+            if self._dead is None and code is not None:
+                self._dead = f"its process exited with code {code}"
+            if self._dead is not None and not self._shut_down:
+                raise EngineDeadError(f"the engine process has stopped ({self._dead})")
+            stats, sent = self._stats, len(self._sinks)
+        unreported = sent - stats.num_running - stats.num_waiting
+        if unreported > 0:
+            stats = dataclasses.replace(stats, num_waiting=stats.num_waiting + unreported)
+        return stats
 
     def shutdown(self) -> None:
         """Ask the child to stop (requests in flight finish "cancelled", as on the engine
         itself), wait for it, kill it if it does not go. Idempotent."""
+        self._shut_down = True  # stats stay readable, as on an engine shut down in-process
         with contextlib.suppress(EngineDeadError):
             self._send(("shutdown",))
         self._closed.wait(SHUTDOWN_TIMEOUT_S)
@@ -193,14 +229,20 @@ class ProcessEngine:
                 routed: list[tuple[Sink, Any]] = []
                 with self._lock:
                     self._records.extend(records)
-                    self._stats = stats
+                    if isinstance(stats, EngineDeadError):  # the engine died in the child
+                        self._dead = self._dead or str(stats)
+                    else:
+                        self._stats = stats
                     for tag, item, final in items:
                         sink = self._sinks.pop(tag, None) if final else self._sinks.get(tag)
                         if sink is not None:
                             routed.append((sink, item))
                 deliver(routed)
         except (EOFError, OSError):
-            code = self._process.poll()
+            try:  # the socket closes a moment before the process can be reaped
+                code: int | None = self._process.wait(1)
+            except subprocess.TimeoutExpired:
+                code = None
             reason = "its process exited" + (f" with code {code}" if code is not None else "")
         finally:
             self._fail_all(reason)
@@ -257,7 +299,7 @@ class _Child:
         self._flush_scheduled = False
         self._tasks: set[asyncio.Task[None]] = set()
         self._stopped: asyncio.Future[None] | None = None
-        self._last_stats: EngineStats | None = None
+        self._last_stats: EngineStats | EngineDeadError | None = None
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -335,14 +377,22 @@ class _Child:
         # Records first (drained after the items were made, so they hold every step the
         # items came from), then the items.
         records = self._engine.drain_step_records()
-        stats = self._engine.stats()
+        stats = self._stats()
         self._last_stats = stats
         self._conn.send(("batch", records, stats, items))
 
+    def _stats(self) -> EngineStats | EngineDeadError:
+        """The engine's stats, or the EngineDeadError reading them raised: the parent's
+        stats() then raises it (with the engine's own reason), and the items still go."""
+        try:
+            return self._engine.stats()
+        except EngineDeadError as exc:
+            return exc
+
     async def _post_stats(self) -> None:
-        while True:
+        while not isinstance(self._last_stats, EngineDeadError):
             await asyncio.sleep(STATS_INTERVAL_S)
-            stats = self._engine.stats()
+            stats = self._stats()
             if stats != self._last_stats:
                 self._last_stats = stats
                 self._conn.send(("batch", self._engine.drain_step_records(), stats, []))

@@ -616,6 +616,8 @@ class TrtllmEngine(VendorAdapter):
         return None
 
     def stats(self) -> EngineStats:
+        """The engine's load; raises EngineDeadError once the executor is known dead."""
+        self._raise_if_dead()
         return EngineStats(
             num_running=len(self._live),
             num_waiting=0,  # TensorRT-LLM's queue is not visible through the LLM API

@@ -351,15 +351,21 @@ class VllmEngine(VendorAdapter):
         handle.set()  # _until ends the request's outputs: it reports as cancelled
 
     def stats(self) -> EngineStats:
+        """The engine's load. Raises EngineDeadError once vLLM's engine core has died (its
+        monitor marks the client errored), idle or not: the last step's figures would read
+        as a healthy idle engine."""
+        self._raise_if_dead()
         loads = self._loads
         # vLLM's figures arrive after a step; an abort that empties the engine triggers no
-        # further step, so they can still count requests that are gone. No more requests can
-        # be running or waiting than are live here.
+        # further step, so they can still count requests that are gone, and a request sent
+        # since the last step is in none of them. Every request live here is running (as
+        # far as vLLM said) or waiting: one the core never took shows as waiting, so a core
+        # that stops stepping shows busy with its step count frozen.
         live = len(self._live)
         running = min(loads.num_running, live)
         return EngineStats(
             num_running=running,
-            num_waiting=min(loads.num_waiting, live - running),
+            num_waiting=live - running,
             num_finished=self._num_finished,
             num_preemptions=loads.num_preemptions,
             kv_blocks_total=self._kv_blocks_total,

@@ -238,6 +238,7 @@ class ReferenceEngine:
         self._inbox: deque[_Live] = deque()
         self._outbox = Outbox()  # step-loop thread only
         self._embeds: deque[_Embedding] = deque()  # embed requests (under _cv)
+        self._embedding: list[_Embedding] = []  # the embed batch being run (step loop)
         self._max_num_tokens = max_num_tokens
         self._aborts: deque[str] = deque()
         self._live: dict[str, _Live] = {}  # step-loop owned
@@ -417,6 +418,12 @@ class ReferenceEngine:
         return records
 
     def stats(self) -> EngineStats:
+        """The engine's load; raises EngineDeadError once the step loop has died (its last
+        figures would read as a live engine to whoever checks health with them)."""
+        if self._dead is not None:
+            raise EngineDeadError(f"the reference engine has stopped: {self._dead}")
+        if not self._thread.is_alive() and not self._stopping:
+            raise EngineDeadError("the reference engine's step loop is gone")
         scheduler, bm = self.scheduler, self.block_manager
         return EngineStats(
             num_running=len(scheduler.running),
@@ -580,6 +587,8 @@ class ReferenceEngine:
                     inbox, self._inbox = self._inbox, deque()
                     aborts, self._aborts = self._aborts, deque()
                     embeds = take_embed_batch(self._embeds, self._max_num_tokens)
+                    # Held where _die finds it: a crash mid-batch fails these callers too.
+                    self._embedding = embeds
                 for live in inbox:
                     self._admit(live)
                 for request_id in aborts:
@@ -588,6 +597,7 @@ class ReferenceEngine:
                     # Between generation steps, one bounded forward: generation waits one
                     # embed batch at most, and its KV pool is never touched.
                     self._embed_step(embeds)
+                self._embedding = []
                 stepped = bool(self._live)
                 if stepped:
                     with self._profiler.step():
@@ -595,9 +605,11 @@ class ReferenceEngine:
                 self._outbox.flush()
                 if stepped and self._test_step_delay_s:
                     time.sleep(self._test_step_delay_s)
-        except Exception as exc:  # the loop must never die silently: callers get the cause
+        except BaseException as exc:  # the loop must never die silently: callers get the cause
             _log.exception("reference engine step loop crashed")
             self._die(f"step loop crashed: {type(exc).__name__}: {exc}")
+            if not isinstance(exc, Exception):
+                raise
             return
         finally:
             # On the thread that recorded the steps; a run shorter than profile_steps still
@@ -1117,6 +1129,8 @@ class ReferenceEngine:
             self._dead = reason
             inbox, self._inbox = self._inbox, deque()
             embeds, self._embeds = self._embeds, deque()
+            embeds.extend(self._embedding)  # the batch the crash interrupted
+            self._embedding = []
             self._in_flight.clear()
         error = EngineDeadError(f"the reference engine stopped: {reason}")
         # After what the crashed step delivered, in the same batch.

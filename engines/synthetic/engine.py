@@ -242,6 +242,12 @@ class SyntheticEngine:
         return records
 
     def stats(self) -> EngineStats:
+        """The engine's load; raises EngineDeadError once its step loop has ended on its own
+        (died, or cancelled from outside), not only once a request trips over it."""
+        if self._dead is not None:
+            raise EngineDeadError(f"the synthetic engine has stopped: {self._dead}")
+        if not self._closed and self._task is not None and self._task.done():
+            raise EngineDeadError("the synthetic engine's step loop has ended")
         return EngineStats(
             num_running=len(self._running),
             num_waiting=len(self._waiting),
@@ -301,6 +307,10 @@ class SyntheticEngine:
                 duration = max(interval, len(ready) / self.settings.tokens_per_s)
                 await asyncio.sleep(max(0.0, start + duration - time.monotonic()))
                 self._step(start, ready)
+        except asyncio.CancelledError:
+            if not self._closed:  # cancelled from outside, not by shutdown
+                self._die("its step loop was cancelled")
+            raise
         except Exception as exc:  # the loop itself failed: no request can be served any more
             self._die(f"{type(exc).__name__}: {exc}")
 

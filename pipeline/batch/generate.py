@@ -32,11 +32,12 @@ import dataclasses
 import itertools
 import logging
 import os
+import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import pyarrow as pa
 
@@ -48,6 +49,7 @@ from engines.api import (
     GenerationResult,
     SamplingParams,
 )
+from engines.health import StallWatch
 from engines.samples import fan_out
 from pipeline.batch.commit.parts import REPLACEMENT_DISPATCH, PartName, PartRecord, write_part
 from pipeline.batch.heap import settle_after_load
@@ -194,14 +196,56 @@ class RowServer:
             self.engine.abort(request.request_id)
             raise
         except EngineDeadError as exc:
-            # Nothing more can be served here. Ending the process (not raising) makes Ray
-            # restart the actor, and its work is handed out again.
-            logger.error("engine died (%s); exiting so the actor is restarted", exc)
-            os._exit(70)
+            _exit_for_restart(f"engine died ({exc})")
         except Exception as exc:
             return GenerationResult.without_output(
                 request, "error", error=f"{type(exc).__name__}: {exc}"
             )
+
+
+def _exit_for_restart(why: str) -> NoReturn:
+    """Nothing more can be served here. Ending the process (not raising) makes Ray restart
+    the actor, and its work is handed out again."""
+    logger.error("%s; exiting so the actor is restarted", why)
+    os._exit(70)
+
+
+class EngineWatchdog:
+    """Watches an engine actor's engine from a thread of its own: the driver sees an actor
+    whose process is alive as alive, so a hung engine (work, no progress for
+    `stall_timeout_s`: engines.health.StallWatch) or one that died while idle would hold its
+    shards until the job's deadline. Either calls `on_failure` with why."""
+
+    def __init__(
+        self,
+        engine: Any,
+        stall_timeout_s: float,
+        on_failure: Callable[[str], None],
+        period_s: float | None = None,
+    ) -> None:
+        self.engine = engine
+        self.watch = StallWatch(stall_timeout_s)
+        self.on_failure = on_failure
+        self.period_s = period_s if period_s is not None else min(10.0, stall_timeout_s / 4)
+
+    def start(self) -> None:
+        threading.Thread(target=self._run, name="engine-watchdog", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(self.period_s)
+            try:
+                stats = self.engine.stats()
+            except EngineDeadError as exc:
+                self.on_failure(f"engine died ({exc})")
+                return
+            except Exception:  # a stats read that failed once says nothing yet
+                logger.warning("reading engine stats failed", exc_info=True)
+                continue
+            stalled = self.watch.observe(stats, time.monotonic())
+            if stalled is not None:
+                self.on_failure(f"engine hung: {stalled}")
+                return
 
 
 # --- the actor -------------------------------------------------------------------------------
@@ -259,6 +303,10 @@ class EngineWorker:
         self._slots: asyncio.Semaphore | None = None
         self._stopping: asyncio.Event | None = None
         self._feeds: dict[tuple[int, int], tuple[_Feed, pa.Table]] = {}  # (shard, dispatch)
+        if config.stall_timeout_s is not None and not self.actor_id.startswith("pid-"):
+            # In an actor only: exiting is how a failed engine gets restarted, and outside
+            # one (tools, tests) nothing would restart it.
+            EngineWatchdog(self.engine, config.stall_timeout_s, _exit_for_restart).start()
         settle_after_load()  # see pipeline.batch.heap
 
     def _loop_state(self) -> tuple[asyncio.Semaphore, asyncio.Event]:

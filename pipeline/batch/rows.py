@@ -52,6 +52,7 @@ class GenerateConfig:
     rows_per_file: int  # a part holds at most this many rows
     flush_interval_s: float  # finished rows wait at most this long for their part
     devices: float  # devices per actor (0: a CPU actor)
+    stall_timeout_s: float | None = None  # resources.engine_stall_timeout_s (None: no watch)
     budget: Any = None  # pipeline.batch.budget actor shared by the run's actors; None: no budget
     run_id: str | None = None  # the lease this run holds; None: not a fenced run (tools, tests)
     job_name: str = ""  # spec.name: the `job` tag of the actor's metrics (pipeline.batch.metrics)
@@ -82,6 +83,7 @@ class GenerateConfig:
             rows_per_file=spec.output.rows_per_file,
             flush_interval_s=spec.output.flush_interval_s,
             devices=spec.resources.devices_per_actor,
+            stall_timeout_s=spec.resources.engine_stall_timeout_s,
             job_name=spec.name,
         )
 

@@ -78,6 +78,44 @@ def _dashboard_version(address: str, env: Mapping[str, str], timeout_s: float) -
         return str(json.loads(response.read()).get("ray_version", "unknown"))
 
 
+# Where `ray start --head` records the address of the Ray it started; `ray stop` removes it,
+# a head that crashed or was killed leaves it behind.
+current_cluster_file = Path("/tmp/ray/ray_current_cluster")
+
+
+def _check_auto(current: Path, timeout_s: float) -> list[Finding]:
+    """RAY_ADDRESS=auto: the Ray last started on this machine, if it still answers (the
+    file alone outlives a crashed head)."""
+    if not current.is_file():
+        return [
+            Finding(
+                "ray",
+                "cluster",
+                Status.CONFLICT,
+                "RAY_ADDRESS=auto but no Ray runs on this machine",
+                "start one with `ray start --head`, or point RAY_ADDRESS at a cluster",
+            )
+        ]
+    gcs = current.read_text().strip()
+    host, _, port = gcs.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            pass
+    except (OSError, ValueError) as exc:
+        return [
+            Finding(
+                "ray",
+                "cluster",
+                Status.CONFLICT,
+                f"RAY_ADDRESS=auto names the Ray last started on this machine ({gcs}), which "
+                f"does not answer ({exc}): it crashed or was killed",
+                "`ray stop --force`, then `ray start --head`, or point RAY_ADDRESS at a cluster",
+            )
+        ]
+    detail = f"RAY_ADDRESS=auto: the Ray started on this machine ({gcs}), reachable"
+    return [Finding("ray", "cluster", Status.OK, detail, provides=("ray",))]
+
+
 def check_ray(env: Mapping[str, str], timeout_s: float = 5.0) -> list[Finding]:
     """RAY_ADDRESS reachable, and running this environment's Ray version where it says."""
     address = env.get("RAY_ADDRESS", "")
@@ -93,21 +131,7 @@ def check_ray(env: Mapping[str, str], timeout_s: float = 5.0) -> list[Finding]:
             )
         ]
     if address == "auto":
-        current = Path("/tmp/ray/ray_current_cluster")
-        if current.is_file():
-            detail = (
-                f"RAY_ADDRESS=auto: the Ray started on this machine ({current.read_text().strip()})"
-            )
-            return [Finding("ray", "cluster", Status.OK, detail, provides=("ray",))]
-        return [
-            Finding(
-                "ray",
-                "cluster",
-                Status.CONFLICT,
-                "RAY_ADDRESS=auto but no Ray runs on this machine",
-                "start one with `ray start --head`, or point RAY_ADDRESS at a cluster",
-            )
-        ]
+        return _check_auto(current_cluster_file, timeout_s)
     parsed = urlparse(address if "://" in address else f"tcp://{address}")
     if parsed.scheme in ("http", "https"):
         try:

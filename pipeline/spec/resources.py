@@ -70,6 +70,16 @@ class ResourcesSpec(_Strict):
         "one); raise it when long prompts make tokenizing the slower stage.",
     )
     max_restarts: int = Field(3, ge=0, description="Restarts of a crashed engine actor.")
+    engine_stall_timeout_s: float | None = Field(
+        900.0,
+        gt=0,
+        description="An engine actor whose engine has work but makes no progress (no step, no "
+        "finished request) for this long is taken for hung (a lost device, a stuck collective) "
+        "and exits, so Ray restarts it and its shards are handed out again, instead of the "
+        "job waiting on it until limits.stop_at. An engine that died while idle exits at once. "
+        "Set it above the longest request on engines that show no step count (TensorRT-LLM). "
+        "null: no watch.",
+    )
     max_task_retries: int = Field(
         3,
         ge=0,

@@ -19,8 +19,9 @@ from engines.api import (
     GenerationRequest,
     GenerationResult,
 )
+from engines.health import StallWatch
 from pipeline.serve.app import result_error
-from pipeline.serve.replicas.health import ReplicaHealth, ReplicaUnhealthyError, StallWatch
+from pipeline.serve.replicas.health import ReplicaHealth, ReplicaUnhealthyError
 from pipeline.serve.spec import (
     HealthSpec,
     ServedModelSpec,

@@ -12,7 +12,9 @@ never on a probe's request path:
   acts (after 3 failed health checks in a row), which counts the replica RUNNING until then.
 
 A model is served while Serve counts a RUNNING replica of it and some replica of it reported a
-healthy engine within `stale_after_s`. Until both sources have been read once, nothing is.
+healthy engine within `stale_after_s`. Until both sources have been read once, nothing is; and
+a count of Serve's older than `stale_after_s` (its reader stuck or gone) counts for nothing
+either: a signal nobody refreshes must not keep saying ready.
 """
 
 from __future__ import annotations
@@ -89,6 +91,8 @@ class ReadinessView:
         if running is None or reports is None:
             return Readiness(len(self._models), 0, None, self._models)
         (running_at, counts), (reports_at, posted) = running, reports
+        if now - running_at >= self._stale_after_s:
+            counts = {}  # Serve's count went stale: no replica is known to run
         since_read = now - reports_at  # reports age on after they were read
         healthy = {
             r.model

@@ -103,8 +103,8 @@ class ReplicaBoard:
     def snapshot(self) -> Snapshot:
         """Serve's running replicas and the replicas' reports. The first call starts watching
         Serve's status: only a ready probe needs it."""
-        if self._watcher is None:
-            self._watcher = threading.Thread(
+        if self._watcher is None or not self._watcher.is_alive():  # a watcher that died is
+            self._watcher = threading.Thread(  # started again, not trusted to be watching
                 target=self._watch_serve, name="serve-status", daemon=True
             )
             self._watcher.start()
@@ -120,13 +120,14 @@ class ReplicaBoard:
         while True:
             try:
                 status = serve.status()  # a controller round trip, however long it takes
+                running = running_by_deployment(status, self._app_name)
             except Exception:
                 if not failing:
                     logger.warning("reading Serve's status failed; retrying", exc_info=True)
                 failing = True
             else:
                 # One tuple, replaced whole: snapshot() never sees half of it.
-                self._running = (time.monotonic(), running_by_deployment(status, self._app_name))
+                self._running = (time.monotonic(), running)
                 failing = False
             time.sleep(STATUS_REFRESH_S)
 

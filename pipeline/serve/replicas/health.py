@@ -5,9 +5,10 @@ replica unhealthy, and after Serve's threshold of consecutive failures (3 in Ray
 stopped and replaced. Two things make an engine replica unhealthy:
 
 - its engine is dead: a call raised EngineDeadError, or `stats()` itself fails;
-- its step loop is stalled: work is waiting (running + waiting > 0) and the engine's step
-  counter has not moved for `health.stall_timeout_s`. An idle engine never counts as stalled,
-  since an idle step loop has nothing to step.
+- its step loop is stalled: work is waiting (running + waiting > 0) and the engine has made
+  no progress (no step, no finished request) for `health.stall_timeout_s`
+  (engines.health.StallWatch, shared with the batch engine actors). An idle engine never
+  counts as stalled, since an idle step loop has nothing to step.
 
 Once unhealthy, a replica stays unhealthy (`ReplicaHealth.failure` is sticky): its in-flight
 requests have been failed with 503 already, and a step loop that hung once is not trusted to
@@ -19,37 +20,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engines.api import EngineStats
+from engines.health import StallWatch
 
 
 class ReplicaUnhealthyError(RuntimeError):
     """This replica's engine is dead or stalled; Serve will replace the replica."""
-
-
-@dataclass
-class StallWatch:
-    """Notices a step counter that stays put while requests wait for it."""
-
-    stall_timeout_s: float
-    _last_steps: int | None = None  # None: the last observation found no work
-    _last_progress: float = 0.0  # monotonic time the counter last moved or work was first seen
-
-    def observe(self, stats: EngineStats, now: float) -> str | None:
-        """A reason the engine is stalled, or None while it progresses (or has no work)."""
-        if stats.num_running + stats.num_waiting == 0:
-            self._last_steps = None
-            return None
-        if stats.num_steps != self._last_steps:  # it stepped, or work just showed up
-            self._last_steps = stats.num_steps
-            self._last_progress = now
-            return None
-        stuck_for = now - self._last_progress
-        if stuck_for < self.stall_timeout_s:
-            return None
-        return (
-            f"step loop stalled: {stats.num_running} running and {stats.num_waiting} waiting "
-            f"requests, no engine step for {stuck_for:.0f} s (stall_timeout_s "
-            f"{self.stall_timeout_s:g})"
-        )
 
 
 @dataclass

@@ -31,11 +31,12 @@ from engines.api import (
     GenerationResult,
     StreamDelta,
 )
+from engines.health import StallWatch
 from pipeline.cost import CostMeter
 from pipeline.serve.replicas.board import POST_INTERVAL_S, open_board
 from pipeline.serve.replicas.coalesce import coalesce
 from pipeline.serve.replicas.cost import EqualShareMeter
-from pipeline.serve.replicas.health import ReplicaHealth, StallWatch
+from pipeline.serve.replicas.health import ReplicaHealth
 from pipeline.serve.replicas.testhooks import BreakMode, break_engine
 from pipeline.serve.spec import ServedModelSpec
 from pipeline.spec import StorageSpec
@@ -198,7 +199,10 @@ class EngineReplica:
         an actor call per request here would cost more than the request's own Ray hops."""
         if self._board is None:
             return
-        stats = self._engine.stats()
+        try:
+            stats = self._engine.stats()
+        except Exception:  # a dead engine: the health check and its post say so
+            return
         busy = stats.num_running + stats.num_waiting > 0
         if busy == self._posted_busy:
             return
