@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from pipeline.spec import InputSpec, SpecError, StorageSpec
+from pipeline.spec.redact import redact_reader_args
 
 if TYPE_CHECKING:
     from ray.data import Dataset
@@ -177,9 +178,8 @@ class SourceFingerprint:
 def source_fingerprint(inp: InputSpec, storage: StorageSpec) -> SourceFingerprint:
     """The fingerprint of the source `inp` names, with its version read now."""
     from pipeline.batch.commit.fingerprint import canonical_hash
-    from pipeline.batch.commit.manifest import redact
 
-    args = redact(dict(inp.reader_args))
+    args = redact_reader_args(dict(inp.reader_args))
     if inp.dataset is not None:
         source, version = f"dataset:{inp.dataset}", SourceVersion("none", None, {})
     else:

@@ -38,8 +38,13 @@ class InputSpec(_Strict):
         description="format ray_data: keyword arguments of input.reader (e.g. read_iceberg: "
         "{table_identifier: db.prompts, catalog_kwargs: {name: main, type: sql, ...}}; "
         "read_csv: {paths: s3://bucket/prompts/}) or of the input.dataset function. Part of "
-        "the snapshot's fingerprint, except values under secret-looking keys (masked). An "
-        "s3:// `paths` of a file reader is read with the storage section's endpoint.",
+        "the snapshot's fingerprint, except credentials, which are never written or hashed: "
+        "in a settings map (catalog_kwargs, storage_options, any *_options / *_kwargs / "
+        "*_config) only the keys that locate the data (endpoint, region, uri, name, type, "
+        "warehouse, account and container names, ...) are kept, elsewhere values under "
+        "credential-like keys (token, key, secret, password, sas, signature, ...) are masked, "
+        "and URIs lose user:password@ and signatures (pipeline/spec/redact.py). An s3:// "
+        "`paths` of a file reader is read with the storage section's endpoint.",
     )
     dataset: str | None = Field(
         None,

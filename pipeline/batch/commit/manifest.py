@@ -20,7 +20,6 @@ from __future__ import annotations
 import datetime as dt
 import json
 import platform
-import re
 import uuid
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
@@ -28,39 +27,17 @@ from typing import Any, Literal
 
 from pipeline.batch.commit.parts import MANIFEST_NAME, PartRecord
 from pipeline.spec import JobSpec
+from pipeline.spec.redact import redact
 from pipeline.storage import OutputDir, PreconditionFailed
 
 # Version of the commit protocol; outputs of another version are not resumed.
 PROTOCOL = 2
 
 Status = Literal["running", "complete", "incomplete", "stopped_at_budget", "failed"]
-# Key names that hold secrets. "token" alone would also hide max_tokens, kv_cache_tokens and
-# friends, so only token names that are credentials match (auth_token, session_token, ...).
-_SECRET_KEY = re.compile(
-    r"(secret|password|passwd|credential|api_?keys?$|access_?key|"
-    r"(auth|session|access|bearer|api|security)_?token)",
-    re.I,
-)
-_URI_USERINFO = re.compile(r"(?<=://)[^/@\s]+@")
-REDACTED = "***"
 
 
 class ManifestConflict(RuntimeError):
     """The manifest changed under this run: another run holds the output now."""
-
-
-def redact(value: Any) -> Any:
-    """A copy of `value` with secret-looking keys masked and user:pass@ removed from URIs."""
-    if isinstance(value, dict):
-        return {
-            k: (REDACTED if _SECRET_KEY.search(str(k)) and v is not None else redact(v))
-            for k, v in value.items()
-        }
-    if isinstance(value, list):
-        return [redact(v) for v in value]
-    if isinstance(value, str):
-        return _URI_USERINFO.sub(REDACTED + "@", value)
-    return value
 
 
 def versions() -> dict[str, str]:
