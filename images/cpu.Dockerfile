@@ -35,7 +35,9 @@ RUN grep -v '^torch==' "images/pins/${PINS}.txt" > /tmp/constraints.txt \
     && python -m pip check \
     && rm /tmp/constraints.txt
 
-RUN useradd --create-home --uid 1000 --shell /bin/bash ray
+# UID 1000 may be taken already (user `ubuntu` on Ubuntu 24.04 bases): the script renames it.
+COPY images/ray-user.sh ./images/ray-user.sh
+RUN sh images/ray-user.sh
 USER 1000
 WORKDIR /home/ray
 

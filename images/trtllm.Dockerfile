@@ -31,7 +31,9 @@ RUN python -m pip install --dry-run --quiet --report /tmp/plan.json '.[trtllm]' 
     && rm /tmp/plan.json
 
 # KubeRay pods run as a non-root user (runAsNonRoot in infra/terraform); Ray writes under /tmp.
-RUN useradd --create-home --uid 1000 --shell /bin/bash ray
+# UID 1000 may be taken already (user `ubuntu` on Ubuntu 24.04 bases): the script renames it.
+COPY images/ray-user.sh ./images/ray-user.sh
+RUN sh images/ray-user.sh
 USER 1000
 WORKDIR /home/ray
 

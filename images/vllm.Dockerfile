@@ -27,7 +27,9 @@ RUN python3 -m pip install --dry-run --quiet --report /tmp/plan.json '.[serve,vl
     && python3 -m pip install '.[serve,vllm]' \
     && rm /tmp/plan.json
 
-RUN useradd --create-home --uid 1000 --shell /bin/bash ray
+# UID 1000 may be taken already (user `ubuntu` on Ubuntu 24.04 bases): the script renames it.
+COPY images/ray-user.sh ./images/ray-user.sh
+RUN sh images/ray-user.sh
 USER 1000
 WORKDIR /home/ray
 
