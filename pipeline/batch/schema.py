@@ -312,7 +312,7 @@ def infer_type(values: list[Any]) -> pa.DataType:
         return pa.string()
     try:
         inferred = pa.array(present).type
-    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError):
+    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError):  # 2**63 and up too
         return pa.string()
     if pa.types.is_integer(inferred):
         return pa.int64()

@@ -199,19 +199,32 @@ def _write_snapshot(spec: JobSpec, source: SourceFingerprint, where: OutputDir) 
         source.version.kind == "listing"
         and source_fingerprint(spec.input, spec.storage).value != source.value
     ):
+        _discard(fs, path)
         raise SpecError(
             f"input.reader_args: the files {source.source} reads changed while they were "
-            f"staged at {data_uri}; rerun once they stop changing"
+            f"staged; rerun once they stop changing"
         )
     snapshot = Snapshot(data_uri, source, files, sum(int(f["rows"]) for f in files))
     try:
         where.create(MARKER_NAME, snapshot.to_json().encode())
     except PreconditionFailed:
+        # The marker is created once, with this attempt's own directory in it: one that is
+        # not ours means another run's snapshot won, and this copy is nobody's.
         won = read_snapshot(where)
         if won is None:
             raise
+        if won.uri != data_uri:
+            _discard(fs, path)
         return won
     return snapshot
+
+
+def _discard(fs: Any, path: str) -> None:
+    """Delete a staged copy no marker names (best effort: a leftover costs storage only)."""
+    try:
+        fs.rm(path, recursive=True)
+    except Exception:
+        logger.warning("could not delete the unused staged copy at %s", path, exc_info=True)
 
 
 def _written_files(spec: JobSpec, data_uri: str) -> list[dict[str, Any]]:

@@ -1258,30 +1258,15 @@ def test_an_upload_that_stops_sending_is_cut_and_frees_its_slot(
     app = _routes_app(spec, jobs, KEYS.get)
     content_type = f"multipart/form-data; boundary={BOUNDARY}"
 
+    async def upload(hold: Any = None) -> tuple:
+        body = iter([_multipart_head(), _jsonl([_line(0)]), MULTIPART_TAIL])
+        return await asyncio.wait_for(
+            _asgi_post(app, "/v1/files", "key-a", body, content_type, hold=hold), 30
+        )
+
     async def scenario() -> tuple[tuple, tuple]:
-        never = asyncio.Event()  # the first upload's body never comes
-        stalled = await asyncio.wait_for(
-            _asgi_post(
-                app,
-                "/v1/files",
-                "key-a",
-                iter([_multipart_head(), _jsonl([_line(0)]), MULTIPART_TAIL]),
-                content_type,
-                hold=never,
-            ),
-            30,
-        )
-        after = await asyncio.wait_for(
-            _asgi_post(
-                app,
-                "/v1/files",
-                "key-a",
-                iter([_multipart_head(), _jsonl([_line(0)]), MULTIPART_TAIL]),
-                content_type,
-            ),
-            30,
-        )
-        return stalled, after
+        stalled = await upload(hold=asyncio.Event())  # its body never comes
+        return stalled, await upload()
 
     try:
         stalled, after = asyncio.run(scenario())

@@ -36,6 +36,18 @@ PARTS_PER_MAP = 16
 MARK_SEQ_BASE = 9000  # replacement parts of this check: seq 9000.. (retry-errors use less)
 TASK_CPUS = 0.25
 MAX_EXAMPLES = 20
+# What a map task sends a reduce task, typed here and never by the values: a group of parts
+# whose rows are all errors (or none) sends empty columns, which Arrow would type `null`, and
+# the reduce's concatenation of them with the other groups' would fail.
+MAP_SCHEMA = pa.schema(
+    [
+        ("id", pa.string()),
+        ("part", pa.string()),
+        ("position", pa.int64()),
+        ("shard", pa.int64()),
+        ("row", pa.int64()),
+    ]
+)
 
 
 @dataclass
@@ -70,7 +82,7 @@ def _map(
     for name, shard, spans in parts:
         rows = list(RowRanges.from_json(spans))
         table = read_part(out, name, columns=["id", "finish_reason"])
-        ids = table.column("id").to_pylist()
+        ids = table.column("id").to_pylist()  # string, as the output schema has it
         # Rows that are errors already (a repeat within a shard among them) are left out: only
         # results can collide.
         ok = pc.fill_null(pc.not_equal(table.column("finish_reason"), "error"), True).to_pylist()
@@ -80,7 +92,7 @@ def _map(
         columns["position"] += keep
         columns["shard"] += [shard] * len(keep)
         columns["row"] += [rows[i] for i in keep]
-    table = pa.table(columns)
+    table = pa.table(columns, schema=MAP_SCHEMA)
     which = pa.array(_partition_of(columns["id"], partitions), pa.int32())
     tables = [table.filter(pc.equal(which, p)) for p in range(partitions)]
     # One return value per partition (Ray's num_returns); with one, the value itself.
@@ -89,7 +101,7 @@ def _map(
 
 def _reduce(*tables: pa.Table) -> dict[str, Any]:
     """Duplicates among one partition's ids: {count, examples, marks}."""
-    table = pa.concat_tables(tables)
+    table = pa.concat_tables([t.cast(MAP_SCHEMA) for t in tables] or [MAP_SCHEMA.empty_table()])
     counts = pc.value_counts(table.column("id"))
     repeated = counts.filter(pc.greater(counts.field("counts"), 1)).field("values")
     report: dict[str, Any] = {"count": 0, "examples": [], "marks": {}}
@@ -167,10 +179,9 @@ def _mark(
             "every row needs a unique id (fix the input, or set input.id_column to null)"
         )
         reasons[position] = "error"
-    table = table.set_column(table.schema.get_field_index("error"), "error", pa.array(errors))
-    table = table.set_column(
-        table.schema.get_field_index("finish_reason"), "finish_reason", pa.array(reasons)
-    )
+    for name, values in (("error", errors), ("finish_reason", reasons)):
+        index = table.schema.get_field_index(name)
+        table = table.set_column(index, name, pa.array(values, table.schema.field(index).type))
     old = read_part_record(out, record.name)
     replaced = (old.stats if old else None) or RowStats.of_table(conform(table, schema))
     table = table.append_column("_row", pa.array(list(record.rows), pa.int64()))

@@ -104,7 +104,36 @@ def sample_rows(spec: JobSpec, plan: ShardPlan, num_rows: int) -> pa.Table:
         left -= table.num_rows
     if not tables:
         return to_table(spec, RowBuffer.empty(output_names(spec)), [], [])
-    return pa.concat_tables(tables, promote_options="default")
+    return _concat_samples(tables)
+
+
+def _concat_samples(tables: list[pa.Table]) -> pa.Table:
+    """One table of the shards' samples. Read without a run's fixed passthrough types, a
+    column may differ between shards (int32 in one file and int64 in another, numbers in one
+    JSONL file and text in the next): promoted where Arrow can, else shown as JSON text, as a
+    run's passthrough column of mixed values is."""
+    try:
+        return pa.concat_tables(tables, promote_options="permissive")
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
+        pass
+    import json
+
+    names = {n for t in tables for n in t.column_names}
+    mixed = {
+        n for n in names if len({t.schema.field(n).type for t in tables if n in t.column_names}) > 1
+    }
+
+    def as_text(table: pa.Table) -> pa.Table:
+        for name in mixed & set(table.column_names):
+            index = table.schema.get_field_index(name)
+            values = [
+                None if v is None else json.dumps(v, default=str) if not isinstance(v, str) else v
+                for v in table.column(name).to_pylist()
+            ]
+            table = table.set_column(index, name, pa.array(values, pa.string()))
+        return table
+
+    return pa.concat_tables([as_text(t) for t in tables], promote_options="permissive")
 
 
 def sample_values(

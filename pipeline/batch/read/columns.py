@@ -273,8 +273,9 @@ def to_table(
         else:
             try:
                 arrays.append(pa.array(values))
-            except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError):
-                # Mixed JSON types in one column (1 and "a"): keep every value, as JSON text.
+            except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError):
+                # Mixed JSON types in one column (1 and "a"), or integers past int64: keep
+                # every value, as JSON text.
                 arrays.append(pa.array([None if v is None else json.dumps(v) for v in values]))
         names.append(name)
     # Errors last: fitting the passthrough columns may have added some.

@@ -132,6 +132,8 @@ def read_parquet_shard(
         elif name in present and name in fixed:
             column = table.column(name)
             try:
+                if not _casts_plainly(column.type, fixed[name]):
+                    raise pa.ArrowInvalid("not a plain cast")  # checked cell by cell instead
                 arrays[name] = pc.cast(column, fixed[name]).combine_chunks()
             except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
                 # Some cells do not fit the fixed type: those rows become error rows.
@@ -146,3 +148,12 @@ def read_parquet_shard(
         else:
             arrays[name] = pa.nulls(len(keep), type=types.get(name, pa.null()))
     return pa.Table.from_arrays(list(arrays.values()), names=list(arrays)), count
+
+
+def _casts_plainly(source: pa.DataType, target: pa.DataType) -> bool:
+    """Whether Arrow's cast keeps every value as it is. It would also turn True into 1 and
+    "12" into 12, which fit_column refuses cell by cell (those rows become error rows)."""
+    if source == target or pa.types.is_null(source) or pa.types.is_string(target):
+        return True
+    # A bool or a text into a number, a date, ...: only cell by cell.
+    return not (pa.types.is_boolean(source) or pa.types.is_string(source))
