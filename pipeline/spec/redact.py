@@ -33,9 +33,10 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 REDACTED = "***"
 
 # Key names (lower case, with '-', '.', ' ' read as '_') whose values are credentials. A
-# segment match, singular: "max_tokens" and "kv_cache_tokens" are counts, not tokens.
+# segment match, singular: "max_tokens" and "kv_cache_tokens" are counts, "stop_token_ids"
+# token ids, not tokens.
 CREDENTIAL = re.compile(
-    r"(^|_)(secrets?|passwords?|passwd|pwd|passphrase|credentials?|token|keys?|sas|sig|"
+    r"(^|_)(secrets?|passwords?|passwd|pwd|passphrase|credentials?|token(?!_ids?$)|keys?|sas|sig|"
     r"signatures?|auth|authorization|bearer|apikey|session|private|cookies?|cert|"
     r"certificate|oauth\d*|jwt|otp|connection_string|conn_str|dsn_password)(_|$)"
 )

@@ -322,7 +322,15 @@ def test_settings_that_are_not_credentials_are_not_masked() -> None:
     """Token counts and the like in the spec stay in the manifest's copy of it."""
     from pipeline.spec.redact import is_credential
 
-    for name in ("max_tokens", "kv_cache_tokens", "max_num_tokens", "id_column", "keyword"):
+    for name in (
+        "max_tokens",
+        "kv_cache_tokens",
+        "max_num_tokens",
+        "id_column",
+        "keyword",
+        "stop_token_ids",
+        "eos_token_id",
+    ):
         assert not is_credential(name), name
     for name in ("token", "api-key", "s3.secret-access-key", "sas_token", "X-Amz-Signature"):
         assert is_credential(name), name
