@@ -36,7 +36,7 @@ $(UV):
 $(VENV)/.base: pyproject.toml $(PINS) | $(UV)
 	$(UV_INSTALL) $(BIN)/python -c $(PINS) torch
 	$(UV_INSTALL) $(BIN)/python -c $(PINS) -e .
-	$(BIN)/python -m engines.reference.cpu_kernels  # build the CPU kernels once (~10 s)
+	$(BIN)/python -m engines.reference.model.cpu_kernels  # build the CPU kernels once (~10 s)
 	touch $@
 
 $(VENV)/.dev: pyproject.toml $(VENV)/.base
@@ -67,7 +67,7 @@ $(TRTLLM_VENV)/.ready: pyproject.toml $(TRTLLM_PINS) $(PINS) | $(UV)
 	grep -v '^torch==' $(TRTLLM_PINS) | cat - $(PINS) > $(TRTLLM_VENV)/constraints.txt
 	$(UV_INSTALL) $(TRTLLM_VENV)/bin/python -c $(TRTLLM_VENV)/constraints.txt torch
 	$(UV_INSTALL) $(TRTLLM_VENV)/bin/python -c $(TRTLLM_VENV)/constraints.txt -e '.[dev]'
-	$(TRTLLM_VENV)/bin/python -m engines.reference.cpu_kernels
+	$(TRTLLM_VENV)/bin/python -m engines.reference.model.cpu_kernels
 	touch $@
 
 setup: $(VENV)/.base

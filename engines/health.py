@@ -1,6 +1,6 @@
 """Is an engine still making progress? Plain logic over EngineStats, shared by the Serve
 replica's health check (pipeline/serve/replicas/health.py) and the batch engine actor's
-watchdog (pipeline/batch/generate.py): a dead engine raises from stats() itself; a hung one
+watchdog (pipeline/batch/stages/generate.py): a dead engine raises from stats() itself; a hung one
 shows work with no progress, which only a watch over time can see."""
 
 from __future__ import annotations

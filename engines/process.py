@@ -55,6 +55,8 @@ from engines.api import (
     StepRecord,
     StreamDelta,
 )
+from engines.factory import load_engine
+from engines.faults import break_step_loop
 from engines.sinks import Sink, await_result, deliver, stream_items
 
 # The child posts its stats this often while they change, even with nothing to deliver: a
@@ -190,7 +192,7 @@ class ProcessEngine:
 
     def break_step_loop(self, mode: str) -> None:
         """Test hook (TOKENMILL_TEST_HOOKS=1 in the child): break the child engine's step
-        loop, as engines.dev.testhooks.break_step_loop does in one process."""
+        loop, as engines.faults.break_step_loop does in one process."""
         self._send(("break", mode))
 
     # ---- plumbing ------------------------------------------------------------------------
@@ -277,7 +279,6 @@ def _child_main(fd: int) -> None:
         kind, model, settings = conn.recv()
     except (EOFError, OSError):
         return
-    from engines.factory import load_engine
 
     try:
         engine = load_engine(kind, model, **settings)
@@ -342,8 +343,6 @@ class _Child:
         elif kind == "abort":
             self._engine.abort(message[1])
         elif kind == "break":
-            from engines.dev.testhooks import break_step_loop
-
             # The parent checked that the hooks are on; an engine without a runner stays whole.
             with contextlib.suppress(Exception):
                 break_step_loop(self._engine, message[1])

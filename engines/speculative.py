@@ -27,7 +27,7 @@ Method = Literal["ngram", "draft", "eagle3", "mtp"]
 METHODS: tuple[str, ...] = ("ngram", "draft", "eagle3", "mtp")
 
 # What each engine kind can run. reference: prompt lookup and a draft model (its own KV pool,
-# engines/reference/draft.py); vllm 0.32: ngram and draft_model through its
+# engines/reference/speculative/draft.py); vllm 0.32: ngram and draft_model through its
 # speculative_config; trtllm 1.2: the four decoding configs of its LLM API.
 SUPPORTED: dict[str, tuple[str, ...]] = {
     "reference": ("ngram", "draft"),

@@ -87,6 +87,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engines import gpu
 from engines.adapter import (
     VendorAdapter,
     check_settings,
@@ -111,6 +112,10 @@ from engines.api import (
     TokenLogprob,
 )
 from engines.parallel import engine_devices
+from engines.quantize.calibration import load_texts
+from engines.quantize.config import CalibrationSpec, QualitySpec, QuantizeError
+from engines.reference.runtime.resources import load_tokenizer
+from engines.reference.sampling.grammar import choice_grammar
 from engines.requests import (
     admit,
     bad_words_token_ids,
@@ -119,6 +124,7 @@ from engines.requests import (
     error_result,
     read_config,
 )
+from engines.speculative import resolve
 from engines.trtllm_logits import SamplingProcessor, needs_processor, processing_fields
 
 log = logging.getLogger(__name__)
@@ -263,7 +269,6 @@ class TrtllmEngine(VendorAdapter):
         parallel = {k: v for k, v in more.items() if v is not None}
         num_devices = engine_devices("trtllm", parallel)
         _check_settings(backend, scheduler_policy, dtype, kv_cache_dtype, quantize, build_cache)
-        from engines.speculative import resolve
 
         spec = resolve("trtllm", speculative)
         if spec is not None and backend != "pytorch":
@@ -447,8 +452,6 @@ class TrtllmEngine(VendorAdapter):
     def _bad_words_tokenizer(self) -> Any:
         """The checkpoint's tokenizer (the one the reference engine tokenizes bad words with)."""
         if self._tokenizer is None:
-            from engines.reference.resources import load_tokenizer
-
             self._tokenizer = load_tokenizer(self._model_dir) or False
         return self._tokenizer or None
 
@@ -690,7 +693,6 @@ def guided_decoding(fmt: ResponseFormat | None, params_cls: Any) -> Any:
         return params_cls(json=JSON_OBJECT_SCHEMA)
     if fmt.kind == "regex":
         return params_cls(regex=fmt.regex)
-    from engines.reference.grammar import choice_grammar
 
     return params_cls(grammar=choice_grammar(fmt.choices))
 
@@ -923,9 +925,6 @@ def _calibration_texts(calibration: dict[str, Any]) -> tuple[Any, list[str]]:
     drawn as `tokenmill quantize` draws them (engines.quantize.calibration)."""
     from pydantic import ValidationError
 
-    from engines.quantize.calibration import load_texts
-    from engines.quantize.config import CalibrationSpec, QualitySpec, QuantizeError
-
     try:
         spec = CalibrationSpec(**calibration)
         return spec, load_texts(spec, QualitySpec()).calibration
@@ -941,7 +940,6 @@ def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
 
 
 def _check_gpu(model_dir: Path, kv_cache_dtype: str, quantize: str | None) -> Any:
-    from engines import gpu
 
     if quantize is None:
         return gpu.check_quantization_support(model_dir, kv_cache_dtype)

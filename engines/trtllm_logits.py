@@ -29,7 +29,7 @@ from engines.api import PROCESSING_FIELDS, SamplingParams
 
 @dataclass
 class _Tokens:
-    """The shape LogitsProcessing.apply reads of a request (engines/reference/processing.py)."""
+    """The shape LogitsProcessing.apply reads of a request (engines/reference/sampling/processing.py)."""
 
     token_ids: list[int]
     num_prompt_tokens: int
@@ -49,7 +49,7 @@ class _Live:
 @dataclass
 class SamplingProcessor:
     """TensorRT-LLM LogitsProcessor for one request: penalties, logit bias, min_tokens, bad
-    words (all through engines.reference.processing) and min_p."""
+    words (all through engines.reference.sampling.processing) and min_p."""
 
     params: SamplingParams
     num_prompt_tokens: int
@@ -74,7 +74,7 @@ class SamplingProcessor:
                 logits.copy_(rows.view_as(logits))
 
     def _apply(self, row: Any, tokens: list[int]) -> None:
-        from engines.reference.processing import LogitsProcessing
+        from engines.reference.sampling.processing import LogitsProcessing
 
         params = self.params
         if params.uses_logits_processing:

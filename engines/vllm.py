@@ -67,6 +67,7 @@ from engines.requests import (
     error_result,
     read_config,
 )
+from engines.speculative import resolve
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +119,7 @@ class VllmEngine(VendorAdapter):
             enable_expert_parallel: vLLM's own (names as in vLLM 0.32's AsyncEngineArgs); the
             engine spans tensor x pipeline x data parallel GPUs (engines.parallel). With more
             than one, distributed_executor_backend defaults to "ray": vLLM then places its
-            workers in the engine actor's placement group (pipeline.batch.placement) rather
+            workers in the engine actor's placement group (pipeline.batch.driver.placement) rather
             than making processes of its own beside it.
         enforce_eager: skip torch.compile and CUDA graphs (start-up in seconds instead of a
             minute; slower steps). Tests and short jobs on CPU use it.
@@ -130,7 +131,6 @@ class VllmEngine(VendorAdapter):
         error naming it).
         """
         started = time.monotonic()
-        from engines.speculative import resolve
 
         spec = resolve("vllm", speculative)
         if dtype not in DTYPES:

@@ -10,7 +10,10 @@ from typing import Any
 
 from engines import Engine, load_engine
 from engines.factory import accepted_settings
+from engines.process import ProcessEngine
+from engines.quantize.artifacts import MARKER, build_in_cache
 from pipeline.spec import EngineSpec, ModelSpec, StorageSpec
+from pipeline.storage import filesystem_for, join_uri, materialize_model
 
 
 def engine_settings(engine: EngineSpec) -> dict[str, Any]:
@@ -36,14 +39,11 @@ def open_engine(
 ) -> Engine:
     """Fetch the model to local disk if it is remote (once per node), then load the engine:
     here, or with `own_process` in a child process of its own (engines/process.py)."""
-    from pipeline.storage import materialize_model
 
     local_path = materialize_model(model.path, model.cache_dir, storage)
     if model.quantization is not None:
         local_path = quantized_model(local_path, model, storage)
     if own_process:
-        from engines.process import ProcessEngine
-
         return ProcessEngine(engine.kind, model=str(local_path), **engine_settings(engine))
     return load_engine(engine.kind, model=str(local_path), **engine_settings(engine))
 
@@ -51,8 +51,6 @@ def open_engine(
 def quantized_model(local_path: Path, model: ModelSpec, storage: StorageSpec) -> Path:
     """The local directory of `model.quantization`'s artifact: reused from its cache when one
     was built from the same inputs, built (calibrated, gated, published) there first if not."""
-    from engines.quantize.artifacts import MARKER, build_in_cache
-    from pipeline.storage import filesystem_for, join_uri, materialize_model
 
     spec = model.quantization
     cache_uri = spec.cache_uri or join_uri(model.cache_dir, "quantized")

@@ -35,7 +35,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol, TextIO
 
-from pipeline.spec import JobSpec, env_references, load_job_spec
+import engines
+import pipeline
+from pipeline.spec import JobSpec, SpecError, env_references, load_job_spec, today_utc
 
 # --- exit codes ------------------------------------------------------------------------------
 
@@ -257,8 +259,6 @@ def run_entrypoint(job_file_name: str, date: str, overrides: Sequence[str], ship
 
 def code_packages() -> list[Path]:
     """Directories of the `pipeline` and `engines` packages, uploaded by --ship-code."""
-    import engines
-    import pipeline
 
     return [Path(pipeline.__file__).parent, Path(engines.__file__).parent]
 
@@ -490,7 +490,6 @@ class SubmitOutcome:
 
 def prepare(request: SubmitRequest, environ: Mapping[str, str]) -> tuple[JobSpec, str]:
     """Validate the job locally; returns the spec and the raw job text (shipped as is)."""
-    from pipeline.spec import SpecError
 
     try:
         spec = load_job_spec(
@@ -672,7 +671,6 @@ def submit_range(
     attached to, failed ones resumed. With `wait` they run one after the other; a failed night
     does not stop the next ones (nights are independent).
     """
-    from pipeline.spec import today_utc
 
     out = out or sys.stdout
     outcomes = []

@@ -53,7 +53,7 @@ def cpu_without_onednn_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
 
     import torch
 
-    from engines.reference import linear
+    from engines.reference.model import linear
 
     real = torch.ops.mkldnn._reorder_linear_weight
 
@@ -194,7 +194,7 @@ def count_attention_paths(monkeypatch: pytest.MonkeyPatch) -> AttentionPaths:
     """Count the paged kernel's calls (and which carry sinks and a window) and the masked SDPA
     sink path's, for the rest of the test: an equality test then shows which path it checked
     (the engine's step thread runs in this process, through these module attributes)."""
-    from engines.reference import cpu_kernels, model
+    from engines.reference.model import cpu_kernels, model
 
     paths = AttentionPaths()
     kernel, masked = cpu_kernels.paged_attention, model.attend_with_sinks

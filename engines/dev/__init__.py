@@ -9,6 +9,6 @@ tests and the demo, and test hooks.
 Product code may import only `testhooks` from here: its hooks do nothing unless the process
 runs with TOKENMILL_TEST_HOOKS=1. Exceptions today, each a lazy import inside the function
 that needs it: the CLI's development commands (`tokenmill bench`, `make-tiny-model`, `demo`
-in pipeline/batch/demo.py, `serve --make-demo-model`) and quantization's built-in calibration
+in pipeline/batch/driver/demo.py, `serve --make-demo-model`) and quantization's built-in calibration
 text (engines/quantize/calibration.py, `tiny.sample_text`).
 """

@@ -41,6 +41,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from engines.api import GenerationRequest, SamplingParams
+from engines.dev.tiny import make_tiny_model
+from engines.factory import load_engine
+from engines.reference.model.config import load_model_config
+from engines.reference.runtime.profiling import PhaseTable, format_phase_table, read_phase_table
+
 if TYPE_CHECKING:
     from engines.api import StepRecord
 
@@ -219,8 +225,6 @@ def ensure_model(config: BenchConfig) -> Path:
         return Path(config.model)
     out = Path(config.cache_dir) / f"{config.arch}-small"
     if not (out / "config.json").exists():
-        from engines.dev.tiny import make_tiny_model
-
         make_tiny_model(out, arch=config.arch, size="small")  # type: ignore[arg-type]
     return out
 
@@ -238,7 +242,6 @@ def matmul_params(model_dir: Path) -> int:
     mlps = layers * 3 * hidden * inter
     if cfg.get("num_experts") or cfg.get("num_local_experts"):
         # Which layers are sparse is the reference engine's reading of the config (one rule).
-        from engines.reference.config import load_model_config
 
         moe = load_model_config(model_dir).moe
         if moe is not None:
@@ -305,7 +308,7 @@ def measure_matmul_flops(threads: int, size: int = 2048, repeats: int = 5) -> fl
 
 def measure_onednn_flops(threads: int, size: int = 2048, repeats: int = 5) -> float | None:
     """FLOP/s of a size x size fp32 linear through oneDNN with its weight packed once (see
-    engines.reference.linear); None without oneDNN."""
+    engines.reference.model.linear); None without oneDNN."""
     import torch
 
     if not torch.backends.mkldnn.is_available():
@@ -339,7 +342,6 @@ def _peak_rss_mb() -> float:
 def _run_reference(spec: dict) -> ModeResult:
     import asyncio
 
-    from engines.api import GenerationRequest, SamplingParams
     from engines.reference.engine import ReferenceEngine
 
     engine = ReferenceEngine(
@@ -386,8 +388,6 @@ def _run_reference(spec: dict) -> ModeResult:
     expert_load = summarize_expert_load(records)
     profile = None
     if engine.profile_trace is not None:
-        from engines.reference.profiling import read_phase_table
-
         profile = asdict(read_phase_table(engine.profile_trace))
     return ModeResult.measured(
         "reference",
@@ -521,9 +521,6 @@ def _run_hf_continuous(spec: dict) -> ModeResult:
 def _run_vllm(spec: dict) -> ModeResult:
     """The workload through engine.kind vllm: every request at once, as for `reference`."""
     import asyncio
-
-    from engines.api import GenerationRequest, SamplingParams
-    from engines.factory import load_engine
 
     requests = [
         GenerationRequest(p, SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True))
@@ -666,8 +663,6 @@ def run_bench(config: BenchConfig, log=print) -> BenchReport:
             prefix = f"round {round_ + 1}/{config.rounds}  " if config.rounds > 1 else ""
             log(prefix + format_result(result))
             if result.profile is not None:
-                from engines.reference.profiling import PhaseTable, format_phase_table
-
                 log(format_phase_table(PhaseTable(**result.profile)))
     return report
 

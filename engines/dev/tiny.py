@@ -10,25 +10,15 @@ greedy decoding produces varied tokens instead of one token repeated.
 from __future__ import annotations
 
 import json
-import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from engines.quantize.calibration import sample_text
+
 Arch = Literal["llama", "qwen2", "qwen3", "qwen3_moe", "gpt_oss"]
 ARCHS: tuple[str, ...] = ("llama", "qwen2", "qwen3", "qwen3_moe", "gpt_oss")
 
-_WORDS = (
-    "the a an one every some batch token model engine prompt answer question request row job "
-    "cluster node actor storage bucket object file part manifest cost price hour second minute "
-    "fast slow large small quiet busy early late new old exact cheap dear bright dark warm cold "
-    "river mountain city garden window letter story number colour music market harbour bridge "
-    "runs reads writes counts sends waits builds checks keeps finds opens closes moves learns "
-    "and or but so because while when where if then after before over under into from with "
-    "is was are were has had will would can could should may might must does did "
-    "red green blue yellow seven twelve hundred thousand million north south east west "
-    "what why how who which please tell me explain write summarize list describe compare"
-).split()
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -76,18 +66,6 @@ HARMONY_CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}<|start|>assistant{% endif %}"
 )
-
-
-def sample_text(num_sentences: int = 2000, seed: int = 0) -> list[str]:
-    """Deterministic pseudo-English sentences: tokenizer training and calibration text."""
-    rng = random.Random(seed)
-    sentences = []
-    for _ in range(num_sentences):
-        words = [rng.choice(_WORDS) for _ in range(rng.randint(4, 18))]
-        punct = rng.choice(".?!.,;:")
-        number = f" {rng.randint(0, 10_000)}" if rng.random() < 0.2 else ""
-        sentences.append(" ".join(words).capitalize() + number + punct)
-    return sentences
 
 
 @dataclass(frozen=True)
@@ -304,11 +282,11 @@ def make_tiny_model(
 def _pack_experts_mxfp4(model_dir: Path) -> None:
     """Rewrite a saved GPT-OSS checkpoint with MXFP4 experts: `gate_up_proj` [E, H, 2I] and
     `down_proj` [E, I, H] become `*_blocks` / `*_scales` of their transposes (rows are output
-    features, see engines.reference.mxfp4), biases unchanged; config.json gains the
+    features, see engines.reference.model.mxfp4), biases unchanged; config.json gains the
     `quantization_config` transformers reads such checkpoints with."""
     from safetensors.torch import load_file, save_file
 
-    from engines.reference import mxfp4
+    from engines.reference.model import mxfp4
 
     path = model_dir / "model.safetensors"
     tensors = load_file(str(path))

@@ -26,6 +26,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from engines.quantize.build import quantize_checkpoint, read_architecture
 from engines.quantize.calibration import load_texts
 from engines.quantize.config import QuantizationSpec, QuantizeError
 
@@ -136,7 +137,6 @@ def build_or_reuse(
     Raises QualityGateFailed (after publishing only the report) when the gate fails and
     `spec.allow_quality_failure` is off.
     """
-    from engines.quantize.build import read_architecture
 
     model_dir = Path(model_dir)
     read_architecture(model_dir)  # unsupported models fail before any hashing
@@ -173,7 +173,6 @@ def build_in_cache(
 
     Jobs use this: the same (model, quantization) on any node maps to the same folder.
     """
-    from engines.quantize.build import read_architecture
 
     model_dir = Path(model_dir)
     read_architecture(model_dir)
@@ -193,7 +192,6 @@ def _build_and_publish(
     inputs: dict[str, Any],
     key: str,
 ) -> ArtifactResult:
-    from engines.quantize.build import quantize_checkpoint
 
     with tempfile.TemporaryDirectory(prefix="tokenmill-quantize-") as tmp:
         export_dir = Path(tmp) / "export"

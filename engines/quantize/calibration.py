@@ -14,6 +14,30 @@ from typing import Any
 
 from engines.quantize.config import CalibrationSpec, QualitySpec, QuantizeError
 
+_WORDS = (
+    "the a an one every some batch token model engine prompt answer question request row job "
+    "cluster node actor storage bucket object file part manifest cost price hour second minute "
+    "fast slow large small quiet busy early late new old exact cheap dear bright dark warm cold "
+    "river mountain city garden window letter story number colour music market harbour bridge "
+    "runs reads writes counts sends waits builds checks keeps finds opens closes moves learns "
+    "and or but so because while when where if then after before over under into from with "
+    "is was are were has had will would can could should may might must does did "
+    "red green blue yellow seven twelve hundred thousand million north south east west "
+    "what why how who which please tell me explain write summarize list describe compare"
+).split()
+
+
+def sample_text(num_sentences: int = 2000, seed: int = 0) -> list[str]:
+    """Deterministic pseudo-English sentences: tokenizer training and calibration text."""
+    rng = random.Random(seed)
+    sentences = []
+    for _ in range(num_sentences):
+        words = [rng.choice(_WORDS) for _ in range(rng.randint(4, 18))]
+        punct = rng.choice(".?!.,;:")
+        number = f" {rng.randint(0, 10_000)}" if rng.random() < 0.2 else ""
+        sentences.append(" ".join(words).capitalize() + number + punct)
+    return sentences
+
 
 @dataclass(frozen=True)
 class CalibrationTexts:
@@ -43,8 +67,6 @@ def load_texts(
     """
     wanted = calibration.num_samples + quality.num_prompts
     if calibration.source is None:
-        from engines.dev.tiny import sample_text
-
         # Built-in text is already pseudo-random; a fixed seed keeps the cache key stable.
         pool = sample_text(max(wanted, 2000), seed=calibration.seed)
         source = "builtin"

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from engines.strict import StrictModel
 
 QuantFormat = Literal["fp8", "nvfp4"]
 FORMATS: tuple[str, ...] = ("fp8", "nvfp4")
@@ -33,11 +35,7 @@ class QuantizeError(RuntimeError):
     """A build that cannot run or did not pass; the message says what to change."""
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
-
-
-class CalibrationSpec(_Strict):
+class CalibrationSpec(StrictModel):
     source: str | None = Field(
         None,
         description="Calibration text: a Parquet or JSONL file (local path or s3://), e.g. a "
@@ -56,7 +54,7 @@ class CalibrationSpec(_Strict):
     seed: int = Field(0, description="Seed of the sample drawn from `source`.")
 
 
-class QualitySpec(_Strict):
+class QualitySpec(StrictModel):
     num_prompts: int = Field(
         16,
         ge=1,
@@ -90,7 +88,7 @@ class QualitySpec(_Strict):
     )
 
 
-class QualityThresholds(_Strict):
+class QualityThresholds(StrictModel):
     """Resolved gate thresholds (no nulls)."""
 
     min_token_agreement: float = Field(description="See QualitySpec.min_token_agreement.")
@@ -107,7 +105,7 @@ DEFAULT_THRESHOLDS: dict[str, QualityThresholds] = {
 }
 
 
-class QuantizationSpec(_Strict):
+class QuantizationSpec(StrictModel):
     format: QuantFormat = Field(
         description="fp8 (per-tensor FP8 E4M3 weights and activations; Ada/Hopper and newer) | "
         "nvfp4 (FP4 E2M1 in 16-element blocks with FP8 scales; Blackwell)."

@@ -8,8 +8,8 @@ step loop resolves with `loop.call_soon_threadsafe`.
 
 A step is: (propose) → schedule → run the model → sample (or verify proposals) → append the
 StepRecord → update requests → deliver. With `speculative` set, decoding requests get n-gram
-proposals, or a draft model's (engines/reference/draft.py: k draft forwards for all of them
-before the schedule), that the same forward pass verifies (engines/reference/speculative.py).
+proposals, or a draft model's (engines/reference/speculative/draft.py: k draft forwards for all of them
+before the schedule), that the same forward pass verifies (engines/reference/speculative/verify.py).
 The draft's forwards fall inside the step's [start, end), shared like the rest of it. The record
 is appended before any result of that step is delivered, so when a caller sees a request
 finish, every step it took part in is already recorded (cost relies on this).
@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from engines import faults
 from engines.adapter import declared_settings
 from engines.api import (
     EngineDeadError,
@@ -47,27 +48,45 @@ from engines.api import (
     StreamDelta,
     TokenLogprob,
 )
-from engines.dev import testhooks
-from engines.reference.config import ModelConfig, load_model_config
-from engines.reference.detokenize import final_text
-from engines.reference.grammar import limitations as grammar_limitations
-from engines.reference.groups import SampleGroups
-from engines.reference.logprobs import (
+from engines.detokenize import IncrementalDetokenizer, final_text
+from engines.reference.model.config import ModelConfig, load_model_config
+from engines.reference.model.linear import fallback_note
+from engines.reference.model.pooling import embed_defaults, pool
+from engines.reference.model.weights import load_model
+from engines.reference.runtime.groups import SampleGroups
+from engines.reference.runtime.kv_cache import BlockManager
+from engines.reference.runtime.profiling import NO_PROFILER, NoProfiler, StepProfiler
+from engines.reference.runtime.resources import (
+    load_tokenizer,
+    pool_blocks,
+    resolve_device,
+    resolve_dtype,
+    resolve_max_model_len,
+)
+from engines.reference.runtime.runner import ChunkInput, ModelRunner, kv_bytes_per_token
+from engines.reference.runtime.scheduler import Request, Scheduler, SchedulerConfig
+from engines.reference.sampling.grammar import GrammarError, Grammars, accept, is_complete
+from engines.reference.sampling.grammar import limitations as grammar_limitations
+from engines.reference.sampling.logprobs import (
     RawLogprobs,
     prompt_rows,
     raw_logprobs,
     record_logprobs,
     take_prompt_logprobs,
 )
-from engines.reference.profiling import NO_PROFILER, NoProfiler, StepProfiler
+from engines.reference.sampling.processing import LogitsProcessing
+from engines.reference.sampling.sampler import make_generator, sample
+from engines.reference.speculative.draft import Drafter, DraftRequest, draft_pool_blocks
+from engines.reference.speculative.verify import NgramIndex, verify
 from engines.requests import admit, bad_words_token_ids, embed_error
 from engines.sinks import Outbox, Sink, await_result, deliver, stream_items
+from engines.speculative import resolve
 
 if TYPE_CHECKING:
     import torch
 
-    from engines.reference.runner import ChunkInput
-    from engines.reference.scheduler import ScheduledChunk, SchedulerOutput
+    from engines.reference.runtime.runner import ChunkInput
+    from engines.reference.runtime.scheduler import ScheduledChunk, SchedulerOutput
 
     # n > 1: a group leader's logits row [1, V] for its waiting samples, and its raw logprobs
     # row when it wants logprobs.
@@ -221,7 +240,6 @@ class ReferenceEngine:
         ):
             if not isinstance(value, int) or value < 1:
                 raise EngineError(f"{name} must be an integer >= 1, got {value!r}")
-        from engines.speculative import resolve
 
         self._speculative = resolve("reference", speculative)
         self._spec_limit = DEFAULT_DISABLE_ABOVE_BATCH_SIZE
@@ -230,10 +248,10 @@ class ReferenceEngine:
         self._num_threads = num_threads or os.cpu_count() or 1
         self._profiler: NoProfiler = NO_PROFILER  # replaced by _load when profiling
         self.drafter: Any = None  # method draft: set by _load
-        self._grammars: Any = None  # engines.reference.grammar.Grammars, on first use
+        self._grammars: Any = None  # engines.reference.sampling.grammar.Grammars, on first use
         self._grammars_lock = threading.Lock()
         self._processing: Any = None  # processing.LogitsProcessing, made by _load
-        self._test_step_delay_s = testhooks.step_delay_s()  # 0 outside tests
+        self._test_step_delay_s = faults.step_delay_s()  # 0 outside tests
         self._cv = threading.Condition()
         self._inbox: deque[_Live] = deque()
         self._outbox = Outbox()  # step-loop thread only
@@ -313,19 +331,6 @@ class ReferenceEngine:
         thread)."""
         import torch
 
-        from engines.reference.kv_cache import BlockManager
-        from engines.reference.linear import fallback_note
-        from engines.reference.resources import (
-            load_tokenizer,
-            pool_blocks,
-            resolve_device,
-            resolve_dtype,
-            resolve_max_model_len,
-        )
-        from engines.reference.runner import ModelRunner, kv_bytes_per_token
-        from engines.reference.scheduler import Scheduler, SchedulerConfig
-        from engines.reference.weights import load_model
-
         self._torch_device = resolve_device(device)
         self._torch_dtype = getattr(torch, resolve_dtype(dtype, self._torch_device))
         self.config: ModelConfig = load_model_config(model_dir)
@@ -335,7 +340,6 @@ class ReferenceEngine:
         note = fallback_note(self._torch_device, self._torch_dtype)
         self.limitations: tuple[str, ...] = (note,) if note else ()
         self.tokenizer = load_tokenizer(model_dir)
-        from engines.reference.pooling import embed_defaults
 
         self._embed_defaults = embed_defaults(model_dir)
 
@@ -369,10 +373,8 @@ class ReferenceEngine:
             except (ValueError, OSError) as exc:
                 raise EngineError(f"profile_dir={profile_dir!r}: {exc}") from exc
         self.runner.profiler = self._profiler
-        # Method draft: the draft model with its own KV pool (engines/reference/draft.py).
+        # Method draft: the draft model with its own KV pool (engines/reference/speculative/draft.py).
         if self._speculative is not None and self._speculative.method == "draft":
-            from engines.reference.draft import Drafter, draft_pool_blocks
-
             k = self._speculative.num_tokens
             self.drafter = Drafter(
                 self._speculative.model,
@@ -388,7 +390,6 @@ class ReferenceEngine:
                 dtype=self._torch_dtype,
                 device=self._torch_device,
             )
-        from engines.reference.processing import LogitsProcessing
 
         self._processing = LogitsProcessing(self.config.vocab_size, self._torch_device)
         self._default_generator = torch.Generator(device=self._torch_device)
@@ -460,7 +461,6 @@ class ReferenceEngine:
             self.drafter.close()
 
     def _submit(self, request: GenerationRequest, sink: Sink, is_stream: bool) -> None:
-        from engines.reference.scheduler import Request
 
         metrics = RequestMetrics(arrival_time=time.monotonic())
         if request.embed is not None:
@@ -538,7 +538,6 @@ class ReferenceEngine:
 
     def _compile(self, fmt: Any) -> tuple[Any, str | None]:
         """(compiled grammar, None) or (None, why the format cannot be used)."""
-        from engines.reference.grammar import GrammarError, Grammars
 
         if self.tokenizer is None:
             return None, "response_format needs a tokenizer, and the model directory has none"
@@ -619,7 +618,6 @@ class ReferenceEngine:
 
     def _embed_step(self, batch: list[_Embedding]) -> None:
         """Embed a batch of prompts in one dense forward; record it as a prefill-only step."""
-        from engines.reference.pooling import pool
 
         start = time.monotonic()
         prompts = [e.request.prompt_token_ids for e in batch]
@@ -650,8 +648,6 @@ class ReferenceEngine:
             self._outbox.put(e.sink, StreamDelta([], "", True, result) if e.is_stream else result)
 
     def _admit(self, live: _Live) -> None:
-        from engines.reference.detokenize import IncrementalDetokenizer
-        from engines.reference.sampler import make_generator
 
         sampling = live.request.sampling
         if self.tokenizer is not None and (live.is_stream or sampling.stop):
@@ -686,8 +682,6 @@ class ReferenceEngine:
         # decode one token a step instead (correct, just not faster).
         may_speculate = not (sampling.uses_logits_processing or sampling.min_p)
         if spec is not None and live.matcher is None and live.logprobs is None and may_speculate:
-            from engines.reference.speculative import NgramIndex
-
             if spec.method == "draft":
                 live.is_drafting = True
             else:
@@ -707,7 +701,6 @@ class ReferenceEngine:
         the whole group. Samples that do not fit now (batch or KV pool full) queue as
         ordinary requests; prefix caching still spares them the prompt's full blocks.
         Returns the forked samples and their first tokens."""
-        from engines.reference.sampler import sample
 
         forked: list[_Live] = []
         for member in waiters:
@@ -762,8 +755,6 @@ class ReferenceEngine:
             elif room > 0:
                 drafting.append(live)
         if drafting:
-            from engines.reference.draft import DraftRequest
-
             wanted = []
             for live in drafting:
                 req = live.sched
@@ -831,7 +822,6 @@ class ReferenceEngine:
     def _chunk_inputs(self, output: SchedulerOutput, start: float) -> list[ChunkInput]:
         """What the runner needs about each scheduled chunk (and the requests' first
         scheduled time)."""
-        from engines.reference.runner import ChunkInput
 
         inputs = []
         for chunk in output.chunks:
@@ -870,8 +860,6 @@ class ReferenceEngine:
     def _verify_or_sample(self, logits: torch.Tensor, rows: _SamplingRows) -> list[list[int]]:
         """Each sampling chunk's emitted tokens: its accepted proposals and the model's own
         next token when the step carries proposals, else its one sampled token."""
-        from engines.reference.sampler import sample
-        from engines.reference.speculative import verify
 
         lives = rows.lives
         params = [lv.request.sampling for lv in lives]
@@ -1023,8 +1011,6 @@ class ReferenceEngine:
         keyword arguments; None when the request goes on."""
         sampling = live.request.sampling
         if live.matcher is not None:
-            from engines.reference.grammar import accept, is_complete
-
             if not accept(live.matcher, token):
                 return {"reason": "error", "error": f"token {token} breaks the response_format"}
             if is_complete(live.matcher):

@@ -42,7 +42,7 @@ from engines.api import (
     StreamDelta,
     TokenLogprob,
 )
-from engines.reference.detokenize import IncrementalDetokenizer, final_text
+from engines.detokenize import IncrementalDetokenizer, final_text
 from engines.requests import admit, context_length, eos_token_ids, error_result, read_config
 from engines.synthetic.plan import (
     RequestPlan,

@@ -7,6 +7,8 @@ import json
 import typer
 
 from pipeline.cli.app import app
+from pipeline.doctor import Status, run_checks
+from pipeline.doctor.findings import unmet
 
 CAPABILITIES = (
     "reference",
@@ -46,9 +48,6 @@ def doctor(
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
-
-    from pipeline.doctor import Status, run_checks
-    from pipeline.doctor.findings import unmet
 
     unknown = [r for r in require if r not in CAPABILITIES]
     if unknown:

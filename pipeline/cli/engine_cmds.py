@@ -6,6 +6,9 @@ from pathlib import Path
 
 import typer
 
+from engines.dev.bench import MODES, BenchConfig, format_summary, run_bench
+from engines.dev.tiny import ARCHS
+from engines.dev.tiny import make_tiny_model as build
 from pipeline.cli.app import app
 
 
@@ -28,7 +31,6 @@ def make_tiny_model(
     ),
 ) -> None:
     """Train a byte-level BPE tokenizer locally and save a random model with it."""
-    from engines.dev.tiny import make_tiny_model as build
 
     try:
         path = build(
@@ -104,9 +106,6 @@ def bench(
     FLOP/s. With --profile, also the reference engine's time per step phase (docs/engine.md).
     """
     import json
-
-    from engines.dev.bench import MODES, BenchConfig, format_summary, run_bench
-    from engines.dev.tiny import ARCHS
 
     chosen = tuple(m.strip() for m in modes.split(",") if m.strip())
     unknown = [m for m in chosen if m not in MODES]

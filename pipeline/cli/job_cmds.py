@@ -13,10 +13,13 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
+from pipeline.batch.driver.demo import prepare_demo
 from pipeline.cli.app import app
+from pipeline.spec import SpecError, load_job_spec
+from pipeline.storage import StorageError
 
 if TYPE_CHECKING:
-    from pipeline.batch.run import RunResult
+    from pipeline.batch.driver.run import RunResult
 
 EXIT_FAILED = 1
 
@@ -100,7 +103,7 @@ def run_job_with_report(
     emit: Callable[[str], None] = _err,
 ) -> RunResult:
     """`run_job`, then the run report of whatever the run committed."""
-    from pipeline.batch.run import run_job
+    from pipeline.batch.driver.run import run_job
 
     result = run_job(spec, fresh=fresh, retry_errors=retry_errors, emit=emit)
     write_run_report(spec, emit)
@@ -109,15 +112,13 @@ def run_job_with_report(
 
 def run_and_report(spec: Any, *, fresh: bool, retry_errors: bool) -> int:
     """Run the job, print progress and the summary; returns the exit code."""
-    from pipeline.batch.run import (
+    from pipeline.batch.driver.run import (
         JobFailed,
         LeaseHeld,
         LeaseLost,
         ResourceError,
         ResumeRefused,
     )
-    from pipeline.spec import SpecError
-    from pipeline.storage import StorageError
 
     try:
         result = run_job_with_report(spec, fresh=fresh, retry_errors=retry_errors, emit=_err)
@@ -154,7 +155,6 @@ def run_cmd(
     ),
 ) -> None:
     """Run (or resume) a batch job on the Ray cluster at RAY_ADDRESS, or on a local one."""
-    from pipeline.spec import SpecError, load_job_spec
 
     try:
         spec = load_job_spec(job, overrides=set_, date=date)
@@ -175,8 +175,6 @@ def demo_cmd(
     set_: list[str] = typer.Option([], "--set", help="Extra overrides for jobs/demo.yaml."),
 ) -> None:
     """Build a tiny model and a sample dataset, run jobs/demo.yaml, print the summary."""
-    from pipeline.batch.demo import prepare_demo
-    from pipeline.spec import SpecError
 
     try:
         spec = prepare_demo(workdir, num_rows=rows, overrides=set_, emit=_err)

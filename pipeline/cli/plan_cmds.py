@@ -12,6 +12,9 @@ from pathlib import Path
 import typer
 
 from pipeline.cli.app import app
+from pipeline.openai.chat import PromptError
+from pipeline.spec import SpecError, load_job_spec
+from pipeline.storage import StorageError
 
 _SET_HELP = "Override a field: --set sampling.max_tokens=64 (repeatable; YAML values)."
 _DATE_HELP = "Run date for {{ date }} (YYYY-MM-DD); default: the file's date or today (UTC)."
@@ -32,13 +35,11 @@ def validate(
     ),
 ) -> None:
     """Parse and check a job file (and with --check-storage, its inputs and model)."""
-    from pipeline.spec import SpecError, load_job_spec
-    from pipeline.storage import StorageError
 
     try:
         spec = load_job_spec(job, overrides=set_, date=date)
         if check_storage:
-            from pipeline.batch.plan import preflight
+            from pipeline.batch.driver.plan import preflight
 
             files = preflight(spec)
             for file in files:
@@ -65,10 +66,7 @@ def plan(
     as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
 ) -> None:
     """Count rows, tokenize a sample, find error rows, estimate time and cost."""
-    from pipeline.batch.plan import build_plan, format_plan
-    from pipeline.openai.chat import PromptError
-    from pipeline.spec import SpecError, load_job_spec
-    from pipeline.storage import StorageError
+    from pipeline.batch.driver.plan import build_plan, format_plan
 
     try:
         spec = load_job_spec(job, overrides=set_, date=date)

@@ -17,9 +17,17 @@ from typing import Any
 import typer
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from engines.quantize.config import QuantizationSpec
+from engines.quantize.artifacts import QualityGateFailed, build_or_reuse
+from engines.quantize.config import QuantizationSpec, QuantizeError
 from pipeline.cli.app import app
-from pipeline.spec import StorageSpec
+from pipeline.spec import (
+    SpecError,
+    StorageSpec,
+    apply_overrides,
+    format_validation_error,
+    load_yaml,
+)
+from pipeline.storage import StorageError, filesystem_for, materialize_model
 
 EXIT_QUALITY_FAILED = 3
 
@@ -49,7 +57,6 @@ def _fail(message: str, code: int = 1) -> None:
 
 
 def load_quantize_spec(path: Path, overrides: list[str]) -> QuantizeJobSpec:
-    from pipeline.spec import SpecError, apply_overrides, format_validation_error, load_yaml
 
     try:
         text = path.read_text()
@@ -68,7 +75,6 @@ def load_quantize_spec(path: Path, overrides: list[str]) -> QuantizeJobSpec:
 def _spec_from_options(
     model: str, out: str, options: dict[str, Any], endpoint_url: str | None
 ) -> QuantizeJobSpec:
-    from pipeline.spec import SpecError, format_validation_error
 
     calibration = {
         k: v
@@ -101,8 +107,6 @@ def _spec_from_options(
 
 def run_quantize_job(job: QuantizeJobSpec, overwrite: bool = False):
     """Fetch the source model if remote, then build or reuse the artifact at job.output."""
-    from engines.quantize.artifacts import build_or_reuse
-    from pipeline.storage import filesystem_for, materialize_model
 
     model_dir = materialize_model(job.model, job.model_cache_dir, job.storage, field="model")
     out_fs, _ = filesystem_for(job.output, job.storage)
@@ -162,10 +166,6 @@ def quantize(
     ),
 ) -> None:
     """Quantize a checkpoint to FP8 or NVFP4 with ModelOpt, check its quality, publish it."""
-    from engines.quantize.artifacts import QualityGateFailed
-    from engines.quantize.config import QuantizeError
-    from pipeline.spec import SpecError
-    from pipeline.storage import StorageError
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:

@@ -7,6 +7,8 @@ import json
 import typer
 
 from pipeline.cli.app import app
+from pipeline.spec import StorageSpec
+from pipeline.storage import OutputDir, StorageError
 
 EXIT_NO_OUTPUT = 2  # the URI holds no tokenmill output (or cannot be read)
 
@@ -36,8 +38,6 @@ def report_cmd(
         summary_rows,
         write_report,
     )
-    from pipeline.spec import StorageSpec
-    from pipeline.storage import OutputDir, StorageError
 
     storage = StorageSpec(endpoint_url=endpoint_url, region=region, anonymous=anonymous)
     err = Console(stderr=True)

@@ -7,7 +7,13 @@ from typing import TYPE_CHECKING
 
 import typer
 
+from engines.dev.tiny import make_tiny_model
 from pipeline.cli.app import app
+from pipeline.serve.access.auth import AuthConfigError, digest, load_key_digests
+from pipeline.serve.access.keys import KeyFileError, entry_snippet, load_key_file
+from pipeline.serve.run import ServerOptions, run_server
+from pipeline.serve.spec import load_serve_spec
+from pipeline.spec import SpecError
 
 if TYPE_CHECKING:
     from pipeline.serve.spec import ServeSpec
@@ -52,11 +58,6 @@ def serve_cmd(
             err=True,
         )
         raise typer.Exit(2)
-    from pipeline.serve.access.auth import AuthConfigError, load_key_digests
-    from pipeline.serve.access.keys import KeyFileError, load_key_file
-    from pipeline.serve.run import ServerOptions, run_server
-    from pipeline.serve.spec import load_serve_spec
-    from pipeline.spec import SpecError
 
     try:
         spec = load_serve_spec(config)
@@ -101,9 +102,6 @@ def key_digest_cmd(
     or, at a terminal, asks for it without echo; the key itself is never printed."""
     import sys
 
-    from pipeline.serve.access.auth import digest
-    from pipeline.serve.access.keys import entry_snippet
-
     if sys.stdin.isatty():
         key = typer.prompt("API key", hide_input=True)
     else:
@@ -117,7 +115,6 @@ def key_digest_cmd(
 
 
 def _make_missing_models(paths: list[str]) -> None:
-    from engines.dev.tiny import make_tiny_model
 
     for path in paths:
         local = Path(path).expanduser()

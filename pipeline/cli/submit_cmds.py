@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 
 from pipeline.cli.app import app
+from pipeline.submit import SubmitError, SubmitRequest, range_exit_code, submit, submit_range
 
 
 @app.command("submit")
@@ -66,7 +67,6 @@ def submit_cmd(
     3 job finished with too many error rows, 4 cluster unreachable or refused,
     5 job stopped at its cost budget.
     """
-    from pipeline.submit import SubmitError, SubmitRequest, range_exit_code, submit, submit_range
 
     if no_env and env_from:
         typer.echo("--no-env and --env-from contradict each other; pass one", err=True)

@@ -54,7 +54,7 @@ class RowSums:
 
 
 def row_sums(rows: pa.Table) -> RowSums:
-    """The sums of output rows (columns of pipeline.batch.schema.RESULT_FIELDS)."""
+    """The sums of output rows (columns of pipeline.batch.stages.schema.RESULT_FIELDS)."""
     import pyarrow.compute as pc
 
     if rows.num_rows == 0:

@@ -13,8 +13,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field, ValidationError
 
+from engines.strict import StrictModel
 from pipeline.spec import (
     CostSpec,
     EngineSpec,
@@ -35,11 +36,7 @@ NO_FILES = "dataset"
 JOB_NAME = "dataset-processor"
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
-
-
-class DatasetColumns(_Strict):
+class DatasetColumns(StrictModel):
     id_column: str | None = Field(
         None,
         description="Column holding a unique, stable row id (written to `id` as text). Null: "
@@ -57,7 +54,7 @@ class DatasetColumns(_Strict):
     )
 
 
-class ProcessorConfig(_Strict):
+class ProcessorConfig(StrictModel):
     input: DatasetColumns = Field(
         default_factory=DatasetColumns, description="Which Dataset columns hold id and prompt."
     )

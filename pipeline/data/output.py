@@ -16,11 +16,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from pipeline.spec import StorageSpec
+from pipeline.storage import OutputDir
 
 if TYPE_CHECKING:
     from ray.data import Dataset
 
-    from pipeline.batch.commit.manifest import Manifest
+    from pipeline.batch.interface.output import Manifest
 
 
 class OutputNotFound(FileNotFoundError):
@@ -41,9 +42,7 @@ def read_output(
     unless `allow_incomplete`."""
     import ray.data
 
-    from pipeline.batch.commit.manifest import read_manifest
-    from pipeline.batch.commit.parts import SUCCESS_NAME
-    from pipeline.storage import OutputDir
+    from pipeline.batch.interface.output import SUCCESS_NAME, read_manifest
 
     out = OutputDir(uri, storage or StorageSpec())
     manifest = read_manifest(out)

@@ -17,7 +17,7 @@
   of two blocks at once on the actor's event loop, so the next rows enter the engine while
   the last rows of earlier batches decode);
 - returns the batch's columns with `id` and the result columns of `tokenmill run`'s output
-  (pipeline.batch.schema) added; a result column replaces an input column of the same name.
+  (pipeline.batch.stages.schema) added; a result column replaces an input column of the same name.
 
 A bad row is an error row (`finish_reason` error, `error` says why), never a failed Dataset.
 
@@ -44,7 +44,10 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from engines import faults
+from pipeline.cost import ActorAccount, CostMeter
 from pipeline.data.config import ProcessorConfig, processor_config
+from pipeline.engine_setup import open_engine
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -69,7 +72,7 @@ def build_processor(
     those sections). `preprocess` / `postprocess`: row functions run before and after
     generation (Ray Data `map`). Raises SpecError for an invalid config, before any actor
     starts."""
-    from pipeline.batch.plan import check_reasoning
+    from pipeline.batch.interface.dataset import check_reasoning
 
     checked = processor_config(config)
     check_reasoning(checked.job_spec())  # prompt.reasoning's tokens, before any actor
@@ -91,14 +94,12 @@ class Processor:
         import ray
         from ray.data import ActorPoolStrategy
 
-        from engines.dev import testhooks
-
         if self._book is None:
             self._book = ray.remote(AccountBook).options(num_cpus=0).remote()
         res = self.config.resources
         if self.preprocess is not None:
             ds = ds.map(self.preprocess)
-        hooks = testhooks.forwarded_env()  # empty outside tests
+        hooks = faults.forwarded_env()  # empty outside tests
         with warnings.catch_warnings():
             # Ray Data's actor defaults restart a dead actor and retry its batch forever: a
             # batch that kills its engine would never end. Ray 2.60 takes the limits only as
@@ -135,8 +136,6 @@ class Processor:
         was executed): its device time as of its last batch. attributed_s + pending_s +
         idle_s + load_s == devices x lifetime_s for each. [] before any actor started."""
         import ray
-
-        from pipeline.cost import ActorAccount
 
         if self._book is None:
             return []
@@ -181,13 +180,14 @@ class EngineStage:
     def __init__(self, config: ProcessorConfig, book: Any) -> None:
         import ray
 
-        from engines.dev import testhooks
-        from pipeline.batch.generate import RowServer, current_actor_id, reasoning_parser
-        from pipeline.batch.prompts import PromptStage
-        from pipeline.batch.rows import GenerateConfig
-        from pipeline.batch.schema import job_output_schema
-        from pipeline.cost import CostMeter
-        from pipeline.engine_setup import open_engine
+        from pipeline.batch.interface.dataset import (
+            GenerateConfig,
+            PromptStage,
+            RowServer,
+            current_actor_id,
+            job_output_schema,
+            reasoning_parser,
+        )
 
         started = time.monotonic()
         spec = config.job_spec()
@@ -212,7 +212,7 @@ class EngineStage:
         self.key = f"{self.actor_id}/{uuid.uuid4().hex[:12]}"  # a restart keeps the actor id
         self.book = book
         self.started = started
-        self._barrier = testhooks.processor_barrier()  # 0 outside tests
+        self._barrier = faults.processor_barrier()  # 0 outside tests
         self._slots: asyncio.Semaphore | None = None  # made on the event loop that uses it
         ray.get(self._report())  # a loaded actor is paid for even if it never gets a batch
 
@@ -265,17 +265,17 @@ def prepare_rows(batch: pa.Table, spec: JobSpec, prompts: Any) -> list[dict[str,
     """The batch's rows as the row server takes them: the batch's columns (template
     variables), the read columns (`_row`, id, prompt, messages, error, coerced override
     sources) and the prompt stage's (token ids, sampling values, error)."""
-    from pipeline.batch.read.columns import (
+    from pipeline.batch.interface.dataset import (
         ERROR,
         ID,
         MESSAGES,
         PROMPT,
         ROW,
         apply_overrides,
+        columns_needed,
         messages_value,
         text_prompt,
     )
-    from pipeline.batch.read.parquet import columns_needed
 
     inp = spec.input
     needed = columns_needed(spec)
@@ -316,8 +316,7 @@ def output_table(
     """The batch's own columns, then `id` and the result columns (which win a name clash)."""
     import pyarrow as pa
 
-    from pipeline.batch.read.columns import ID, ROW
-    from pipeline.batch.rows import outcomes_to_table
+    from pipeline.batch.interface.dataset import ID, ROW, outcomes_to_table
 
     keys = pa.table(
         {

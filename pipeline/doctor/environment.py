@@ -12,6 +12,7 @@ from urllib.parse import urlparse
 
 from pipeline.doctor.findings import Finding, Status
 from pipeline.doctor.packages import installed_version
+from pipeline.submit import resolve_auth_token
 
 KEY_PAIR = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
 ENDPOINTS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "S3_ENDPOINT_URL")
@@ -68,7 +69,6 @@ def check_storage(env: Mapping[str, str], home: Path | None = None) -> list[Find
 
 def _dashboard_version(address: str, env: Mapping[str, str], timeout_s: float) -> str:
     """The Ray version the dashboard at `address` reports (raises on failure)."""
-    from pipeline.submit import resolve_auth_token
 
     request = urllib.request.Request(address.rstrip("/") + "/api/version")
     token = resolve_auth_token(env)

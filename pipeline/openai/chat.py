@@ -13,7 +13,7 @@ a text) → the model's prompt token ids.
   of an OpenAI /v1/completions prompt: a raw continuation.
 
 Serve (pipeline.serve.protocol.tokens) renders a request with `render_prompt`; the batch prompt
-stage (pipeline.batch.prompts) renders rows with the same pieces (`prompt_chat`,
+stage (pipeline.batch.stages.prompts) renders rows with the same pieces (`prompt_chat`,
 `apply_chat_template`) over many rows at once, so a prompt served and the same prompt in a job
 reach the engine as identical ids.
 """
@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pipeline.spec import ModelSpec, PromptSpec, StorageSpec
+from pipeline.storage import materialize_model
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # Files a tokenizer needs; the weights are not downloaded to tokenize.
@@ -44,8 +45,6 @@ class PromptError(ValueError):
 def load_tokenizer(model: ModelSpec, storage: StorageSpec) -> Any:
     """The Hugging Face tokenizer for the model (or `model.tokenizer`); one per process."""
     from transformers import AutoTokenizer
-
-    from pipeline.storage import materialize_model
 
     source = model.tokenizer or model.path
     field = "model.tokenizer" if model.tokenizer else "model.path"

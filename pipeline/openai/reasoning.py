@@ -38,6 +38,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
+from engines.detokenize import IncrementalDetokenizer
+
 ReasoningFormat = Literal["none", "think", "harmony"]
 REASONING_FORMATS: tuple[str, ...] = ("none", "think", "harmony")
 REASONING_EFFORTS: tuple[str, ...] = ("low", "medium", "high")
@@ -315,7 +317,6 @@ class HarmonyStream:
     `<|end|>`, `<|return|>` or `<|call|>`), again and again."""
 
     def __init__(self, parser: HarmonyParser) -> None:
-        from engines.reference.detokenize import IncrementalDetokenizer
 
         self._parser = parser
         self._detokenizer_cls = IncrementalDetokenizer

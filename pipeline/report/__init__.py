@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeline.batch.commit.stats import error_kind
+from pipeline.batch.interface.output import error_kind
 from pipeline.report.markdown import fmt, render_markdown, summary_rows, usd
 from pipeline.report.plots import render_plots
 from pipeline.report.summary import (

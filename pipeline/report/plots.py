@@ -13,7 +13,7 @@ from __future__ import annotations
 import io
 from typing import Any
 
-from pipeline.batch.commit.stats import Histogram
+from pipeline.batch.interface.output import Histogram
 from pipeline.report.summary import ReportInputs, ReportSummary, short_actor
 
 

@@ -15,8 +15,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from pipeline.batch.commit.parts import MANIFEST_NAME, PartRecord
-from pipeline.batch.commit.stats import RowStats, SpecCounts
+from pipeline.batch.interface.output import MANIFEST_NAME, PartRecord, RowStats, SpecCounts
 from pipeline.cost import (
     ActorAccount,
     CostEstimate,

@@ -61,8 +61,8 @@ from pipeline.openai.responses import (
     usage_chunk_body,
 )
 from pipeline.openai.sse import SSE_DONE, sse
-from pipeline.serve.access.auth import KeyDigests
-from pipeline.serve.access.keys import ApiKey, KeyFileWatcher
+from pipeline.serve.access.auth import KeyDigests, load_key_digests
+from pipeline.serve.access.keys import ApiKey, KeyFileWatcher, load_key_file
 from pipeline.serve.access.limits import (
     Admission,
     Gate,
@@ -94,6 +94,7 @@ from pipeline.serve.spec import (
     ServedModelSpec,
     ServeSpec,
     engine_deployment_options,
+    load_serve_spec,
     one_hop_deployment_options,
 )
 from pipeline.serve.usage import CLIENT_CLOSED, UsageAccounting, UsageLog, sink_for
@@ -1056,9 +1057,6 @@ def app_builder(args: dict[str, str]) -> serve.Application:
     """Entry for `serve run pipeline.serve.app:app_builder config=SERVE.yaml` and KubeRay's
     RayService serveConfigV2 (import_path + args). Keys come from this process's environment
     or secrets file; `insecure_no_auth=true` in args opts out explicitly."""
-    from pipeline.serve.access.auth import load_key_digests
-    from pipeline.serve.access.keys import load_key_file
-    from pipeline.serve.spec import load_serve_spec
 
     spec = load_serve_spec(args["config"])
     insecure = str(args.get("insecure_no_auth", "false")).lower() in ("1", "true", "yes")

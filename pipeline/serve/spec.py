@@ -14,8 +14,9 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
 
+from engines.strict import StrictModel
 from pipeline.spec import (
     CostSpec,
     EngineSpec,
@@ -28,14 +29,12 @@ from pipeline.spec import (
     load_yaml,
 )
 
+ROUTER_PATH = "pipeline.serve.replicas.routing:PrefixAffinityRouter"
+
 DEFAULT_API_KEYS_ENV = "TOKENMILL_API_KEYS"
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
-
-
-class ReplicaSpec(_Strict):
+class ReplicaSpec(StrictModel):
     min_replicas: int = Field(1, ge=0, description="Autoscaling lower bound of engine replicas.")
     max_replicas: int = Field(1, ge=1, description="Autoscaling upper bound of engine replicas.")
     target_ongoing_requests: float = Field(
@@ -103,7 +102,7 @@ class ReplicaSpec(_Strict):
         return self
 
 
-class RequestLimitsSpec(_Strict):
+class RequestLimitsSpec(StrictModel):
     max_prompt_tokens: int | None = Field(
         None,
         ge=1,
@@ -136,7 +135,7 @@ SHUTDOWN_MARGIN_S = 30.0
 SHUTDOWN_FLOOR_S = 60.0
 
 
-class HealthSpec(_Strict):
+class HealthSpec(StrictModel):
     check_period_s: float = Field(
         10,
         gt=0,
@@ -182,7 +181,7 @@ class HealthSpec(_Strict):
         return max(SHUTDOWN_FLOOR_S, decode_s + SHUTDOWN_MARGIN_S)
 
 
-class ModelBatchSpec(_Strict):
+class ModelBatchSpec(StrictModel):
     """How `/v1/batches` runs this model: a pipeline job built from the model's own sections
     (model, prompt, cost) with these settings (see docs/batch-api.md)."""
 
@@ -212,7 +211,7 @@ class ModelBatchSpec(_Strict):
     )
 
 
-class ServedModelSpec(_Strict):
+class ServedModelSpec(StrictModel):
     name: str = Field(
         description="Model name clients send in `model` (and /v1/models lists).",
         pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:/-]{0,127}$",
@@ -260,7 +259,7 @@ class ServedModelSpec(_Strict):
         return self
 
 
-class AuthSpec(_Strict):
+class AuthSpec(StrictModel):
     api_keys_env: str = Field(
         DEFAULT_API_KEYS_ENV,
         pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
@@ -290,7 +289,7 @@ class AuthSpec(_Strict):
     )
 
 
-class HttpSpec(_Strict):
+class HttpSpec(StrictModel):
     host: str = Field("127.0.0.1", description="Listen address; --host overrides it.")
     port: int = Field(8000, ge=1, le=65535, description="Listen port; --port overrides it.")
     max_body_bytes: int = Field(
@@ -369,7 +368,7 @@ class HttpSpec(_Strict):
     )
 
 
-class UsageLogSpec(_Strict):
+class UsageLogSpec(StrictModel):
     uri: str = Field(
         description="Where usage records go, one JSON line per request sent to an engine. A "
         "local path: one file, appended to. s3://bucket/prefix: a new object per flush under "
@@ -390,7 +389,7 @@ class UsageLogSpec(_Strict):
     )
 
 
-class BatchApiSpec(_Strict):
+class BatchApiSpec(StrictModel):
     """`/v1/files` and `/v1/batches` (docs/batch-api.md)."""
 
     uri: str = Field(
@@ -457,7 +456,7 @@ class BatchApiSpec(_Strict):
     )
 
 
-class ServeSpec(_Strict):
+class ServeSpec(StrictModel):
     name: str = Field(
         "tokenmill",
         pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$",
@@ -560,8 +559,6 @@ def engine_deployment_options(served: ServedModelSpec) -> dict[str, Any]:
     }
     if replicas.routing == "prefix":
         from ray.serve.config import RequestRouterConfig
-
-        from pipeline.serve.replicas.routing import ROUTER_PATH
 
         options["request_router_config"] = RequestRouterConfig(
             request_router_class=ROUTER_PATH,

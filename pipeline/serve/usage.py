@@ -40,6 +40,8 @@ from pipeline.serve.metrics import ServeMetrics
 from pipeline.serve.spec import UsageLogSpec
 from pipeline.spec import StorageSpec
 from pipeline.storage.files import is_s3
+from pipeline.storage.prefix import OutputDir
+from pipeline.storage.retry import RetryPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -131,8 +133,6 @@ class PrefixSink:
     """A prefix of an object store: each batch a new object, named so they sort by time."""
 
     def __init__(self, uri: str, storage: StorageSpec, replica: str) -> None:
-        from pipeline.storage.prefix import OutputDir
-        from pipeline.storage.retry import RetryPolicy
 
         # A few seconds of retries per batch; a batch that still fails stays buffered.
         self._dir = OutputDir(uri, storage, RetryPolicy(total_s=10.0))

@@ -8,15 +8,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import ValidationError
 
 
 class SpecError(ValueError):
     """A job file that cannot run; the message names the file, the field path and the fix."""
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 
 
 def _short(value: Any, limit: int = 60) -> str:

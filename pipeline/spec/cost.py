@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
-from pipeline.spec.base import _Strict
+from engines.strict import StrictModel
 
 
-class LimitsSpec(_Strict):
+class LimitsSpec(StrictModel):
     max_error_fraction: float = Field(
         0.05,
         ge=0,
@@ -23,7 +23,7 @@ class LimitsSpec(_Strict):
     )
 
 
-class PricePerMillion(_Strict):
+class PricePerMillion(StrictModel):
     input: float = Field(0.0, ge=0, description="USD per 1M uncached input tokens.")
     cached_input: float | None = Field(
         None, ge=0, description="USD per 1M cached input tokens; null: the input price."
@@ -31,7 +31,7 @@ class PricePerMillion(_Strict):
     output: float = Field(0.0, ge=0, description="USD per 1M output tokens.")
 
 
-class CostSpec(_Strict):
+class CostSpec(StrictModel):
     device_hour_usd: float = Field(
         0.0,
         ge=0,

@@ -6,10 +6,12 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from pipeline.spec.base import _Strict
+from engines.speculative import problems
+from engines.strict import StrictModel
+from engines.synthetic.settings import SyntheticSettings
 
 
-class SpeculativeSpec(_Strict):
+class SpeculativeSpec(StrictModel):
     method: Literal["ngram", "draft", "eagle3", "mtp"] = Field(
         description="ngram (prompt lookup: propose the tokens that followed the last match of "
         "the request's own recent tokens in its prompt + output; no second model) | draft (a "
@@ -58,7 +60,7 @@ class SpeculativeSpec(_Strict):
     )
 
 
-class EngineSpec(_Strict):
+class EngineSpec(StrictModel):
     kind: Literal["reference", "trtllm", "vllm", "synthetic"] = Field(
         "reference",
         description="reference (PyTorch, runs anywhere incl. CPU) | trtllm (TensorRT-LLM, GPU) | "
@@ -150,8 +152,6 @@ class EngineSpec(_Strict):
     def _synthetic_settings(self) -> EngineSpec:
         """engine.kind synthetic: its settings (in `extra`) are checked now, not at load."""
         if self.kind == "synthetic":
-            from engines.synthetic.settings import SyntheticSettings
-
             shared = {"max_batch_size": self.max_batch_size, "max_model_len": self.max_model_len}
             given = {k: v for k, v in shared.items() if v is not None} | self.extra
             try:
@@ -162,7 +162,6 @@ class EngineSpec(_Strict):
 
     @model_validator(mode="after")
     def _speculative_runs_on_kind(self) -> EngineSpec:
-        from engines.speculative import problems
 
         if self.speculative is not None:
             found = problems(self.kind, self.speculative.model_dump())

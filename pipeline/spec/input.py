@@ -6,10 +6,11 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from pipeline.spec.base import _Strict
+from engines.strict import StrictModel
+from pipeline.spec.sources import check_source
 
 
-class InputSpec(_Strict):
+class InputSpec(StrictModel):
     uri: str | list[str] | None = Field(
         None,
         description="Input file(s): local paths, file://, or s3:// URIs; globs (`*`, `**`) and "
@@ -120,8 +121,6 @@ class InputSpec(_Strict):
     @model_validator(mode="after")
     def _source_fields_fit_the_format(self) -> InputSpec:
         if self.format == "ray_data":
-            from pipeline.data.sources import check_source
-
             if self.uri is not None:
                 raise ValueError(
                     "input.uri does not apply to input.format ray_data: the reader's arguments "

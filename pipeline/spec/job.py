@@ -6,28 +6,27 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from pipeline.spec.base import _Strict
+from engines.api import EmbedParams, EngineError
+from engines.parallel import DEVICE_FACTORS, engine_devices
+from engines.strict import StrictModel
 from pipeline.spec.cost import CostSpec, LimitsSpec
 from pipeline.spec.engine import EngineSpec
 from pipeline.spec.input import InputSpec
 from pipeline.spec.model import ModelSpec
 from pipeline.spec.output import OutputSpec
 from pipeline.spec.prompt import PromptSpec
+from pipeline.spec.reserved import RESERVED_COLUMNS
 from pipeline.spec.resources import ResourcesSpec
 from pipeline.spec.sampling import SamplingSpec
 from pipeline.spec.storage import StorageSpec
 
 
 def reserved_columns() -> frozenset[str]:
-    """Column names the pipeline writes itself (pipeline.batch.schema.RESERVED_COLUMNS)."""
-    # The list is the output schema's; that module imports this one, so it is imported here,
-    # when a spec is validated, not when this module loads.
-    from pipeline.batch.schema import RESERVED_COLUMNS
-
+    """Column names the pipeline writes itself (pipeline.spec.reserved)."""
     return RESERVED_COLUMNS
 
 
-class EmbedSpec(_Strict):
+class EmbedSpec(StrictModel):
     pooling: Literal["last", "mean"] | None = Field(
         None,
         description="task embed: how the prompt's final hidden states become one vector: "
@@ -45,7 +44,7 @@ class EmbedSpec(_Strict):
 _GENERATION_ONLY = ("response_format", "logprobs", "prompt_logprobs")
 
 
-class JobSpec(_Strict):
+class JobSpec(StrictModel):
     name: str = Field(
         description="Job name: letters, digits, '-', '_' and '.'; used in submission ids.",
         pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$",
@@ -87,8 +86,6 @@ class JobSpec(_Strict):
     def _engine_devices(self) -> JobSpec:
         """The engine's parallel sizes (engine.extra) must span exactly the GPUs each actor
         reserves: more would wait for GPUs never given, fewer would pay for idle ones."""
-        from engines.api import EngineError
-        from engines.parallel import DEVICE_FACTORS, engine_devices
 
         try:
             needed = engine_devices(self.engine.kind, self.engine.extra)
@@ -140,7 +137,6 @@ class JobSpec(_Strict):
         """engines.api.EmbedParams for task embed; None for task generate."""
         if self.task != "embed":
             return None
-        from engines.api import EmbedParams
 
         return EmbedParams(pooling=self.embed.pooling, normalize=self.embed.normalize)
 

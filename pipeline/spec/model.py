@@ -5,10 +5,10 @@ from __future__ import annotations
 from pydantic import Field
 
 from engines.quantize.config import QuantizationSpec
-from pipeline.spec.base import _Strict
+from engines.strict import StrictModel
 
 
-class ModelSpec(_Strict):
+class ModelSpec(StrictModel):
     path: str = Field(
         description="Hugging Face model directory: a local path or an s3:// prefix (downloaded "
         "once per node into cache_dir)."

@@ -6,10 +6,10 @@ from typing import Literal
 
 from pydantic import Field
 
-from pipeline.spec.base import _Strict
+from engines.strict import StrictModel
 
 
-class OutputSpec(_Strict):
+class OutputSpec(StrictModel):
     uri: str = Field(
         min_length=1, description="Output directory: local path, file:// or s3:// prefix."
     )

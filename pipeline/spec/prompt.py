@@ -7,10 +7,10 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from pipeline.spec.base import _Strict
+from engines.strict import StrictModel
 
 
-class PromptSpec(_Strict):
+class PromptSpec(StrictModel):
     template: str | None = Field(
         None,
         description="Jinja2 template applied to each row to build the user prompt, e.g. "

@@ -6,10 +6,10 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from pipeline.spec.base import _Strict
+from engines.strict import StrictModel
 
 
-class ResourcesSpec(_Strict):
+class ResourcesSpec(StrictModel):
     num_actors: int | None = Field(
         1, ge=1, description="Fixed number of engine actors. Null with min/max_actors: autoscale."
     )

@@ -9,10 +9,11 @@ from typing import Any
 from pydantic import Field, field_validator
 
 from engines.api import PROCESSING_FIELDS
-from pipeline.spec.base import _Strict
+from engines.strict import StrictModel
+from pipeline.spec.response_format import parse_response_format
 
 
-class SamplingSpec(_Strict):
+class SamplingSpec(StrictModel):
     max_tokens: int = Field(256, ge=1, description="Tokens to generate at most per row.")
     temperature: float = Field(0.0, ge=0, description="0 is greedy.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass; 1 disables.")
@@ -130,8 +131,6 @@ class SamplingSpec(_Strict):
     @field_validator("response_format")
     @classmethod
     def _readable_format(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        from pipeline.openai.response_format import parse_response_format
-
         # FormatError is a ValueError: pydantic reports it under sampling.response_format.
         parse_response_format(value, "sampling.response_format")
         return value

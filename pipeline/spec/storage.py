@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from pipeline.spec.base import _Strict
+from engines.strict import StrictModel
 
 
-class StorageSpec(_Strict):
+class StorageSpec(StrictModel):
     endpoint_url: str | None = Field(
         None,
         description="S3 endpoint, e.g. https://storage.eu-north1.nebius.cloud. Credentials come "

@@ -25,7 +25,7 @@ import time
 import torch
 from torch import nn
 
-from engines.reference.linear import OneDnnLinear, onednn_refusal
+from engines.reference.model.linear import OneDnnLinear, onednn_refusal
 
 # (name, in_features, out_features) of the `small` model's linears
 LINEARS = [("qkv", 512, 768), ("gate_up", 512, 2816), ("down", 1408, 512), ("lm_head", 512, 8192)]

@@ -69,7 +69,7 @@ def workload(count: int, prompt_len: int, vocab: int, seed: int = 0) -> list[lis
 
 def set_variant(engine, variant: str) -> None:
     """Between runs (the engine idle): the runner reads the switch as it prepares each step."""
-    from engines.reference.cpu_kernels import use_kernels
+    from engines.reference.model.cpu_kernels import use_kernels
 
     engine.runner._paged_kernel = variant == "kernel" and use_kernels(engine.runner.device)
 
@@ -145,8 +145,8 @@ def main() -> None:
 
     import torch
 
-    from engines.reference.cpu_kernels import kernels_available
     from engines.reference.engine import ReferenceEngine
+    from engines.reference.model.cpu_kernels import kernels_available
 
     torch.set_num_threads(args.threads)
     if not kernels_available():

@@ -60,7 +60,7 @@ def job_dict(src: Path, model: Path, out: Path, args: argparse.Namespace) -> dic
 async def engine_alone(spec, rows: list[dict]) -> tuple[int, float]:
     """(output tokens, window seconds) for the rows through a bare engine."""
     from engines import GenerationRequest, SamplingParams
-    from pipeline.batch.prompts import PromptStage
+    from pipeline.batch.stages.prompts import PromptStage
     from pipeline.engine_setup import open_engine
 
     stage = PromptStage(spec)
@@ -91,7 +91,7 @@ def pipeline(spec) -> tuple[int, float, float]:
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
-    from pipeline.batch.run import run_job
+    from pipeline.batch.driver.run import run_job
 
     start = time.monotonic()
     result = run_job(spec, fresh=True)
@@ -120,7 +120,8 @@ def main() -> None:
 
     import ray
 
-    from engines.dev.tiny import make_tiny_model, sample_text
+    from engines.dev.tiny import make_tiny_model
+    from engines.quantize.calibration import sample_text
     from pipeline.spec import parse_job_spec
 
     work = Path(tempfile.mkdtemp(prefix="bench-pipeline-"))

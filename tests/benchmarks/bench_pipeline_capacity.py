@@ -193,7 +193,7 @@ def run(spec, sampler_interval: float) -> dict:
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
-    from pipeline.batch.run import run_job
+    from pipeline.batch.driver.run import run_job
 
     started = time.time()
     with CpuSampler(sampler_interval) as sampler:

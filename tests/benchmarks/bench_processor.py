@@ -18,7 +18,7 @@ instance with every core of the machine:
 
 All three: one engine actor (concurrency 1) with --engine-cpus CPUs reserved, the same random
 model built locally (`engines.dev.tiny.make_tiny_model`, --size), the same chat prompts
-(`engines.dev.tiny.sample_text`, one user message per row), greedy sampling with ignore_eos so
+(`engines.quantize.calibration.sample_text`, one user message per row), greedy sampling with ignore_eos so
 every row generates exactly --max-tokens tokens, --batch-size rows per Ray Data batch and at
 most --max-num-seqs sequences in the engine. Both vLLM sides get the same engine arguments
 (float32 as tokenmill uses on CPU, eager mode, prefix caching, the same KV cache bytes).
@@ -109,7 +109,7 @@ class Run:
 
 def chat_rows(num_rows: int) -> list[dict[str, Any]]:
     """One user message per row: pseudo-English sentences of 4 to 18 words."""
-    from engines.dev.tiny import sample_text
+    from engines.quantize.calibration import sample_text
 
     return [
         {"id": f"r{i:05d}", "messages": [{"role": "user", "content": text}]}

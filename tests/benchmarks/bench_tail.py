@@ -13,7 +13,7 @@ real data. First with `resources.tail_split: false`, then with the default (true
 Printed per run, from the manifest's run events and the driver process:
 - engine actor-seconds (every actor from the first hand-out to the end), idle actor-seconds
   (an actor up with no unit), and of those the ones at the tail: after the last whole shard
-  was handed out (pipeline.batch.occupancy); the tail's idle share of all actor-time;
+  was handed out (pipeline.batch.driver.occupancy); the tail's idle share of all actor-time;
 - the tail splits made; the wall time; the driver's peak RSS and CPU seconds (the
   `tokenmill run` process alone, sampled every 0.5 s);
 - every input id once in the committed output (checked: the run fails otherwise).
@@ -55,7 +55,7 @@ def write_input(server: S3Server, bucket: str, rows: int, files: int) -> str:
         )
         buffer = io.BytesIO()
         # Small row groups: shards are runs of whole row groups, so these let the shard plan
-        # size shards for the fleet (pipeline.batch.shards).
+        # size shards for the fleet (pipeline.batch.driver.shards).
         pq.write_table(table, buffer, row_group_size=500)
         server.put(f"s3://{bucket}/in/part-{f:03d}.parquet", buffer.getvalue())
     return f"s3://{bucket}/in/"

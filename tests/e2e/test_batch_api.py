@@ -20,7 +20,7 @@ import pytest
 import yaml
 from openai.types import Batch
 
-from engines.dev import testhooks
+from engines import faults
 from pipeline.serve.batch_api.batches import RESUME_KEY
 from tests.e2e import serve_fixtures
 from tests.e2e.serve_fixtures import API_KEY, OTHER_KEY, ServerProcess, serve_config, start_server
@@ -89,7 +89,7 @@ def engine_step_delay(seconds: float) -> Iterator[None]:
     """The engine test hook's step delay in this process's environment (a Ray head started
     inside inherits it, and so do its batch jobs and their engines)."""
     with pytest.MonkeyPatch.context() as patch:
-        for name, value in testhooks.step_delay_env(seconds).items():
+        for name, value in faults.step_delay_env(seconds).items():
             patch.setenv(name, value)
         yield
 

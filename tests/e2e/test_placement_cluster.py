@@ -20,9 +20,9 @@ from typing import Any
 
 import pytest
 
-from engines.reference.cpu_kernels import DISABLE_ENV
-from pipeline.batch.cluster import start_engines
-from pipeline.batch.schema import output_schema
+from engines.reference.model.cpu_kernels import DISABLE_ENV
+from pipeline.batch.driver.cluster import start_engines
+from pipeline.batch.stages.schema import output_schema
 from pipeline.spec import JobSpec, parse_job_spec
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from engines.reference.cpu_kernels import DISABLE_ENV
-from pipeline.batch.cluster import ResourceError, start_engines
-from pipeline.batch.schema import output_schema
+from engines.reference.model.cpu_kernels import DISABLE_ENV
+from pipeline.batch.driver.cluster import ResourceError, start_engines
+from pipeline.batch.stages.schema import output_schema
 from tests.e2e.test_placement_cluster import group_nodes, job, removed, started
 
 pytestmark = pytest.mark.timeout(420)

@@ -22,9 +22,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from engines.dev import testhooks
-from engines.reference.cpu_kernels import DISABLE_ENV
-from pipeline.batch.run import RunResult, run_job
+from engines import faults
+from engines.reference.model.cpu_kernels import DISABLE_ENV
+from pipeline.batch.driver.run import RunResult, run_job
 from pipeline.spec import parse_job_spec
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
@@ -37,7 +37,7 @@ def cluster(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
 
     monkeypatch.setenv(DISABLE_ENV, "0")  # see test_placement_cluster.py
     # 50 ms after every engine step (passed on to the actors): the loss lands mid-job.
-    for name, value in testhooks.step_delay_env(0.05).items():
+    for name, value in faults.step_delay_env(0.05).items():
         monkeypatch.setenv(name, value)
     if ray.is_initialized():
         ray.shutdown()

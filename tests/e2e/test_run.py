@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from engines.dev import testhooks
+from engines import faults
 
 RAY_STARTED = "Started a local Ray instance"
 
@@ -37,7 +37,7 @@ def cli_env() -> dict[str, str]:
 def slow_engine_env(step_delay_s: float) -> dict[str, str]:
     """cli_env() with the reference engine's test hook that sleeps after every step: a run a
     test kills or stops midway then has a midway whatever the machine's speed."""
-    return {**cli_env(), **testhooks.step_delay_env(step_delay_s)}
+    return {**cli_env(), **faults.step_delay_env(step_delay_s)}
 
 
 def tokenmill(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:

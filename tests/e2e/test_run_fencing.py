@@ -30,7 +30,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from engines.dev import testhooks
+from engines import faults
 from tests.e2e.test_run import cli_env, kill_tree, slow_engine_env
 from tests.integration.s3_server import S3Server, running_s3_server
 
@@ -248,7 +248,7 @@ def test_a_driver_stopped_inside_finish_wakes_after_a_takeover_and_deletes_nothi
     )
     # The first driver is slow (so the stop comes midway) and stops itself, every thread at
     # once, when it reaches Committer.finish: as a GC pause or a stopped container would.
-    env = {**slow_engine_env(0.02), testhooks.PAUSE_AT_ENV: "finish"}
+    env = {**slow_engine_env(0.02), faults.PAUSE_AT_ENV: "finish"}
     first = start(path, env=env)
     try:
         wait_for(lambda: part_names(), 240, "the first driver's first part")

@@ -34,7 +34,7 @@ SCRAPE_EVERY_S = 0.5
 
 DRIVER = """
 import json, logging, sys, yaml, ray
-from pipeline.batch.run import run_job
+from pipeline.batch.driver.run import run_job
 from pipeline.spec import parse_job_spec
 
 logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -73,7 +73,7 @@ def total(series: dict[str, list[tuple[dict[str, str], float]]], name: str, **ma
 
 @pytest.mark.timeout(240)
 def test_job_metrics_reach_prometheus(tmp_path: Path, model_dir: Path) -> None:  # noqa: F811
-    from engines.dev import testhooks
+    from engines import faults
 
     job = base_job(tmp_path, model_dir, rows=ROWS)
     job["name"] = "metrics-e2e"
@@ -85,7 +85,7 @@ def test_job_metrics_reach_prometheus(tmp_path: Path, model_dir: Path) -> None: 
     env = {
         **cli_env(),
         # Steps slow enough that the engine is busy for a few busy-gauge windows.
-        **testhooks.step_delay_env(0.15),
+        **faults.step_delay_env(0.15),
         "RAY_metrics_report_interval_ms": "1000",
         # Plain torch ops: no wait on the machine-wide CPU kernel build (and its lock).
         "TOKENMILL_CPU_KERNELS": "0",

@@ -168,7 +168,8 @@ def ray_head() -> Iterator[RayHead]:
 
 @pytest.fixture(scope="module")
 def job_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from engines.dev.tiny import make_tiny_model, sample_text
+    from engines.dev.tiny import make_tiny_model
+    from engines.quantize.calibration import sample_text
 
     root = tmp_path_factory.mktemp("submit-e2e")
     model = make_tiny_model(root / "model", arch="llama")

@@ -52,8 +52,9 @@ def main() -> None:
     import torch
     from transformers import AutoTokenizer
 
-    from engines.dev.tiny import make_tiny_model, sample_text
+    from engines.dev.tiny import make_tiny_model
     from engines.quantize.artifacts import build_or_reuse
+    from engines.quantize.calibration import sample_text
     from engines.quantize.config import QuantizationSpec
 
     if not torch.cuda.is_available():

@@ -81,7 +81,7 @@ def build_checkpoints(work: Path, size: str, fp8: bool, device: str) -> dict[str
 
 
 def write_prompts(path: Path, model: Path, rows: int) -> None:
-    from engines.dev.tiny import sample_text
+    from engines.quantize.calibration import sample_text
 
     sentences = sample_text(rows * 3, seed=11)
     with path.open("w") as out:

@@ -71,7 +71,7 @@ def _greedy(engine, prompts: list[list[int]]) -> list[list[int]]:
 def _prompts(model_dir: Path) -> list[list[int]]:
     from transformers import AutoTokenizer
 
-    from engines.dev.tiny import sample_text
+    from engines.quantize.calibration import sample_text
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     return [tok(t).input_ids[:24] for t in sample_text(6, seed=11)]

@@ -35,8 +35,8 @@ from pipeline.batch.commit.parts import (
     read_part_record,
     write_part,
 )
-from pipeline.batch.schema import output_schema
-from pipeline.batch.shards import RowRanges
+from pipeline.batch.stages.schema import output_schema
+from pipeline.batch.units import RowRanges
 from pipeline.spec import JobSpec, StorageSpec, parse_job_spec
 from pipeline.storage import (
     InputFile,

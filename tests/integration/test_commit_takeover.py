@@ -24,11 +24,16 @@ from pipeline.batch.commit.committer import Committer
 from pipeline.batch.commit.fingerprint import Fingerprint
 from pipeline.batch.commit.lease import Lease, LeaseLost
 from pipeline.batch.commit.manifest import ManifestConflict, read_manifest
-from pipeline.batch.commit.parts import LEASE_NAME, PartName, list_part_names, write_part
-from pipeline.batch.run import _export_openai_batch
-from pipeline.batch.schema import output_schema, schema_to_json
-from pipeline.batch.shards import Shard, ShardPlan
-from pipeline.batch.units import PartWritten
+from pipeline.batch.commit.parts import (
+    LEASE_NAME,
+    PartName,
+    PartWritten,
+    list_part_names,
+    write_part,
+)
+from pipeline.batch.driver.run import _export_openai_batch
+from pipeline.batch.stages.schema import output_schema, schema_to_json
+from pipeline.batch.units import Shard, ShardPlan
 from pipeline.spec import JobSpec, StorageSpec, parse_job_spec
 from pipeline.storage import OutputDir
 
@@ -103,7 +108,7 @@ def _rows(shard: int) -> pa.Table:
 
 
 class Run:
-    """One driver's commit path, step by step (what pipeline.batch.run does, minus Ray)."""
+    """One driver's commit path, step by step (what pipeline.batch.driver.run does, minus Ray)."""
 
     def __init__(self, out: OutputDir, spec: JobSpec, plan: ShardPlan):
         self.spec = spec
@@ -175,7 +180,7 @@ def _check_intact(out: OutputDir, b: Run) -> None:
     on_storage = set(list_part_names(out))
     assert listed <= on_storage, f"committed parts deleted: {sorted(listed - on_storage)}"
     if b.spec.output.format == "openai_batch":
-        from pipeline.batch.openai_output import expected_exports
+        from pipeline.batch.driver.openai_output import expected_exports
 
         present = set(out.names("openai-"))
         wanted = {

@@ -7,7 +7,7 @@ rows must be error rows, and the engine actors' accounts must add up.
 The pool autoscales from one engine actor to two. Ray Data starts `min_actors` (1) and adds
 one when the pool's tasks in flight reach `actor_pool_util_upscaling_threshold` x its
 concurrency; whether the new actor then gets rows would be a race with the first actor's
-speed. The processor barrier hook (engines.dev.testhooks) makes it certain: every batch waits
+speed. The processor barrier hook (engines.faults) makes it certain: every batch waits
 until two actors have one, so the first actor's batches pile up (utilization 2.0, above the
 1.75 threshold) and the blocks it cannot take wait for the second.
 """
@@ -24,10 +24,10 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from engines.dev import testhooks
+from engines import faults
 from pipeline.batch.commit.parts import table_to_parquet
-from pipeline.batch.run import run_job
-from pipeline.batch.schema import RESULT_FIELDS
+from pipeline.batch.driver.run import run_job
+from pipeline.batch.stages.schema import RESULT_FIELDS
 from pipeline.spec import JobSpec, SpecError
 from pipeline.storage import filesystem_for
 from tests.integration.s3_server import S3Server
@@ -127,8 +127,8 @@ def processed(
     ds = read_s3_dataset(source, spec).repartition(NUM_ROWS // BATCH_ROWS)
     with pytest.MonkeyPatch.context() as env:
         # Read when the Dataset runs: the engine actors get the hook, later calls do not.
-        env.setenv(testhooks.HOOKS_ENV, "1")
-        env.setenv(testhooks.PROCESSOR_BARRIER_ENV, "2")
+        env.setenv(faults.HOOKS_ENV, "1")
+        env.setenv(faults.PROCESSOR_BARRIER_ENV, "2")
         return processor, processor(ds).take_all()
 
 

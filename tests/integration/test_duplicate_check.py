@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.batch.commit import duplicates
-from pipeline.batch.run import run_job
+from pipeline.batch.driver.run import run_job
 from pipeline.spec import parse_job_spec
 
 pytestmark = pytest.mark.timeout(300)

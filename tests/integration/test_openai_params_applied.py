@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from pipeline.batch.run import run_job
+from pipeline.batch.driver.run import run_job
 from tests.integration.s3_server import S3Server
 from tests.integration.test_pipeline import make_spec, read_output
 

@@ -20,8 +20,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.batch.commit.parts import list_part_names, read_part, table_to_parquet
-from pipeline.batch.run import ResumeRefused, RunResult, run_job
-from pipeline.batch.schema import RESULT_FIELDS, TOKEN_IDS_FIELD
+from pipeline.batch.driver.run import ResumeRefused, RunResult, run_job
+from pipeline.batch.stages.schema import RESULT_FIELDS, TOKEN_IDS_FIELD
 from pipeline.spec import JobSpec, parse_job_spec
 from pipeline.storage import OutputDir
 from tests.integration.s3_server import S3Server
@@ -79,9 +79,9 @@ def read_output(server: S3Server, prefix: str) -> tuple[pa.Table, list[str]]:
 
 
 def count_ray_sessions(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Count the Ray sessions a job opens: outermost entries of pipeline.batch.run.ray_session
+    """Count the Ray sessions a job opens: outermost entries of pipeline.batch.driver.run.ray_session
     (one entered inside another reuses it)."""
-    import pipeline.batch.run as run_module
+    import pipeline.batch.driver.run as run_module
 
     opened, depth = [0], [0]
     real = run_module.ray_session

@@ -16,8 +16,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from engines.dev import testhooks
-from pipeline.batch.run import RunResult, run_job
+from engines import faults
+from pipeline.batch.driver.run import RunResult, run_job
 from pipeline.spec import parse_job_spec
 
 pytestmark = pytest.mark.timeout(300)
@@ -50,7 +50,7 @@ def test_killed_engine_actor_is_restarted_and_rows_land_once(
 ) -> None:
     # 50 ms after every engine step (the driver passes it on to its actors): rows take ~1 s,
     # so the kill lands mid-run on any machine.
-    for name, value in testhooks.step_delay_env(0.05).items():
+    for name, value in faults.step_delay_env(0.05).items():
         monkeypatch.setenv(name, value)
     ids = [f"row-{i:03d}" for i in range(48)]
     src = tmp_path / "in.jsonl"

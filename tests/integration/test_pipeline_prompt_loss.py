@@ -20,8 +20,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from engines.dev import testhooks
-from pipeline.batch.run import RunResult, run_job
+from engines import faults
+from pipeline.batch.driver.run import RunResult, run_job
 from pipeline.spec import JobSpec, parse_job_spec
 
 pytestmark = pytest.mark.timeout(400)
@@ -89,13 +89,13 @@ def test_a_shard_that_kills_the_prompt_actor_every_time_becomes_error_rows(
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    monkeypatch.setenv(testhooks.HOOKS_ENV, "1")
-    monkeypatch.setenv(testhooks.PROMPT_EXIT_ENV, POISON)
+    monkeypatch.setenv(faults.HOOKS_ENV, "1")
+    monkeypatch.setenv(faults.PROMPT_EXIT_ENV, POISON)
     lines = [{"id": f"row-{i:03d}", "p": f"Count the {i} rivers"} for i in range(60)]
     lines[30]["p"] = f"Count the {POISON} rivers"  # a row in the middle shard
     spec = _job(tmp_path, tiny_model_dir, lines, max_task_retries=1)
     started = time.monotonic()
-    with caplog.at_level("WARNING", logger="pipeline.batch.scheduler"):
+    with caplog.at_level("WARNING", logger="pipeline.batch.driver.scheduler"):
         result = _run_bounded(spec)
     assert not isinstance(result, BaseException), result
     assert result.status == "complete", result.message
@@ -134,9 +134,9 @@ def test_prompt_actors_the_cluster_cannot_place_fail_the_job_naming_them(
 ) -> None:
     import ray
 
-    from pipeline.batch import cluster, scheduler
-    from pipeline.batch import run as run_module
-    from pipeline.batch.prompts import PromptWorker
+    from pipeline.batch.driver import cluster, scheduler
+    from pipeline.batch.driver import run as run_module
+    from pipeline.batch.stages.prompts import PromptWorker
 
     def unplaceable(spec: JobSpec, passthrough: list[pa.Field]) -> cluster.Pool:
         # Prompt actors asking for a resource no node has: they never start, as on a cluster

@@ -9,12 +9,14 @@ import pyarrow as pa
 import pytest
 
 from engines.api import GenerationResult, RequestMetrics
-from pipeline.batch.cluster import ResourceError, check_cpu_headroom, ray_init_kwargs
-from pipeline.batch.generate import RowServer
-from pipeline.batch.prompts import prompt_pool_size
-from pipeline.batch.rows import GenerateConfig, RowOutcome, outcomes_to_table, row_sampling
-from pipeline.batch.run import RunResult
-from pipeline.batch.schema import conform, output_schema
+from pipeline.batch.commit.parts import conform
+from pipeline.batch.driver.cluster import ResourceError, check_cpu_headroom
+from pipeline.batch.driver.run import RunResult
+from pipeline.batch.session import ray_init_kwargs
+from pipeline.batch.stages.generate import RowServer
+from pipeline.batch.stages.prompts import prompt_pool_size
+from pipeline.batch.stages.rows import GenerateConfig, RowOutcome, outcomes_to_table, row_sampling
+from pipeline.batch.stages.schema import output_schema
 from pipeline.spec import JobSpec, SamplingSpec, parse_job_spec
 
 
@@ -156,7 +158,7 @@ def test_a_row_that_raises_becomes_that_rows_error() -> None:
 
 
 def test_demo_rows_vary_and_ids_are_unique() -> None:
-    from pipeline.batch.demo import DEMO_JOB, sample_rows
+    from pipeline.batch.driver.demo import DEMO_JOB, sample_rows
 
     rows = sample_rows(300)
     assert len({r["id"] for r in rows}) == 300

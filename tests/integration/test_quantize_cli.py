@@ -39,7 +39,7 @@ def test_quantize_spec_to_s3_then_reuse(source, s3_server, bucket, aws_env, tmp_
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from engines.dev.tiny import sample_text
+    from engines.quantize.calibration import sample_text
 
     s3_server.upload_dir(source, f"s3://{bucket}/models/llama")
     table = pa.table({"prompt": sample_text(60, seed=9)})

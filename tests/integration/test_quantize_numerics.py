@@ -86,7 +86,7 @@ def test_cpu_backend_reproduces_modelopt_dynamic_block_quantizer():
 
 
 def test_quantized_linears_follow_the_activation_dtype():
-    from engines.reference.quant import Fp8Linear, Nvfp4Linear
+    from engines.reference.model.quant import Fp8Linear, Nvfp4Linear
 
     torch.manual_seed(3)
     w = torch.randn(8, 32)
@@ -112,7 +112,7 @@ def test_quantized_linears_follow_the_activation_dtype():
 def test_apply_quantized_checkpoint_errors_name_the_tensors():
     from torch import nn
 
-    from engines.reference.quant import apply_quantized_checkpoint
+    from engines.reference.model.quant import apply_quantized_checkpoint
 
     model = nn.Module()
     model.proj = nn.Linear(32, 8)

@@ -23,7 +23,8 @@ def train_tiny_llama(out: Path, steps: int = TRAIN_STEPS) -> Path:
     import torch
     import transformers
 
-    from engines.dev.tiny import make_tiny_model, sample_text
+    from engines.dev.tiny import make_tiny_model
+    from engines.quantize.calibration import sample_text
 
     make_tiny_model(out, arch="llama", initializer_range=0.02)
     tok = transformers.AutoTokenizer.from_pretrained(out)

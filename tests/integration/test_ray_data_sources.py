@@ -16,7 +16,7 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.batch.run import ResumeRefused, RunResult, run_job
+from pipeline.batch.driver.run import ResumeRefused, RunResult, run_job
 from pipeline.spec import JobSpec
 from tests.integration.s3_server import S3Server
 from tests.integration.test_pipeline import assert_exactly_once, make_spec
@@ -280,8 +280,8 @@ def test_a_staging_that_lost_the_race_leaves_no_copy_behind(
 ) -> None:
     """Two runs stage one source at once; the second to create the marker uses the first's
     snapshot, and its own copy (named by no marker) is deleted, not left to cost storage."""
-    from pipeline.data import stage
-    from pipeline.data.sources import source_fingerprint
+    from pipeline.batch.stages.read import staging as stage
+    from pipeline.batch.stages.read.sources import source_fingerprint
     from pipeline.storage import OutputDir
 
     source = tmp_path / "prompts.csv"

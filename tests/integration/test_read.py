@@ -13,10 +13,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.batch.plan import preflight
-from pipeline.batch.read import derived_id, read_shard
-from pipeline.batch.run import plan_input
-from pipeline.batch.shards import plan_shards
+from pipeline.batch.driver.plan import preflight
+from pipeline.batch.driver.run import plan_input
+from pipeline.batch.driver.shards import plan_shards
+from pipeline.batch.stages.read import derived_id, read_shard
 from pipeline.spec import JobSpec, SpecError, StorageSpec, parse_job_spec
 from pipeline.storage import COMPLETE_MARKER, list_input_files, materialize_model
 from tests.integration.s3_server import S3Server
@@ -477,7 +477,7 @@ def test_a_parquet_bool_in_a_numeric_passthrough_column_is_an_error_not_a_number
 def test_overrides_of_shared_sampling_fields_reach_each_rows_params(
     tmp_path: Path, fmt: str
 ) -> None:
-    from pipeline.batch.rows import row_sampling
+    from pipeline.batch.stages.rows import row_sampling
 
     rows = [
         {"q": "a", "stops": ["END", "STOP"], "ids": [5, 9], "bias": {"7": 3.0}, "pen": 0.5},

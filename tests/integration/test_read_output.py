@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.batch.commit.parts import table_to_parquet
-from pipeline.batch.run import run_job
+from pipeline.batch.driver.run import run_job
 from pipeline.data import OutputIncomplete, OutputNotFound, read_output
 from pipeline.spec import JobSpec
 from tests.integration.s3_server import S3Server

@@ -6,12 +6,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pipeline.batch.cluster import start_prompters
-from pipeline.batch.plan import build_plan, preflight
-from pipeline.batch.prompts import PROMPT_TOKEN_IDS, PROMPT_TOKENS, TOO_LONG
-from pipeline.batch.run import plan_input
-from pipeline.batch.shards import RowSelection
-from pipeline.batch.units import WorkUnit
+from pipeline.batch.columns import PROMPT_TOKEN_IDS, PROMPT_TOKENS, TOO_LONG
+from pipeline.batch.driver.cluster import start_prompters
+from pipeline.batch.driver.plan import build_plan, preflight
+from pipeline.batch.driver.run import plan_input
+from pipeline.batch.units import RowSelection, WorkUnit
 from pipeline.spec import parse_job_spec
 from tests.integration.s3_server import S3Server
 

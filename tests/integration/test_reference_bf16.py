@@ -23,8 +23,8 @@ from typing import Any
 
 import pytest
 
-from engines.reference.cpu_kernels import kernels_available
 from engines.reference.engine import ReferenceEngine
+from engines.reference.model.cpu_kernels import kernels_available
 from tests.engine_fixtures import (
     check_attention_path,
     count_attention_paths,
@@ -126,7 +126,7 @@ def test_a_bf16_job_completes_where_onednn_cannot_take_bf16(
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from pipeline.batch.run import run_job
+    from pipeline.batch.driver.run import run_job
     from pipeline.spec import parse_job_spec
 
     monkeypatch.setenv("TOKENMILL_TEST_HOOKS", "1")
@@ -146,7 +146,7 @@ def test_a_bf16_job_completes_where_onednn_cannot_take_bf16(
             "output": {"uri": str(out), "rows_per_file": 4, "report": False},
         }
     )
-    with caplog.at_level("WARNING", logger="pipeline.batch.scheduler"):
+    with caplog.at_level("WARNING", logger="pipeline.batch.driver.scheduler"):
         result = run_job(spec)
     assert result.status == "complete" and result.exit_code == 0, result
     table = pa.concat_tables(pq.read_table(p) for p in sorted(out.glob("part-*.parquet")))

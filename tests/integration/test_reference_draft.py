@@ -255,7 +255,7 @@ def test_sampled_tokens_follow_the_target_distribution() -> None:
     from scipy.stats import chisquare
     from transformers import AutoModelForCausalLM
 
-    from engines.reference.sampler import probabilities
+    from engines.reference.sampling.sampler import probabilities
 
     model, draft = repeating_model("llama", False), truncated_draft("llama", False)
     prompt = repeating_prompts(1, seed=11)[0]

@@ -14,7 +14,7 @@ import torch
 
 from engines.api import EmbedParams, GenerationRequest, SamplingParams
 from engines.reference.engine import ReferenceEngine, take_embed_batch
-from engines.reference.pooling import embed_defaults
+from engines.reference.model.pooling import embed_defaults
 from tests.engine_fixtures import greedy_requests, hf_greedy, run_all, tiny_model, varied_prompts
 
 pytestmark = pytest.mark.timeout(300)
@@ -70,7 +70,7 @@ def test_gpt_oss_embeddings_keep_the_sliding_window(
     sinks: prompts longer than the tiny window, mean pooling so every row counts; through the
     paged kernel (CPU) and through the masked SDPA path (CUDA's, here with the kernels off)."""
     from engines.dev.tiny import GPT_OSS_TINY_WINDOW
-    from engines.reference.cpu_kernels import DISABLE_ENV
+    from engines.reference.model.cpu_kernels import DISABLE_ENV
 
     if kernels == "off":
         monkeypatch.setenv(DISABLE_ENV, "0")

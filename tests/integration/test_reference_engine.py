@@ -289,7 +289,8 @@ def test_a_crashing_step_loop_fails_requests_with_engine_dead_error() -> None:
 def test_the_model_loads_on_the_thread_that_runs_the_steps(monkeypatch) -> None:
     # One thread for both keeps one OpenMP pool in the process; with two, libgomp sleeps at
     # every barrier of a step (ReferenceEngine._engine_thread says why that is slow).
-    import engines.reference.weights as weights
+    import engines.reference.engine as engine_module
+    import engines.reference.model.weights as weights
 
     loaded_on = []
     real = weights.load_model
@@ -298,7 +299,7 @@ def test_the_model_loads_on_the_thread_that_runs_the_steps(monkeypatch) -> None:
         loaded_on.append(threading.current_thread())
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(weights, "load_model", spy)
+    monkeypatch.setattr(engine_module, "load_model", spy)
     eng = ReferenceEngine(str(tiny_model("llama")), num_threads=1)
     try:
         assert loaded_on == [eng._thread] and eng._thread is not threading.current_thread()

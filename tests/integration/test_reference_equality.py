@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from engines.reference.cpu_kernels import kernels_available
 from engines.reference.engine import ReferenceEngine
+from engines.reference.model.cpu_kernels import kernels_available
 from tests.engine_fixtures import (
     check_attention_path,
     count_attention_paths,
@@ -66,7 +66,7 @@ def test_greedy_ids_match_transformers(arch: str, tied: bool, variant: str, monk
     requests, expected = _baseline(arch, tied)
     settings, stagger = VARIANTS[variant]
     if variant == "torch-ops":
-        monkeypatch.setattr("engines.reference.cpu_kernels.use_kernels", lambda device: False)
+        monkeypatch.setattr("engines.reference.model.cpu_kernels.use_kernels", lambda device: False)
     paths = count_attention_paths(monkeypatch)
     engine = ReferenceEngine(str(tiny_model(arch, tied)), num_threads=1, **settings)
     try:

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from engines.api import EngineError
-from engines.reference.config import load_model_config
-from engines.reference.cpu_kernels import kernels_available
 from engines.reference.engine import ReferenceEngine
-from engines.reference.weights import _split_gpt_oss_experts, load_model, read_tensors
+from engines.reference.model.config import load_model_config
+from engines.reference.model.cpu_kernels import kernels_available
+from engines.reference.model.weights import _split_gpt_oss_experts, load_model, read_tensors
 from tests.engine_fixtures import (
     check_attention_path,
     count_attention_paths,

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from engines.api import EngineError, GenerationRequest, SamplingParams
-from engines.reference.config import load_model_config
 from engines.reference.engine import ReferenceEngine
-from engines.reference.model import AttentionBatch, PrefillSeq
-from engines.reference.weights import load_model
+from engines.reference.model.config import load_model_config
+from engines.reference.model.model import AttentionBatch, PrefillSeq
+from engines.reference.model.weights import load_model
 from tests.engine_fixtures import greedy_requests, hf_greedy, run_all, tiny_model, varied_prompts
 
 pytestmark = pytest.mark.timeout(300)
@@ -106,7 +106,7 @@ def _our_logits(model_dir: Path, ids: list[int]) -> torch.Tensor:
     num_blocks = -(-n // block_size)
     shape = (cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
     caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(cfg.num_layers)]
-    from engines.reference.config import rope_inv_freq
+    from engines.reference.model.config import rope_inv_freq
 
     freqs = torch.outer(torch.arange(n).float(), rope_inv_freq(cfg.head_dim, cfg.rope))
     emb = torch.cat((freqs, freqs), dim=-1)

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from engines.api import EngineError
-from engines.reference.config import load_model_config
 from engines.reference.engine import ReferenceEngine
-from engines.reference.weights import load_model
+from engines.reference.model.config import load_model_config
+from engines.reference.model.weights import load_model
 from tests.engine_fixtures import greedy_requests, hf_greedy, run_all, tiny_model, varied_prompts
 
 pytestmark = pytest.mark.timeout(300)
@@ -113,8 +113,8 @@ def test_the_loaded_fp32_model_runs_each_sparse_layer_in_one_fused_call(monkeypa
     for the fused kernel and drops the per-expert modules; the step then calls the kernel once
     per sparse layer (and the greedy ids stay transformers'). Without the kernels the experts
     stay modules."""
-    from engines.reference import cpu_kernels
-    from engines.reference.moe import SparseMoeBlock
+    from engines.reference.model import cpu_kernels
+    from engines.reference.model.moe import SparseMoeBlock
 
     if not cpu_kernels.kernels_available():
         pytest.skip("CPU kernels unavailable on this machine")

@@ -11,12 +11,7 @@ from typer.testing import CliRunner
 
 from engines.api import GenerationRequest, SamplingParams
 from engines.reference.engine import ReferenceEngine
-from engines.reference.profiling import (
-    NO_PROFILER,
-    PHASES,
-    STEP,
-    read_phase_table,
-)
+from engines.reference.runtime.profiling import NO_PROFILER, PHASES, STEP, read_phase_table
 from pipeline.cli import app
 from tests.engine_fixtures import run_all, tiny_model, varied_prompts
 

@@ -1,6 +1,6 @@
 """Loading a ModelOpt-style FP8 export (hand-made, same layout) into the reference engine: the
 quantized linears replace the plain ones, K/V scales reach attention, generation runs. The
-numerics of the quantized linears are tested with engines/reference/quant.py."""
+numerics of the quantized linears are tested with engines/reference/model/quant.py."""
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def _fp8_export(tmp_path: Path) -> Path:
 
 
 def test_fp8_export_loads_swaps_linears_and_sets_kv_scales(tmp_path) -> None:
-    from engines.reference.quant import Fp8Linear
+    from engines.reference.model.quant import Fp8Linear
 
     model_dir = _fp8_export(tmp_path)
     engine = ReferenceEngine(str(model_dir), num_threads=1)

@@ -9,12 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-import engines.reference.runner as runner_module
-from engines.reference.config import load_model_config
-from engines.reference.cpu_kernels import kernels_available
-from engines.reference.runner import ChunkInput, ModelRunner, intra_op_threads
-from engines.reference.scheduler import ScheduledChunk
-from engines.reference.weights import load_model
+import engines.reference.runtime.runner as runner_module
+from engines.reference.model.config import load_model_config
+from engines.reference.model.cpu_kernels import kernels_available
+from engines.reference.model.weights import load_model
+from engines.reference.runtime.runner import ChunkInput, ModelRunner, intra_op_threads
+from engines.reference.runtime.scheduler import ScheduledChunk
 from tests.engine_fixtures import tiny_model
 
 pytestmark = pytest.mark.timeout(300)

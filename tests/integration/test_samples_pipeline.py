@@ -13,8 +13,8 @@ import pytest
 
 from engines.api import GenerationRequest, SamplingParams
 from engines.reference.engine import ReferenceEngine
-from pipeline.batch.prompts import derive_seed
-from pipeline.batch.run import run_job
+from pipeline.batch.driver.run import run_job
+from pipeline.batch.stages.prompts import derive_seed
 from pipeline.openai.chat import render_prompt
 from tests.integration.s3_server import S3Server
 from tests.integration.test_pipeline import (

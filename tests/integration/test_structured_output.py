@@ -14,7 +14,7 @@ from packaging.version import Version
 
 from engines.api import GenerationRequest, ResponseFormat, SamplingParams
 from engines.reference.engine import ReferenceEngine
-from engines.reference.grammar import XGRAMMAR_0_1_LIMITATION
+from engines.reference.sampling.grammar import XGRAMMAR_0_1_LIMITATION
 from pipeline.openai.response_format import conforms
 from tests.engine_fixtures import run_all, tiny_model, varied_prompts
 

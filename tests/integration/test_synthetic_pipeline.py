@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from pipeline.batch.run import run_job
-from pipeline.batch.schema import RESULT_FIELDS, TOKEN_IDS_FIELD
+from pipeline.batch.driver.run import run_job
+from pipeline.batch.stages.schema import RESULT_FIELDS, TOKEN_IDS_FIELD
 from tests.integration.s3_server import S3Server
 from tests.integration.test_pipeline import (
     assert_exactly_once,

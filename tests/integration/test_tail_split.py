@@ -16,9 +16,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from engines.dev import testhooks
+from engines import faults
 from pipeline.batch.commit.parts import PartName
-from pipeline.batch.run import run_job
+from pipeline.batch.driver.run import run_job
 from pipeline.spec import parse_job_spec
 
 pytestmark = pytest.mark.timeout(300)
@@ -36,7 +36,7 @@ def test_the_long_shards_unstarted_rows_go_to_the_idle_actor(
 ) -> None:
     # 20 ms after every engine step: the long shard takes seconds on any machine, the short
     # one a fraction of that.
-    for name, value in testhooks.step_delay_env(0.02).items():
+    for name, value in faults.step_delay_env(0.02).items():
         monkeypatch.setenv(name, value)
     ids = {"a": [f"a-{i:03d}" for i in range(LONG)], "b": [f"b-{i:03d}" for i in range(SHORT)]}
     for name, rows in ids.items():

@@ -1,6 +1,6 @@
 """A simulated Ray for the driver's scheduler: a fleet of thousands of actors in one process.
 
-The scheduler (pipeline.batch.scheduler) takes its `runtime` as a parameter; this module is a
+The scheduler (pipeline.batch.driver.scheduler) takes its `runtime` as a parameter; this module is a
 stand-in for it and for the actor handles. Every call on a simulated handle returns a `SimRef`
 (or, for `run_unit`, a `SimStream`) that completes at a simulated time; `wait` jumps the
 simulated clock straight to the next completion among the refs it is given (an event heap, no
@@ -16,7 +16,7 @@ The actors are models, not code:
   `rows_per_part` rows, streams a `PartWritten` (a real `PartRecord`, with `RowStats` like a
   real part's when asked) per part and then a `UnitEnd`, each with a cost account;
 - `release` cuts the second half of the rows a unit has not yet fed off its end, as
-  pipeline.batch.generate does (rows in the engine are fed `lookahead_rows` ahead);
+  pipeline.batch.stages.generate does (rows in the engine are fed `lookahead_rows` ahead);
 - `SimEngine.kill(at)` makes an engine actor die at a simulated time: what its units streamed
   before stays, their next item raises `RayActorError`, and Ray "restarts" it `restart_s`
   later (calls made meanwhile wait for the new incarnation, as Ray queues them).
@@ -36,11 +36,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.batch.commit.parts import PartName, PartRecord
+from pipeline.batch.commit.parts import PartName, PartRecord, PartWritten
 from pipeline.batch.commit.stats import RowStats
-from pipeline.batch.generate import MIN_RELEASE_ROWS
-from pipeline.batch.shards import RowRanges
-from pipeline.batch.units import PartWritten, PreparedInfo, UnitEnd, WorkUnit
+from pipeline.batch.stages.generate import MIN_RELEASE_ROWS
+from pipeline.batch.units import PreparedInfo, RowRanges, UnitEnd, WorkUnit
 from pipeline.cost import ActorAccount, RowSums
 
 EPOCH = 1_800_000_000.0  # wall time of simulated second 0 (part records carry epoch seconds)
@@ -358,7 +357,7 @@ class SimStream(_Waitable):
             self.engine.rt.cpu_s += time.process_time() - started
 
     def release(self) -> list[list[int]]:
-        """The second half of the positions not yet fed, as row spans (pipeline.batch.generate
+        """The second half of the positions not yet fed, as row spans (pipeline.batch.stages.generate
         `release`: empty when too few are left)."""
         if (self.ended and self._next is None) or self.stopped:
             return []

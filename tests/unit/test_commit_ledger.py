@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from pipeline.batch.commit.ledger import CommitLedger, Decision
 from pipeline.batch.commit.parts import PartRecord
 from pipeline.batch.commit.stats import Histogram, RowStats, Timeline
-from pipeline.batch.schema import output_schema
-from pipeline.batch.shards import RowRanges, Shard, ShardPlan
+from pipeline.batch.stages.schema import output_schema
+from pipeline.batch.units import RowRanges, Shard, ShardPlan
 from pipeline.cost import RowSums
 from pipeline.storage import PreconditionFailed, RetryPolicy, with_retries
 
@@ -237,7 +237,7 @@ def test_the_duplicate_pass_is_skipped_only_for_rows_read_in_one_hand_out() -> N
     from types import SimpleNamespace
 
     from pipeline.batch.commit.parts import PartName
-    from pipeline.batch.run import _read_in_one_go
+    from pipeline.batch.driver.run import _read_in_one_go
 
     def parts(*names: tuple[int, int, int, int]) -> list:
         return [SimpleNamespace(name=PartName(*n).name) for n in names]

@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.batch.budget import BudgetGate, RowAdmission, RowSpend, prior_from_totals
+from pipeline.batch.driver.budget import BudgetGate, prior_from_totals
+from pipeline.batch.units import RowAdmission, RowSpend
 
 
 def _rows(n: int, prompt: int = 10, max_tokens: int = 10, prefix: str = "r"):
@@ -98,7 +99,7 @@ def _spec(**engine):
 
 
 def test_gate_for_job_priors():
-    from pipeline.batch.budget import gate_for_job
+    from pipeline.batch.driver.budget import gate_for_job
 
     # Two GPUs at $3.60/h = $0.002/s per actor; 100 output tok/s → $0.00002 per token.
     gate = gate_for_job(_spec(expected_tokens_per_s=100.0), None)

@@ -1,4 +1,4 @@
-"""Interval-based cost on the batch actor's real code path: pipeline.batch.generate.EngineWorker
+"""Interval-based cost on the batch actor's real code path: pipeline.batch.stages.generate.EngineWorker
 serving shards through the TensorRT-LLM adapter (engines/trtllm.py) backed by the CPU stand-in
 package (tests/standins/tensorrt_llm). No Ray: the actor's coroutines are driven directly."""
 
@@ -24,7 +24,7 @@ STANDINS = Path(__file__).resolve().parents[1] / "standins"
 def trt_stage(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     import torch
 
-    import pipeline.batch.generate as generate
+    import pipeline.batch.stages.generate as generate
 
     monkeypatch.syspath_prepend(str(STANDINS))
     for name in [n for n in sys.modules if n.split(".")[0] == "tensorrt_llm"]:
@@ -63,8 +63,8 @@ def trt_stage(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
             "cost": {"device_hour_usd": 3.5},
         }
     )
-    from pipeline.batch.rows import GenerateConfig
-    from pipeline.batch.schema import output_schema
+    from pipeline.batch.stages.rows import GenerateConfig
+    from pipeline.batch.stages.schema import output_schema
 
     config = GenerateConfig.from_spec(spec, output_schema())
     stage = generate.EngineWorker(config)
@@ -94,8 +94,7 @@ def test_interval_engine_rows_are_final_and_books_balance(trt_stage):
     assert not stage.engine.info.has_step_records
 
     async def run(k: int) -> list:
-        from pipeline.batch.shards import RowSelection, Shard
-        from pipeline.batch.units import WorkUnit
+        from pipeline.batch.units import RowSelection, Shard, WorkUnit
 
         shard = Shard(k, "unused.jsonl", 0, "", "byte_range", 0, 0)
         unit = WorkUnit(shard, run=1, dispatch=1, selection=RowSelection())
@@ -106,8 +105,7 @@ def test_interval_engine_rows_are_final_and_books_balance(trt_stage):
         # finish out of order, so rows wait on the finality rule before they are priced.
         return await asyncio.gather(*(run(k) for k in range(3)))
 
-    from pipeline.batch.commit.parts import read_part
-    from pipeline.batch.units import PartWritten
+    from pipeline.batch.commit.parts import PartWritten, read_part
 
     events = [e for unit in asyncio.run(serve()) for e in unit]
     names = [e.record.name for e in events if isinstance(e, PartWritten)]

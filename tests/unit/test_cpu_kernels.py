@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engines.reference.cpu_kernels import kernels_available, paged_attention
-from engines.reference.model import attend_with_sinks
+from engines.reference.model.cpu_kernels import kernels_available, paged_attention
+from engines.reference.model.model import attend_with_sinks
 
 pytestmark = pytest.mark.skipif(not kernels_available(), reason="no C++ compiler for the kernel")
 
@@ -348,7 +348,7 @@ DTYPES = [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)]
 
 @pytest.mark.parametrize(("dtype", "tol"), DTYPES, ids=["fp32", "bf16"])
 def test_rms_norm_and_add_rms_norm(dtype, tol) -> None:
-    from engines.reference.cpu_kernels import add_rms_norm, rms_norm
+    from engines.reference.model.cpu_kernels import add_rms_norm, rms_norm
 
     torch.manual_seed(0)
     weight = torch.rand(96).to(dtype) + 0.5
@@ -372,7 +372,7 @@ def test_rms_norm_and_add_rms_norm(dtype, tol) -> None:
 
 @pytest.mark.parametrize(("dtype", "tol"), DTYPES, ids=["fp32", "bf16"])
 def test_rope_on_a_slice_of_qkv(dtype, tol) -> None:
-    from engines.reference.cpu_kernels import rope
+    from engines.reference.model.cpu_kernels import rope
 
     torch.manual_seed(1)
     tokens, heads, dim = 37, 4, 32
@@ -391,7 +391,7 @@ def test_rope_on_a_slice_of_qkv(dtype, tol) -> None:
 
 @pytest.mark.parametrize(("dtype", "tol"), DTYPES, ids=["fp32", "bf16"])
 def test_rope_cache_writes_k_and_v_into_their_slots(dtype, tol) -> None:
-    from engines.reference.cpu_kernels import rope, rope_cache
+    from engines.reference.model.cpu_kernels import rope, rope_cache
 
     torch.manual_seed(4)
     tokens, heads, kvh, dim, blocks, bs = 300, 4, 2, 32, 40, 8  # enough rows for the threads
@@ -422,7 +422,7 @@ def test_rope_cache_writes_k_and_v_into_their_slots(dtype, tol) -> None:
 def test_rope_cache_with_qwen3_head_norms(dtype, tol) -> None:
     """Qwen3's q/k head RMSNorms inside rope_cache: the same numbers as the rms_norm kernel,
     then rope, then the cache writes; V is written as projected (not normalised)."""
-    from engines.reference.cpu_kernels import rms_norm, rope, rope_cache
+    from engines.reference.model.cpu_kernels import rms_norm, rope, rope_cache
 
     torch.manual_seed(5)
     tokens, heads, kvh, dim, blocks, bs = 70, 4, 2, 32, 20, 8
@@ -448,7 +448,7 @@ def test_rope_cache_with_qwen3_head_norms(dtype, tol) -> None:
 
 @pytest.mark.parametrize(("dtype", "tol"), DTYPES, ids=["fp32", "bf16"])
 def test_silu_mul(dtype, tol) -> None:
-    from engines.reference.cpu_kernels import silu_mul
+    from engines.reference.model.cpu_kernels import silu_mul
 
     torch.manual_seed(2)
     gate_up = (torch.randn(50, 2 * 88) * 6).to(dtype)  # large |gate| too: exp's clamped range
@@ -462,7 +462,7 @@ def test_a_build_lock_left_by_a_killed_build_is_removed_a_fresh_one_kept(tmp_pat
     import os
     import time
 
-    from engines.reference.cpu_kernels import _remove_stale_lock
+    from engines.reference.model.cpu_kernels import _remove_stale_lock
 
     lock = tmp_path / "lock"
     lock.touch()

@@ -1,5 +1,5 @@
 """input.format ray_data: spec validation names the field and the fix; the source fingerprint
-changes with the source and its arguments, not with a secret (pipeline.data.sources)."""
+changes with the source and its arguments, not with a secret (pipeline.batch.stages.read.sources)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ from typing import Any
 
 import pytest
 
-from pipeline.data.sources import SourceFingerprint, reader_names, source_fingerprint
-from pipeline.data.stage import MARKER_NAME, STAGING_DIR, Snapshot, stage_input
+from pipeline.batch.stages.read.sources import SourceFingerprint, source_fingerprint
+from pipeline.batch.stages.read.staging import MARKER_NAME, STAGING_DIR, Snapshot, stage_input
 from pipeline.spec import InputSpec, SpecError, StorageSpec, parse_job_spec
+from pipeline.spec.sources import reader_names
 
 
 def _job(input_: dict[str, Any]) -> dict[str, Any]:

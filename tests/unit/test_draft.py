@@ -12,10 +12,10 @@ from hypothesis import strategies as st
 from scipy.stats import chisquare
 
 from engines.api import SamplingParams
-from engines.reference.draft import DraftBook, draft_pool_blocks
-from engines.reference.kv_cache import BlockManager
-from engines.reference.sampler import make_generator, probabilities, sample
-from engines.reference.speculative import verify
+from engines.reference.runtime.kv_cache import BlockManager
+from engines.reference.sampling.sampler import make_generator, probabilities, sample
+from engines.reference.speculative.draft import DraftBook, draft_pool_blocks
+from engines.reference.speculative.verify import verify
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=100)
 

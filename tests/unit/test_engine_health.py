@@ -69,15 +69,15 @@ def test_the_batch_watchdog_sees_a_hung_engine_and_an_idle_death(
     import signal
     import threading
 
-    from engines.dev import testhooks
+    from engines import faults
     from engines.dev.tiny import make_tiny_model
     from engines.process import ProcessEngine
     from engines.reference.engine import ReferenceEngine
-    from pipeline.batch.generate import EngineWatchdog
+    from pipeline.batch.stages.generate import EngineWatchdog
 
     model = make_tiny_model(tmp_path / "llama", arch="llama", size="tiny")
     settings = {"max_model_len": 128, "kv_cache_tokens": 1024, "num_threads": 1}
-    monkeypatch.setenv(testhooks.HOOKS_ENV, "1")
+    monkeypatch.setenv(faults.HOOKS_ENV, "1")
 
     def watch(engine: object) -> tuple[threading.Event, list[str]]:
         why: list[str] = []
@@ -93,7 +93,7 @@ def test_the_batch_watchdog_sees_a_hung_engine_and_an_idle_death(
     engine = ReferenceEngine(str(model), **settings)
     try:
         called, why = watch(engine)
-        testhooks.break_step_loop(engine, "stall")
+        faults.break_step_loop(engine, "stall")
 
         async def submit() -> None:
             request = GenerationRequest([1, 2, 3], SamplingParams(max_tokens=4, temperature=0.0))

@@ -1,5 +1,5 @@
 """The engine actor's work per row: sampling params shared through a cache, and request ids
-unique without a uuid per row (pipeline.batch.rows.row_sampling, RowServer in the engine actor)."""
+unique without a uuid per row (pipeline.batch.stages.rows.row_sampling, RowServer in the engine actor)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 import pyarrow as pa
 import pytest
 
-from pipeline.batch.rows import SAMPLING_CACHE_SIZE, GenerateConfig, row_sampling
+from pipeline.batch.stages.rows import SAMPLING_CACHE_SIZE, GenerateConfig, row_sampling
 from pipeline.spec import SamplingSpec, parse_job_spec
 
 ROWS: list[dict[str, Any]] = [
@@ -79,11 +79,10 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_request_ids_are_unique_with_repeated_row_ids(model_dir: Path, tmp_path: Path) -> None:
-    from pipeline.batch.commit.parts import read_part
-    from pipeline.batch.generate import EngineWorker
-    from pipeline.batch.schema import output_schema
-    from pipeline.batch.shards import RowSelection, Shard
-    from pipeline.batch.units import PartWritten, WorkUnit
+    from pipeline.batch.commit.parts import PartWritten, read_part
+    from pipeline.batch.stages.generate import EngineWorker
+    from pipeline.batch.stages.schema import output_schema
+    from pipeline.batch.units import RowSelection, Shard, WorkUnit
 
     spec = parse_job_spec(
         {
@@ -132,7 +131,7 @@ def test_request_ids_are_unique_with_repeated_row_ids(model_dir: Path, tmp_path:
 def test_collector_settings_apply_only_inside_an_actor(monkeypatch: pytest.MonkeyPatch) -> None:
     import gc
 
-    import pipeline.batch.heap as heap
+    import pipeline.batch.stages.heap as heap
 
     before = gc.get_threshold()
     heap.settle_after_load()  # a test process is no actor: nothing changes

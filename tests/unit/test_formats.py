@@ -7,13 +7,8 @@ import json
 import pytest
 
 from engines.api import ResponseFormat
-from pipeline.openai.response_format import (
-    FormatError,
-    conforms,
-    from_column,
-    parse_response_format,
-    to_json,
-)
+from pipeline.openai.response_format import conforms, from_column, to_json
+from pipeline.spec.response_format import FormatError, parse_response_format
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 

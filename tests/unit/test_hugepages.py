@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engines.reference import hugepages
+from engines.reference.model import hugepages
 
 _THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 

@@ -105,12 +105,12 @@ def test_import_rules_hold():
 def test_the_rules_see_an_edge():
     """The walk finds real imports (a rule checked on nothing would always pass)."""
     edges = _edges()
-    assert ("pipeline.batch.run", "pipeline.batch.scheduler") in edges
+    assert ("pipeline.batch.driver.run", "pipeline.batch.driver.scheduler") in edges
     assert ("engines.reference.engine", "torch") in edges
     assert _breaks_a_rule("engines.vllm", "ray") and _breaks_a_rule(
         "pipeline.batch.x", "pipeline.serve.y"
     )
     assert not _breaks_a_rule("pipeline.serve.batch_api.batches", "pipeline.batch.commit.manifest")
     assert _breaks_a_rule("pipeline.serve.app", "pipeline.batch.commit.manifest")
-    assert _breaks_a_rule("pipeline.openai.chat", "pipeline.batch.prompts")
+    assert _breaks_a_rule("pipeline.openai.chat", "pipeline.batch.stages.prompts")
     assert not _breaks_a_rule("pipeline.serve.protocol.tokens", "pipeline.openai.chat")

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engines.reference.kv_cache import BlockManager
+from engines.reference.runtime.kv_cache import BlockManager
 
 
 def test_allocate_grow_free_returns_every_block() -> None:

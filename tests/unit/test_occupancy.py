@@ -1,11 +1,11 @@
-"""The engine occupancy books (pipeline.batch.occupancy): actor-seconds up, idle, and idle at
+"""The engine occupancy books (pipeline.batch.driver.occupancy): actor-seconds up, idle, and idle at
 the tail, integrated from state changes."""
 
 from __future__ import annotations
 
 import pytest
 
-from pipeline.batch.occupancy import BUSY, DOWN, IDLE, Occupancy
+from pipeline.batch.driver.occupancy import BUSY, DOWN, IDLE, Occupancy
 
 
 def test_two_actors_one_runs_dry_at_the_tail() -> None:

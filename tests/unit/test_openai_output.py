@@ -1,4 +1,4 @@
-"""OpenAI Batch API output and error lines from output rows (pipeline.batch.openai_output)."""
+"""OpenAI Batch API output and error lines from output rows (pipeline.batch.driver.openai_output)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from pipeline.batch.openai_output import (
+from pipeline.batch.driver.openai_output import (
     LineContext,
     error_line,
     expected_exports,
@@ -156,7 +156,7 @@ def test_embeddings_output_line_is_an_embeddings_body() -> None:
 
 
 def test_embeddings_batch_lines_parse() -> None:
-    from pipeline.batch.read.openai_batch import parse_batch_request
+    from pipeline.batch.stages.read.openai_batch import parse_batch_request
 
     def parse(body: dict) -> dict:
         return parse_batch_request({"custom_id": "e", "url": "/v1/embeddings", "body": body})

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 from engines.api import SamplingParams
-from pipeline.batch.read.columns import BODY_SAMPLING, ERROR
-from pipeline.batch.read.openai_batch import parse_batch_request
-from pipeline.batch.rows import row_sampling
+from pipeline.batch.columns import BODY_SAMPLING, ERROR
+from pipeline.batch.stages.read.openai_batch import parse_batch_request
+from pipeline.batch.stages.rows import row_sampling
 from pipeline.openai import params
 from pipeline.openai.errors import ApiError
 from pipeline.serve.protocol.requests import parse_request, to_engine_request

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from pipeline.batch.placement import bundles, strategy
+from pipeline.batch.driver.placement import bundles, strategy
 from pipeline.spec import ResourcesSpec, SpecError, parse_job_spec
 from tests.unit.test_spec import with_changes
 

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
+from engines import faults
 from engines.api import EngineDeadError, GenerationRequest, SamplingParams
-from engines.dev import testhooks
 from engines.process import STATS_INTERVAL_S, ProcessEngine
 
 SETTINGS = {"max_model_len": 256, "max_batch_size": 8, "kv_cache_tokens": 2048, "num_threads": 1}
@@ -63,7 +63,7 @@ def test_a_stalled_child_shows_busy_with_its_step_count_frozen(
 ) -> None:
     """The replica's stall watch needs a hung step loop to look busy and not stepping; the
     child posts its stats on its own, with nothing delivered."""
-    monkeypatch.setenv(testhooks.HOOKS_ENV, "1")  # the child inherits it
+    monkeypatch.setenv(faults.HOOKS_ENV, "1")  # the child inherits it
     engine = ProcessEngine("reference", model=str(model_dir), **SETTINGS)
     try:
         engine.break_step_loop("stall")
@@ -89,7 +89,7 @@ def test_a_stalled_child_shows_busy_with_its_step_count_frozen(
 def test_a_crashed_step_loop_fails_requests_with_engine_dead(
     model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv(testhooks.HOOKS_ENV, "1")
+    monkeypatch.setenv(faults.HOOKS_ENV, "1")
     engine = ProcessEngine("reference", model=str(model_dir), **SETTINGS)
     try:
         engine.break_step_loop("crash")

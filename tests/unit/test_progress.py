@@ -7,15 +7,10 @@ import json
 from pathlib import Path
 
 from pipeline.batch.commit.parts import PartRecord
-from pipeline.batch.progress import (
-    Progress,
-    RowTotal,
-    estimate_total,
-    sample_bytes_per_line,
-)
-from pipeline.batch.read import read_shard
-from pipeline.batch.shards import RowRanges, RowSelection, plan_shards
-from pipeline.batch.units import WorkUnit
+from pipeline.batch.driver.progress import Progress, RowTotal, estimate_total, sample_bytes_per_line
+from pipeline.batch.driver.shards import plan_shards
+from pipeline.batch.stages.read import read_shard
+from pipeline.batch.units import RowRanges, RowSelection, WorkUnit
 from pipeline.cost import RowSums
 from pipeline.spec import JobSpec, parse_job_spec
 from pipeline.storage import list_input_files

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pipeline.batch.prompts import (
+from pipeline.batch.columns import (
     MAX_TOKENS,
     PROMPT_TOKEN_IDS,
     PROMPT_TOKENS,
@@ -21,6 +21,8 @@ from pipeline.batch.prompts import (
     TOO_LONG,
     TOP_K,
     TOP_P,
+)
+from pipeline.batch.stages.prompts import (
     PromptStage,
     derive_seed,
     render_user_text,
@@ -480,7 +482,7 @@ def test_batched_stage_equals_the_one_row_path(
 
 
 def test_render_rows_equals_render_row(model_dir: Path, tokenizer: Any) -> None:
-    from pipeline.batch.prompts import render_row, render_rows
+    from pipeline.batch.stages.prompts import render_row, render_rows
 
     spec = make_spec(model_dir, prompt={"system_prompt": "Be brief."})
     rows = [r for r in VARIED_ROWS if r["error"] is None]
@@ -500,7 +502,7 @@ def test_a_template_failing_on_one_chat_fails_only_that_row(
 ) -> None:
     from transformers import AutoTokenizer
 
-    import pipeline.batch.prompts as prompts
+    import pipeline.batch.stages.prompts as prompts
 
     monkeypatch.setattr(prompts, "TEMPLATE_CHUNK", 3)  # several chunks, one of them failing
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

@@ -222,7 +222,8 @@ def _job(**prompt: Any) -> Any:
 
 
 def test_rows_render_with_their_own_effort(think_tok: Any) -> None:
-    from pipeline.batch.prompts import REASONING_EFFORT, render_row, render_rows
+    from pipeline.batch.columns import REASONING_EFFORT
+    from pipeline.batch.stages.prompts import render_row, render_rows
 
     spec = _job(reasoning="think", reasoning_effort="low", enable_thinking=False)
     rows = [

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from engines.api import EngineError
-from engines.reference.config import RopeConfig, load_model_config, rope_inv_freq
+from engines.reference.model.config import RopeConfig, load_model_config, rope_inv_freq
 from tests.engine_fixtures import rope_config_fields
 
 BASE = {

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from engines.detokenize import IncrementalDetokenizer
 from engines.dev.tiny import train_tokenizer
-from engines.reference.detokenize import IncrementalDetokenizer
 
 
 @pytest.fixture(scope="module")

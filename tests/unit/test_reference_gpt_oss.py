@@ -14,17 +14,23 @@ import pytest
 import torch
 
 from engines.api import EngineError
-from engines.reference import mxfp4
-from engines.reference.config import (
+from engines.reference.model import mxfp4
+from engines.reference.model.config import (
     ModelConfig,
     RopeConfig,
     load_model_config,
     rope_inv_freq,
     rope_scaling_factor,
 )
-from engines.reference.model import Attention, CausalLM, DecodeGroup, PrefillSeq, attend_with_sinks
-from engines.reference.moe import SparseMoeBlock
-from engines.reference.weights import _split_gpt_oss_experts
+from engines.reference.model.model import (
+    Attention,
+    CausalLM,
+    DecodeGroup,
+    PrefillSeq,
+    attend_with_sinks,
+)
+from engines.reference.model.moe import SparseMoeBlock
+from engines.reference.model.weights import _split_gpt_oss_experts
 
 GPT_OSS_BASE = {
     "model_type": "gpt_oss",

@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from engines.dev import testhooks
-from engines.reference import linear as linear_module
-from engines.reference.linear import (
+from engines import faults
+from engines.reference.model import linear as linear_module
+from engines.reference.model.linear import (
     OneDnnLinear,
     PanelLinear,
     fallback_note,
@@ -133,15 +133,15 @@ def test_a_dtype_onednn_refuses_keeps_nn_linear(
 def test_the_test_hook_refuses_a_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
     """TOKENMILL_TEST_ONEDNN_REFUSES, which the batch driver passes on to its engine actors,
     forces the same fallback, and only with the test hooks on."""
-    monkeypatch.setenv(testhooks.ONEDNN_REFUSES_ENV, "bfloat16")
-    monkeypatch.delenv(testhooks.HOOKS_ENV, raising=False)
+    monkeypatch.setenv(faults.ONEDNN_REFUSES_ENV, "bfloat16")
+    monkeypatch.delenv(faults.HOOKS_ENV, raising=False)
     assert onednn_refusal(torch.bfloat16) == _BF16_REFUSED  # off: whatever this CPU says
-    monkeypatch.setenv(testhooks.HOOKS_ENV, "1")
+    monkeypatch.setenv(faults.HOOKS_ENV, "1")
     assert onednn_refusal(torch.bfloat16) == "refused by the test hook " + (
-        testhooks.ONEDNN_REFUSES_ENV
+        faults.ONEDNN_REFUSES_ENV
     )
     assert onednn_refusal(torch.float32) is None
-    assert testhooks.forwarded_env()[testhooks.ONEDNN_REFUSES_ENV] == "bfloat16"
+    assert faults.forwarded_env()[faults.ONEDNN_REFUSES_ENV] == "bfloat16"
     _keeps_nn_linear(_bf16_model())
 
 

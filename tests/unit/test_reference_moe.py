@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from engines.api import EngineError
-from engines.reference import moe as moe_module
-from engines.reference.config import MoeConfig, load_model_config
-from engines.reference.linear import pack_linears
-from engines.reference.model import CausalLM, fuse_projections
-from engines.reference.moe import SparseMoeBlock, route
-from engines.reference.runner import linear_macs_per_token
+from engines.reference.model import moe as moe_module
+from engines.reference.model.config import MoeConfig, load_model_config
+from engines.reference.model.linear import pack_linears
+from engines.reference.model.model import CausalLM, fuse_projections
+from engines.reference.model.moe import SparseMoeBlock, route
+from engines.reference.runtime.runner import linear_macs_per_token
 
 HIDDEN = 16
 
@@ -95,7 +95,7 @@ def test_experts_side_by_side_equal_one_after_another(
 ) -> None:
     """The side-by-side kernel (experts shared out over the threads) against the experts one
     after another, on the same packed block; and that it really ran."""
-    from engines.reference import cpu_kernels, moe
+    from engines.reference.model import cpu_kernels, moe
 
     if not cpu_kernels.kernels_available():
         pytest.skip("CPU kernels unavailable on this machine")
@@ -152,7 +152,7 @@ def test_fused_layer_matches_the_per_token_loop(
     """The one-call layer (kernels/moe_fused.cpp) against the definition, with sizes that are
     and are not multiples of its 8- and 16-column blocks, the residual added in place; the
     expert counts; the same bits on one thread and two (work is split by columns only)."""
-    from engines.reference import cpu_kernels
+    from engines.reference.model import cpu_kernels
 
     if not cpu_kernels.kernels_available():
         pytest.skip("CPU kernels unavailable on this machine")
@@ -190,7 +190,7 @@ def test_fuse_experts_leaves_what_the_kernel_cannot_run(monkeypatch: pytest.Monk
     assert moe_module.fuse_experts(holder) == 0 and len(block.experts) == 8
     for dtype, kernels in ((torch.bfloat16, True), (torch.float32, False)):
         monkeypatch.setattr(
-            "engines.reference.cpu_kernels.use_kernels", lambda device, on=kernels: on
+            "engines.reference.model.cpu_kernels.use_kernels", lambda device, on=kernels: on
         )
         block = _block(True, num_experts=4).to(dtype)
         holder.block = block
@@ -201,7 +201,7 @@ def test_fuse_experts_leaves_what_the_kernel_cannot_run(monkeypatch: pytest.Monk
 
 
 def test_balance_shares_rows_evenly() -> None:
-    from engines.reference.moe import balance
+    from engines.reference.model.moe import balance
 
     spans = [(0, 0, 9), (2, 9, 1), (3, 10, 5), (5, 15, 4), (7, 19, 1)]
     shares = balance(spans, 2)

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from engines.api import GenerationResult, RequestMetrics, StepRecord
 from pipeline.batch.commit.parts import PartName, write_part
 from pipeline.batch.commit.stats import RowStats
-from pipeline.batch.schema import output_schema
+from pipeline.batch.stages.schema import output_schema
 from pipeline.cli import app
 from pipeline.cost import CostMeter, row_cost
 from pipeline.report import build_report, error_kind, write_report

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import pytest
 
 from engines.api import GenerationRequest, SamplingParams
-from engines.reference.groups import SampleGroups
-from engines.reference.kv_cache import BlockManager
+from engines.reference.runtime.groups import SampleGroups
+from engines.reference.runtime.kv_cache import BlockManager
 from engines.samples import fan_out
 
 

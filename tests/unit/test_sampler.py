@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from engines.api import SamplingParams
-from engines.reference.sampler import make_generator, sample
+from engines.reference.sampling.sampler import make_generator, sample
 
 CPU = torch.device("cpu")
 

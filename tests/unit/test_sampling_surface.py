@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from engines.api import SamplingParams
-from engines.reference.processing import LogitsProcessing
-from engines.reference.sampler import _min_p, make_generator, sample
+from engines.reference.sampling.processing import LogitsProcessing
+from engines.reference.sampling.sampler import _min_p, make_generator, sample
 
 CPU = torch.device("cpu")
 VOCAB = 40
@@ -234,7 +234,7 @@ def test_counts_grow_incrementally_and_slots_are_reused() -> None:
 
 
 def test_job_sampling_fields_reach_every_rows_params() -> None:
-    from pipeline.batch.rows import row_sampling
+    from pipeline.batch.stages.rows import row_sampling
     from pipeline.spec import SamplingSpec
 
     spec = SamplingSpec(

@@ -7,8 +7,8 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engines.reference.kv_cache import BlockManager
-from engines.reference.scheduler import (
+from engines.reference.runtime.kv_cache import BlockManager
+from engines.reference.runtime.scheduler import (
     Request,
     RequestStatus,
     Scheduler,

@@ -23,11 +23,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.batch.commit.ledger import CommitLedger, Decision
-from pipeline.batch.commit.parts import PartName
+from pipeline.batch.commit.parts import PartName, PartWritten
 from pipeline.batch.commit.stats import RowStats
-from pipeline.batch.scheduler import UNITS_PER_ACTOR, Scheduler, SchedulerResult
-from pipeline.batch.shards import ShardPlan, plan_shards, target_shards
-from pipeline.batch.units import PartWritten, WorkUnit
+from pipeline.batch.driver.scheduler import UNITS_PER_ACTOR, Scheduler, SchedulerResult
+from pipeline.batch.driver.shards import plan_shards, target_shards
+from pipeline.batch.units import ShardPlan, WorkUnit
 from pipeline.spec import JobSpec, parse_job_spec
 from pipeline.storage import list_input_files
 from tests.unit.sim_runtime import Fleet, SimCluster
@@ -124,7 +124,7 @@ def run_fleet(
     tail_split: bool = True,
     stop_after_parts: int | None = None,
 ) -> Outcome:
-    """The scheduler over the whole plan on the simulated fleet, as pipeline.batch.run wires
+    """The scheduler over the whole plan on the simulated fleet, as pipeline.batch.driver.run wires
     it: the ledger decides each part, the tick is where the manifest would be saved."""
     decisions: Counter[Decision] = Counter()
     stop = threading.Event()

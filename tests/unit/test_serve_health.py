@@ -208,11 +208,12 @@ class FakeBoard:
 def make_replica(
     monkeypatch: pytest.MonkeyPatch, engine: FakeEngine, board: FakeBoard | None = None
 ):
-    import pipeline.engine_setup
     from pipeline.serve.replicas.replica import EngineReplica
     from pipeline.spec import StorageSpec
 
-    monkeypatch.setattr(pipeline.engine_setup, "open_engine", lambda *a, **k: engine)
+    monkeypatch.setitem(
+        EngineReplica.func_or_class.__init__.__globals__, "open_engine", lambda *a, **k: engine
+    )
     served = ServedModelSpec.model_validate(
         {"name": "m", "model": {"path": "/x"}, "health": {"stall_timeout_s": 0.2}}
     )

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from pipeline.serve.http.readiness import ReadinessView, ReplicaReport, running_by_deployment
 from pipeline.serve.replicas.board import STALE_AFTER_S, ReplicaBoard
+from pipeline.serve.replicas.readiness import ReadinessView, ReplicaReport, running_by_deployment
 from pipeline.serve.spec import INGRESS_DEPLOYMENT, ServeSpec, engine_deployments
 
 STALE = 30.0

@@ -13,16 +13,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.batch.read import read_shard
-from pipeline.batch.shards import (
+from pipeline.batch.driver.shards import (
     MAX_SHARD_ROWS,
     MIN_SHARD_ROWS,
     SHARDS_PER_SLOT,
     TARGET_SHARDS,
-    RowRanges,
-    RowSelection,
     plan_shards,
 )
+from pipeline.batch.stages.read import read_shard
+from pipeline.batch.units import RowRanges, RowSelection
 from pipeline.spec import parse_job_spec
 from pipeline.storage import list_input_files
 
@@ -177,8 +176,8 @@ def test_compressed_jsonl_is_one_shard(tmp_path: Path) -> None:
 def test_a_resume_plans_for_the_slots_its_first_run_planned_for(tmp_path: Path) -> None:
     from pipeline.batch.commit.manifest import Manifest
     from pipeline.batch.commit.parts import MANIFEST_NAME
-    from pipeline.batch.run import _shard_slots
-    from pipeline.batch.scheduler import UNITS_PER_ACTOR
+    from pipeline.batch.driver.run import _shard_slots
+    from pipeline.batch.driver.scheduler import UNITS_PER_ACTOR
     from pipeline.storage import OutputDir
 
     spec = parse_job_spec(

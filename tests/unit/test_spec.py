@@ -178,7 +178,7 @@ def test_template_columns_are_the_template_variables() -> None:
 
 def _every_output_column() -> list[str]:
     """Every column an output part can have, whatever the job asks for (no passthrough)."""
-    from pipeline.batch.schema import output_schema
+    from pipeline.batch.stages.schema import output_schema
 
     schema = output_schema(
         include_token_ids=True,
@@ -193,8 +193,7 @@ def _every_output_column() -> list[str]:
 
 def _every_stage_column() -> list[str]:
     """The columns the read and prompt stages add to a row besides the input's."""
-    from pipeline.batch.prompts import STAGE_COLUMNS
-    from pipeline.batch.read import CORE_COLUMNS, ROW
+    from pipeline.batch.columns import CORE_COLUMNS, ROW, STAGE_COLUMNS
 
     return [ROW, *CORE_COLUMNS, *STAGE_COLUMNS]
 

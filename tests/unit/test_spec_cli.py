@@ -159,7 +159,7 @@ def test_plan_measure_runs_the_engine(tmp_path: Path) -> None:
 def test_count_job_rows_estimates_big_jsonl_inputs(
     tmp_path: Path, model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from pipeline.batch import plan as plan_module
+    from pipeline.batch.driver import plan as plan_module
     from pipeline.spec import load_job_spec
     from pipeline.storage import list_input_files
 
@@ -204,7 +204,7 @@ def test_plan_reads_a_column_whose_type_differs_between_files(
 def test_a_json_number_past_int64_is_inferred_as_text() -> None:
     import pyarrow as pa
 
-    from pipeline.batch.schema import infer_type
+    from pipeline.batch.stages.schema import infer_type
 
     assert infer_type([1, 2**63]) == pa.string()
     assert infer_type([1, 2]) == pa.int64()

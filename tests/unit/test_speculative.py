@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 from scipy.stats import chisquare
 
 from engines.api import EngineError, SamplingParams
-from engines.reference.kv_cache import BlockManager, hash_block
-from engines.reference.scheduler import Request, Scheduler, SchedulerConfig
-from engines.reference.speculative import NgramIndex, verify
+from engines.reference.runtime.kv_cache import BlockManager, hash_block
+from engines.reference.runtime.scheduler import Request, Scheduler, SchedulerConfig
+from engines.reference.speculative.verify import NgramIndex, verify
 from engines.speculative import SpeculativeConfig, problems, resolve
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=100)
@@ -124,7 +124,7 @@ def test_rejection_sampling_keeps_the_target_distribution() -> None:
 def test_seeded_verification_emits_what_plain_sampling_would() -> None:
     """A seeded request gets the same tokens whether its rows are verified in one step or
     sampled one per step, and its generator ends up at the same place."""
-    from engines.reference.sampler import make_generator, sample
+    from engines.reference.sampling.sampler import make_generator, sample
 
     vocab = 12
     rows = torch.stack([_target(vocab, s) for s in range(5)])

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from engines.api import GenerationRequest, SamplingParams
-from engines.reference.processing import LogitsProcessing
-from engines.reference.sampler import _min_p
+from engines.reference.sampling.processing import LogitsProcessing
+from engines.reference.sampling.sampler import _min_p
 from engines.trtllm_logits import SamplingProcessor
 
 STANDINS = Path(__file__).resolve().parents[1] / "standins"

@@ -22,7 +22,7 @@ def text_prompts(model: Path, count: int) -> list[list[int]]:
     the output text, which no tokenized prompt does.)"""
     from transformers import AutoTokenizer
 
-    from engines.dev.tiny import sample_text
+    from engines.quantize.calibration import sample_text
 
     tokenizer = AutoTokenizer.from_pretrained(model)
     sentences = sample_text(count + 4, seed=11)

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from pipeline.batch.commit.parts import table_to_parquet
-from pipeline.batch.run import run_job
+from pipeline.batch.driver.run import run_job
 from pipeline.spec import JobSpec
 from tests.integration.s3_server import S3Server
 from tests.integration.test_data_processor import read_s3_dataset, run_rows
@@ -36,7 +36,8 @@ def job(
     the job's YAML file."""
     import ray.data
 
-    from engines.dev.tiny import make_tiny_model, sample_text
+    from engines.dev.tiny import make_tiny_model
+    from engines.quantize.calibration import sample_text
 
     ctx = ray.data.DataContext.get_current()
     ctx.execution_no_progress_timeout_s = 300  # a hang is an error

@@ -39,7 +39,8 @@ def job(model: Path, prompts: Path, out: Path, kind: str) -> dict[str, Any]:
 
 
 def test_a_job_on_vllm_completes_balances_and_matches_the_reference(tmp_path: Path) -> None:
-    from engines.dev.tiny import make_tiny_model, sample_text
+    from engines.dev.tiny import make_tiny_model
+    from engines.quantize.calibration import sample_text
 
     model = make_tiny_model(tmp_path / "llama", arch="llama", size="tiny-hd32")
     prompts = tmp_path / "prompts.jsonl"

@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from engines.dev import testhooks
+from engines import faults
 from pipeline.batch.commit.fingerprint import Fingerprint
 from pipeline.batch.commit.lease import Lease, LeaseLost
 from pipeline.batch.commit.ledger import CommitLedger, Decision
@@ -51,12 +51,13 @@ from pipeline.batch.commit.parts import (
     MANIFEST_NAME,
     SUCCESS_NAME,
     PartName,
+    PartWritten,
     list_part_names,
     read_part_record,
 )
 from pipeline.batch.commit.stats import RowStats, SpecCounts
-from pipeline.batch.shards import ShardPlan
-from pipeline.batch.units import PartWritten
+from pipeline.batch.units import ShardPlan
+from pipeline.cost import ActorAccount, job_totals
 from pipeline.spec import JobSpec
 from pipeline.storage import OutputDir, PreconditionFailed
 
@@ -318,7 +319,7 @@ class Committer:
         (then `prune()`: other files derived from parts no longer committed); `_SUCCESS`
         last, when complete."""
         assert self.manifest is not None and self.run is not None
-        testhooks.pause_point("finish")  # tests: a driver that stalls here
+        faults.pause_point("finish")  # tests: a driver that stalls here
         self.lease.verify()  # LeaseLost before anything changes if another run took over
         stale = self._stale_parts()
         self.run.wall_s = wall_s
@@ -371,7 +372,6 @@ def settled_attempt(runs: list[RunRecord]) -> int:
 def compute_totals(ledger: CommitLedger, runs: list[RunRecord], spec: JobSpec) -> dict[str, Any]:
     """Totals over every committed row, from the part records and the merged stats (O(parts)),
     plus idle and load from every run's actor accounts."""
-    from pipeline.cost import ActorAccount, job_totals
 
     sums = ledger.sums()
     stats = ledger.stats

@@ -28,8 +28,19 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pipeline.batch.commit.parts import REPLACEMENT_DISPATCH, PartName, PartRecord
+from pipeline.batch.commit.parts import (
+    REPLACEMENT_DISPATCH,
+    PartName,
+    PartRecord,
+    conform,
+    read_part,
+    read_part_record,
+    write_part,
+)
+from pipeline.batch.commit.stats import RowStats
+from pipeline.batch.units import RowRanges
 from pipeline.spec import StorageSpec
+from pipeline.storage import OutputDir, RetryPolicy
 
 PARTITION_ROWS = 2_000_000  # ids one reduce task holds at most (about 100-200 MB)
 PARTS_PER_MAP = 16
@@ -73,9 +84,6 @@ def _map(
     partitions: int,
 ) -> list[pa.Table] | pa.Table:
     """(part name, shard, shard row ranges) per part → one table of ids per partition."""
-    from pipeline.batch.commit.parts import read_part
-    from pipeline.batch.shards import RowRanges
-    from pipeline.storage import OutputDir
 
     out = OutputDir(out_uri, storage)
     columns: dict[str, list[Any]] = {"id": [], "part": [], "position": [], "shard": [], "row": []}
@@ -162,11 +170,6 @@ def _mark(
 ) -> PartRecord:
     """Write `record`'s part again with the marked rows as duplicate-id error rows."""
     import dataclasses
-
-    from pipeline.batch.commit.parts import read_part, read_part_record, write_part
-    from pipeline.batch.commit.stats import RowStats
-    from pipeline.batch.schema import conform
-    from pipeline.storage import OutputDir, RetryPolicy
 
     out = OutputDir(out_uri, storage, RetryPolicy(storage.retry_s))
     table = read_part(out, record.name)

@@ -29,7 +29,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from pipeline.engine_setup import engine_settings
 from pipeline.spec import JobSpec, StorageSpec
+from pipeline.storage import filesystem_for
 
 COMPONENTS = ("model", "engine", "sampling", "prompt", "input", "output")
 
@@ -77,7 +79,6 @@ def input_listing(files: Iterable[Any]) -> list[dict[str, Any]]:
 
 def model_content(path: str, storage: StorageSpec) -> dict[str, Any]:
     """config.json's hash plus (name, size) of every file under the model directory."""
-    from pipeline.storage import filesystem_for
 
     fs, root = filesystem_for(path, storage)
     root = root.rstrip("/")
@@ -95,8 +96,6 @@ def model_content(path: str, storage: StorageSpec) -> dict[str, Any]:
         if rel == "config.json":
             config_hash = hashlib.sha256(fs.cat_file(name)).hexdigest()
     if config_hash is None:
-        from pipeline.spec import SpecError
-
         raise SpecError(
             f"model.path: {path} has no config.json; point it at a Hugging Face model directory"
         )
@@ -135,8 +134,7 @@ def job_fingerprint(
     schema: list[list[str]] | None = None,
 ) -> Fingerprint:
     """Fingerprint a job from its spec, its pre-flight listing, the model's content, the shard
-    plan's digest and the output schema (pipeline.batch.schema.schema_to_json)."""
-    from pipeline.engine_setup import engine_settings
+    plan's digest and the output schema (pipeline.batch.stages.schema.schema_to_json)."""
 
     if model_info is None:
         model_info = model_content(spec.model.path, spec.storage)

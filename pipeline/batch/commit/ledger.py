@@ -21,7 +21,7 @@ from typing import Any
 
 from pipeline.batch.commit.parts import PartRecord
 from pipeline.batch.commit.stats import RowStats, RowSums
-from pipeline.batch.shards import RowRanges, RowSelection, Shard, ShardPlan
+from pipeline.batch.units import RowRanges, RowSelection, Shard, ShardPlan
 
 
 class Decision(Enum):

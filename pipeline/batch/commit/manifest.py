@@ -89,14 +89,14 @@ class Manifest:
     schema: list[list[str]]  # [[column, type], ...] of every part
     shards: list[dict[str, Any]]  # ShardState.to_json(): the shard, rows, complete, parts, sums
     runs: list[RunRecord]
-    # Engine slots the shard plan was sized for (pipeline.batch.shards): a resume plans for the
+    # Engine slots the shard plan was sized for (pipeline.batch.driver.shards): a resume plans for the
     # same number, so it derives the same shards whatever its own pool. None: TARGET_SHARDS.
     shard_slots: int | None = None
     parts: list[dict[str, Any]] = field(default_factory=list)  # PartRecord.to_json()
     stats: dict[str, Any] = field(default_factory=dict)  # merged RowStats of the parts
     totals: dict[str, Any] = field(default_factory=dict)
     missing_rows: int | None = None  # input rows without a committed row (None: not known)
-    budget: dict[str, Any] | None = None  # pipeline.batch.budget.BudgetState of the last run
+    budget: dict[str, Any] | None = None  # pipeline.batch.driver.budget.BudgetState of the last run
     duplicate_ids: dict[str, Any] | None = None  # the last cross-shard duplicate-id check
     fenced: bool = True  # the store honours conditional writes (two drivers are fenced)
     protocol: int = PROTOCOL

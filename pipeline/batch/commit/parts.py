@@ -30,10 +30,33 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from pipeline.batch.columns import ROW
 from pipeline.batch.commit.stats import RowStats, RowSums
-from pipeline.batch.read import ROW
-from pipeline.batch.shards import RowRanges
+from pipeline.batch.units import RowRanges
 from pipeline.storage import OutputDir
+
+
+def conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
+    """Select and cast `table`'s columns to `schema`; a missing result column is an error."""
+    missing = [name for name in schema.names if name not in table.column_names]
+    if missing:
+        raise ValueError(f"output batch lacks column(s) {missing}; has {table.column_names}")
+    columns = []
+    for target in schema:
+        column = table.column(target.name)
+        if column.type != target.type:
+            column = column.cast(target.type)
+        columns.append(column)
+    return pa.Table.from_arrays(columns, schema=schema)
+
+
+@dataclass(frozen=True)
+class PartWritten:
+    """An engine actor wrote a part; the driver decides whether it is committed."""
+
+    record: PartRecord
+    account: dict[str, Any]  # the actor's cost account at that time (pipeline.cost)
+
 
 SUCCESS_NAME = "_SUCCESS"
 MANIFEST_NAME = "_manifest.json"
@@ -143,7 +166,6 @@ def write_part(
 
     Rows are sorted by `_row`, which is dropped from the file: the record's ranges say which
     shard rows the part holds, in that order."""
-    from pipeline.batch.schema import conform
 
     order = pc.sort_indices(table, [(ROW, "ascending")])
     table = table.take(order)

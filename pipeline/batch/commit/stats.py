@@ -340,7 +340,7 @@ class RowStats:
 
     @classmethod
     def of_table(cls, table: pa.Table) -> RowStats:
-        """The stats of output rows (columns of pipeline.batch.schema.RESULT_FIELDS)."""
+        """The stats of output rows (columns of pipeline.batch.stages.schema.RESULT_FIELDS)."""
         stats = cls()
         n = table.num_rows
         if n == 0:

@@ -39,8 +39,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
+from engines.strict import StrictModel
 from pipeline.serve.access.auth import KeyDigests, digest
 
 logger = logging.getLogger(__name__)
@@ -54,11 +55,7 @@ ANONYMOUS = "anonymous"  # the caller's name with --insecure-no-auth
 _KEY_LOOKING = frozenset({"key", "api_key", "apikey", "secret", "token", "password", "value"})
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class KeyLimits(_Strict):
+class KeyLimits(StrictModel):
     requests_per_minute: int | None = Field(
         None,
         ge=1,
@@ -85,7 +82,7 @@ class KeyLimits(_Strict):
         )
 
 
-class BatchQuota(_Strict):
+class BatchQuota(StrictModel):
     """What a key's owner may keep running and stored through the Batch API
     (docs/batch-api.md, Quotas); every ingress replica counts against the same totals."""
 
@@ -121,7 +118,7 @@ class BatchQuota(_Strict):
         )
 
 
-class KeyEntry(_Strict):
+class KeyEntry(StrictModel):
     name: str = Field(
         pattern=NAME_PATTERN,
         description="The key's name: what /metrics and the usage log call it (bill by it).",
@@ -159,7 +156,7 @@ class KeyEntry(_Strict):
         return value
 
 
-class KeyFile(_Strict):
+class KeyFile(StrictModel):
     keys: list[KeyEntry] = Field(default_factory=list, description="The accepted keys.")
 
     @model_validator(mode="after")

@@ -58,6 +58,8 @@ from pipeline.serve.http.httpio import (
     read_body,
 )
 from pipeline.serve.spec import ServeSpec
+from pipeline.submit import connect as connect_jobs
+from pipeline.submit import resolve_auth_token
 
 logger = logging.getLogger(__name__)
 router = APIRouter()
@@ -108,8 +110,6 @@ def _jobs_client(spec: ServeSpec) -> Callable[[], JobsApi]:
     """A Jobs API client, made when first needed, as `tokenmill submit` makes its own."""
 
     def connect() -> JobsApi:
-        from pipeline.submit import connect as connect_jobs
-        from pipeline.submit import resolve_auth_token
 
         assert spec.batch_api is not None
         token = resolve_auth_token(os.environ)

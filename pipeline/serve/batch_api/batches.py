@@ -36,7 +36,7 @@ output's manifest:
     Ray FAILED / STOPPED otherwise            failed
 
 On a terminal job the output and error files are registered (pipeline.serve.batch_api.files)
-from the committed parts' export files (pipeline.batch.openai_output, written by the job, or here if
+from the committed parts' export files (pipeline.batch.driver.openai_output, written by the job, or here if
 the job was killed before it got to them), and request_counts and the cost come from the
 manifest's totals. Nothing here blocks the event loop: callers run it in a thread.
 """
@@ -58,9 +58,14 @@ from typing import Any, Protocol
 
 import yaml
 
-from pipeline.batch.commit.manifest import Manifest, read_manifest
-from pipeline.batch.openai_output import LineContext, expected_exports, export_committed
-from pipeline.batch.read.openai_batch import EMBEDDINGS_URL, SUPPORTED_BATCH_URLS
+from pipeline.batch.interface.batch_api import (
+    EMBEDDINGS_URL,
+    SUPPORTED_BATCH_URLS,
+    LineContext,
+    expected_exports,
+    export_committed,
+)
+from pipeline.batch.interface.output import Manifest, read_manifest
 from pipeline.openai.errors import ApiError
 from pipeline.serve.access.keys import BatchQuota
 from pipeline.serve.batch_api.batch_quota import QuotaLedger

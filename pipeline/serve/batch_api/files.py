@@ -10,7 +10,7 @@ only ever lists and opens its own:
                       output file is made of)
 
 A batch's output and error files are registered here when it ends; their content is the
-concatenation of the batch job's export files (pipeline.batch.openai_output), not a copy.
+concatenation of the batch job's export files (pipeline.batch.driver.openai_output), not a copy.
 
 An upload is written to storage in parts as it arrives (`Upload`: an S3 multipart upload, or a
 temp file renamed into place) and checked on the way (`StreamingValidator`), so the ingress
@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.batch.read.openai_batch import SUPPORTED_BATCH_URLS, parse_batch_request
+from pipeline.batch.interface.batch_api import SUPPORTED_BATCH_URLS, parse_batch_request
 from pipeline.openai.errors import ApiError
 from pipeline.spec import StorageSpec
 from pipeline.storage import OutputDir, join_uri

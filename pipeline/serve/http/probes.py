@@ -12,7 +12,7 @@ engine replicas are doing:
 - /health (liveness): 200 `{"status": "ok"}` while the HTTP path and this replica answer. It
   says nothing about engines: a broken engine gets its replica replaced by Serve, never the
   pod restarted.
-- /ready (readiness): the readiness view (pipeline/serve/http/readiness.py), refreshed by a
+- /ready (readiness): the readiness view (pipeline/serve/replicas/readiness.py), refreshed by a
   background thread that reads the app's board every REFRESH_S: the replicas' reports and
   Serve's running replicas, which the board keeps (so neither a slow controller nor parsing
   its status ever holds up this process). 200 when every model has a replica that can serve,
@@ -34,9 +34,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from pipeline.openai.errors import ApiError
-from pipeline.serve.http.readiness import ReadinessView
 from pipeline.serve.replicas.board import STALE_AFTER_S, Snapshot, open_board
-from pipeline.serve.spec import ServeSpec, engine_deployments
+from pipeline.serve.replicas.readiness import ReadinessView
+from pipeline.serve.spec import ServeSpec, engine_deployments, load_serve_spec
 
 logger = logging.getLogger(__name__)
 
@@ -189,7 +189,6 @@ def ready_app_builder(args: dict[str, str]) -> serve.Application:
 
 def ready_probe_args(args: dict[str, str]) -> tuple[str, dict[str, str]]:
     """The watched app's name and its models' engine deployments, from the builder's args."""
-    from pipeline.serve.spec import load_serve_spec
 
     spec = load_serve_spec(args["config"])
     return args.get("app", spec.name), engine_deployments(spec)

@@ -24,10 +24,10 @@ from pipeline.openai.models import (
     parse_chat_request,
     parse_completion_request,
 )
-from pipeline.openai.response_format import FormatError, parse_response_format
 from pipeline.openai.responses import Endpoint, ResponseIds, Usage
 from pipeline.serve.protocol.tokens import PromptTokenizer
 from pipeline.serve.spec import ServedModelSpec
+from pipeline.spec.response_format import FormatError, parse_response_format
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 

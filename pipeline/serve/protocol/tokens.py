@@ -15,7 +15,7 @@ from typing import Any
 
 from pipeline.openai.chat import RAW_COMPLETION, PromptError, load_tokenizer, render_prompt
 from pipeline.openai.errors import ApiError
-from pipeline.openai.reasoning import ReasoningParser
+from pipeline.openai.reasoning import ReasoningParser, make_parser
 from pipeline.spec import ModelSpec, PromptSpec, StorageSpec
 
 logger = logging.getLogger(__name__)
@@ -35,7 +35,6 @@ class PromptTokenizer:
         self._token_texts: dict[int, str] = {}
         # prompt.reasoning's parser: chat answers are split by it (ReasoningError, naming what
         # the tokenizer lacks, when the format does not fit the model: the server does not start).
-        from pipeline.openai.reasoning import make_parser
 
         self.reasoning: ReasoningParser | None = make_parser(prompt.reasoning, self._tokenizer)
 

@@ -34,7 +34,7 @@ import ray
 
 from engines.api import EngineStats
 from pipeline.serve.access.limit_coordinator import NAMESPACE
-from pipeline.serve.http.readiness import ReplicaReport, running_by_deployment
+from pipeline.serve.replicas.readiness import ReplicaReport, running_by_deployment
 
 logger = logging.getLogger(__name__)
 

@@ -32,7 +32,9 @@ from engines.api import (
     StreamDelta,
 )
 from engines.health import StallWatch
+from engines.samples import fan_out, merge
 from pipeline.cost import CostMeter
+from pipeline.engine_setup import open_engine
 from pipeline.serve.replicas.board import POST_INTERVAL_S, open_board
 from pipeline.serve.replicas.coalesce import coalesce
 from pipeline.serve.replicas.cost import EqualShareMeter
@@ -80,7 +82,6 @@ class ServedDelta:
 @serve.deployment
 class EngineReplica:
     def __init__(self, served: ServedModelSpec, storage: StorageSpec) -> None:
-        from pipeline.engine_setup import open_engine
 
         load_start = time.monotonic()
         self._engine = open_engine(
@@ -337,14 +338,12 @@ class EngineReplica:
         """n samples of one prompt (OpenAI's `n`), in index order. They run here, on one
         engine, so the engine can compute the prompt once for all of them (engines.samples).
         Cancelling the call cancels every sample."""
-        from engines.samples import fan_out
 
         return list(await asyncio.gather(*(self.generate(r) for r in fan_out(request, n))))
 
     async def stream_n(self, request: GenerationRequest, n: int) -> AsyncIterator[ServedDelta]:
         """Like stream, for n samples at once: one admitted marker, then every sample's deltas
         as they come, each with its `index`; each sample ends with its finished delta."""
-        from engines.samples import fan_out, merge
 
         streams = [self.stream(r) for r in fan_out(request, n)]
         merged = merge(streams)

@@ -37,7 +37,6 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
-ROUTER_PATH = "pipeline.serve.replicas.routing:PrefixAffinityRouter"
 _MAX_PENDING = 10_000  # requests being routed at once, far above any real backlog
 
 

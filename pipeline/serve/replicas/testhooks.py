@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from engines.dev import testhooks
+from engines import faults
 
 BreakMode = Literal["crash", "stall"]
 
 
 def hooks_enabled() -> bool:
-    return testhooks.enabled()
+    return faults.enabled()
 
 
 def break_engine(engine: Any, mode: BreakMode) -> None:
@@ -27,4 +27,4 @@ def break_engine(engine: Any, mode: BreakMode) -> None:
     Only the reference engine has a runner to break (in this process or in the engine's own,
     engines.process).
     """
-    testhooks.break_step_loop(engine, mode)
+    faults.break_step_loop(engine, mode)

@@ -1,0 +1,1 @@
+"""Sampling: the sampler, grammars (structured output), logits processors and logprobs."""

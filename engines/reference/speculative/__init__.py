@@ -1,0 +1,1 @@
+"""Speculative decoding: n-gram proposals, verification and the draft model."""

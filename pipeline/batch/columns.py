@@ -1,0 +1,69 @@
+"""Column names of the batch row contract: what the readers write, what the prompt stage adds.
+Imports nothing of pipeline.batch."""
+
+from __future__ import annotations
+
+ROW = "_row"
+ID = "id"
+PROMPT = "prompt"
+MESSAGES = "messages"
+ERROR = "error"
+CORE_COLUMNS = (ID, PROMPT, MESSAGES, ERROR)
+# The row's own values of the shared table's parameters (pipeline.openai.params: penalties,
+# min_p, min_tokens, logit_bias, bad_words, stop, stop_token_ids), from an openai_batch body or
+# `sampling.overrides` columns, as canonical JSON text of SamplingParams values; null: none.
+BODY_SAMPLING = "body_sampling"
+
+# openai_batch: sampling field -> the column its per-request value lands in.
+BATCH_OVERRIDE_COLUMNS: dict[str, str] = {
+    "max_tokens": "max_tokens",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "seed": "seed",
+    "response_format": "response_format",
+    "logprobs": "logprobs",
+    "n": "num_samples",
+    "reasoning_effort": "reasoning_effort",
+}
+# The Python type each overridable sampling field is coerced to.
+OVERRIDE_TYPES: dict[str, type] = {
+    "max_tokens": int,
+    "temperature": float,
+    "top_p": float,
+    "top_k": int,
+    "seed": int,
+    "logprobs": int,
+    "n": int,
+    "response_format": str,  # JSON text; read and checked by the prompt stage
+    "reasoning_effort": str,  # low | medium | high; checked by the prompt stage
+}
+
+
+PROMPT_TOKEN_IDS = "prompt_token_ids"
+PROMPT_TOKENS = "prompt_tokens"
+MAX_TOKENS = "max_tokens"
+TEMPERATURE = "temperature"
+TOP_P = "top_p"
+TOP_K = "top_k"
+SEED = "seed"
+RESPONSE_FORMAT = "response_format"
+LOGPROBS = "logprobs"
+SAMPLES = "num_samples"  # sampling field `n` (a column named "n" is too likely an input's)
+REASONING_EFFORT = "reasoning_effort"
+SAMPLING_COLUMNS = (
+    MAX_TOKENS,
+    TEMPERATURE,
+    TOP_P,
+    TOP_K,
+    SEED,
+    RESPONSE_FORMAT,
+    LOGPROBS,
+    SAMPLES,
+    REASONING_EFFORT,
+)
+# The response_format cell of a row that asks for free text although the job has a format.
+FREE_TEXT = '{"type": "text"}'
+STAGE_COLUMNS = (PROMPT_TOKEN_IDS, PROMPT_TOKENS, *SAMPLING_COLUMNS)
+
+# Start of the error of a row whose prompt + max_tokens exceed the context (plan counts them).
+TOO_LONG = "too long"

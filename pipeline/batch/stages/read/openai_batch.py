@@ -1,0 +1,169 @@
+"""OpenAI Batch API lines (`input.format: openai_batch`): one request per line, by custom_id.
+
+`parse_batch_request` turns one line's JSON object into the prompt or chat, the per-request
+sampling values and an error for what the pipeline cannot serve (another endpoint, best_of,
+tools, ...): such a request becomes an error row naming the parameter, never a silent skip.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from engines.api import SamplingParams
+from pipeline.batch.columns import (
+    BATCH_OVERRIDE_COLUMNS,
+    BODY_SAMPLING,
+    ERROR,
+    ID,
+    MESSAGES,
+    PROMPT,
+)
+from pipeline.batch.stages.read.cells import apply_overrides, coerce_override, json_cell
+from pipeline.openai import params
+from pipeline.spec import JobSpec
+
+EMBEDDINGS_URL = "/v1/embeddings"
+SUPPORTED_BATCH_URLS = ("/v1/chat/completions", "/v1/completions", EMBEDDINGS_URL)
+# openai_batch: sampling field -> the column its per-request value lands in.
+# Request body parameters that would change results and that the pipeline does not implement:
+# name -> predicate on the value saying "this value needs the feature".
+# Batch-only refusals; the parameters Serve refuses too are in pipeline.openai.params.REFUSED,
+# and the supported sampling ones (penalties, logit_bias, stop, ...) in its BATCH_SAMPLING.
+UNSUPPORTED_BODY: dict[str, Any] = {
+    "echo": lambda v: bool(v),
+    "stream": lambda v: bool(v),
+}
+
+
+def parse_batch_request(obj: dict[str, Any]) -> dict[str, Any]:
+    """One OpenAI Batch API line → custom_id, prompt/messages, override values, or an error.
+
+    Returns a dict with keys `custom_id` (may be None), `prompt`, `messages` (JSON text),
+    the BATCH_OVERRIDE_COLUMNS, BODY_SAMPLING and `error`.
+    """
+    out: dict[str, Any] = {"custom_id": None, PROMPT: None, MESSAGES: None, ERROR: None}
+    custom_id = obj.get("custom_id")
+    if custom_id is None or custom_id == "":
+        out[ERROR] = "missing custom_id"
+        return out
+    out["custom_id"] = str(custom_id)
+    url = obj.get("url")
+    if url not in SUPPORTED_BATCH_URLS:
+        out[ERROR] = f"unsupported url {url!r}; supported: {', '.join(SUPPORTED_BATCH_URLS)}"
+        return out
+    method = obj.get("method", "POST")
+    if str(method).upper() != "POST":
+        out[ERROR] = f"unsupported method {method!r}; batch requests are POST"
+        return out
+    body = obj.get("body")
+    if not isinstance(body, dict):
+        out[ERROR] = "missing body (an object with messages or prompt)"
+        return out
+    if url == EMBEDDINGS_URL:
+        out.update(_embedding_input(body))
+        return out
+    for name, needs_feature in UNSUPPORTED_BODY.items():
+        if name in body and needs_feature(body[name]):
+            out[ERROR] = f"unsupported body parameter {name}={body[name]!r}"
+            return out
+    try:
+        params.check_refused(body)
+        shared = params.sampling_values(body, params.BATCH_SAMPLING)
+        # Ranges now, so a bad value is this line's error before any rendering.
+        SamplingParams(max_tokens=max(1, shared.get("min_tokens", 0)), **shared)
+    except params.ParamError as exc:
+        if exc.unsupported:
+            value = body[exc.name]
+            out[ERROR] = (
+                f"unsupported body parameter {exc.name}={value!r}: remove it or send its default"
+            )
+        else:
+            out[ERROR] = f"body.{exc.name}: {exc}"
+        return out
+    except ValueError as exc:
+        out[ERROR] = f"body: {exc}"
+        return out
+    out[BODY_SAMPLING] = json.dumps(shared, sort_keys=True) if shared else None
+    if url == "/v1/chat/completions":
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            out[ERROR] = "body.messages must be a non-empty list for /v1/chat/completions"
+            return out
+        out[MESSAGES] = json.dumps(messages)
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if not isinstance(prompt, str):
+            out[ERROR] = "body.prompt must be one string for /v1/completions"
+            return out
+        out[PROMPT] = prompt
+    values = {
+        "max_tokens": body.get("max_completion_tokens", body.get("max_tokens")),
+        "temperature": body.get("temperature"),
+        "top_p": body.get("top_p"),
+        "seed": body.get("seed"),
+        "response_format": body.get("response_format"),
+        "logprobs": _logprobs(url, body),
+        "n": body.get("n"),
+        "reasoning_effort": body.get("reasoning_effort"),  # for the chat template
+    }
+    for field, value in values.items():
+        column = BATCH_OVERRIDE_COLUMNS[field]
+        coerced, problem = coerce_override(field, column, value, label=f"body.{field}")
+        out[column] = coerced
+        if problem:
+            out[ERROR] = problem
+            return out
+    return out
+
+
+def _embedding_input(body: dict[str, Any]) -> dict[str, Any]:
+    """A /v1/embeddings line: its one text as the prompt, or the error. A line embeds one
+    input, as float: a batch's output line is one embedding's response body."""
+    text = body.get("input")
+    if isinstance(text, list) and len(text) == 1 and isinstance(text[0], str):
+        text = text[0]
+    if not isinstance(text, str) or not text:
+        return {ERROR: "body.input must be one non-empty string for /v1/embeddings in a batch"}
+    if body.get("encoding_format", "float") not in (None, "float"):
+        return {ERROR: "body.encoding_format must be float in a batch (or left out)"}
+    if body.get("dimensions") is not None:
+        return {ERROR: "unsupported body parameter dimensions: remove it"}
+    return {PROMPT: text}
+
+
+def _logprobs(url: str, body: dict[str, Any]) -> Any:
+    """Alternatives per token asked for, in one number: chat says `logprobs: true` plus
+    `top_logprobs: k`; completions say `logprobs: k`. None: no logprobs."""
+    if url == "/v1/chat/completions":
+        if not body.get("logprobs"):
+            return None
+        top = body.get("top_logprobs")
+        return 0 if top is None else top
+    return body.get("logprobs")
+
+
+def batch_row(spec: JobSpec, obj: dict[str, Any], row: dict[str, Any], where: str) -> None:
+    parsed = parse_batch_request(obj)
+    if parsed["custom_id"] is not None:
+        row[ID] = parsed["custom_id"]
+    for name in (PROMPT, MESSAGES, BODY_SAMPLING, *BATCH_OVERRIDE_COLUMNS.values()):
+        row[name] = parsed.get(name)
+    for name in spec.input.passthrough_columns:
+        row[name] = json_cell(obj.get(name))
+    # User overrides may point at top-level keys of the line (rare, but allowed).
+    apply_overrides(
+        spec, row, {k: v for k, v in obj.items() if k in spec.sampling.overrides.values()}, where
+    )
+    url = obj.get("url")
+    if url in SUPPORTED_BATCH_URLS and (url == EMBEDDINGS_URL) != (spec.task == "embed"):
+        # A job either embeds every line or generates for every line; a line of the other
+        # kind is told so first, before anything about its body.
+        row[ERROR] = (
+            f"{where}: url {obj.get('url')} does not fit this job's task {spec.task} "
+            f"(/v1/embeddings lines need task embed; the others, task generate)"
+        )
+    elif parsed[ERROR]:
+        row[ERROR] = f"{where}: {parsed[ERROR]}"
