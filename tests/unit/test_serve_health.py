@@ -20,7 +20,7 @@ from engines.api import (
     GenerationResult,
 )
 from engines.health import StallWatch
-from pipeline.serve.app import result_error
+from pipeline.serve.gateway import result_error
 from pipeline.serve.replicas.health import ReplicaHealth, ReplicaUnhealthyError
 from pipeline.serve.spec import (
     HealthSpec,

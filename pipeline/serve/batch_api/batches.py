@@ -17,66 +17,68 @@ so of two resumes racing only one runs a job into that output.
 Batch ids begin with their creation time counted down, so a listing of names is newest first
 and a list page reads only its own records.
 
-A batch whose input file has problems (pipeline.serve.batch_api.files keeps them from the upload) or
-whose lines do not fit it (a url not its endpoint, a model it cannot run) gets no job: it is
-stored `validating` and fails on its next read with OpenAI's `errors` list, naming lines. A
+A batch whose input file has problems (pipeline.serve.batch_api.files keeps them from the
+upload) or whose lines do not fit it (a url not its endpoint, a model it cannot run) gets no
+job: it is stored `validating` and fails on its next read with OpenAI's `errors` list, naming lines. A
 batch whose metadata names RESUME_KEY continues a stopped batch of the same file: its job
 writes into that batch's output, so the pipeline resumes there and runs only what is missing.
 
-Otherwise the status is derived, each time a batch is read, from the Ray job's status and the
-output's manifest:
-
-    Ray PENDING                               validating
-    Ray RUNNING                               in_progress (finalizing once the manifest is
-                                              final); cancelling after a cancel
-    Ray SUCCEEDED                             completed
-    Ray STOPPED / FAILED after a cancel       cancelled (until Ray has taken the stop, each
-                                              read while cancelling sends it again)
-    ... after the completion window passed    expired (the job was stopped at expiry)
-    Ray FAILED / STOPPED otherwise            failed
-
-On a terminal job the output and error files are registered (pipeline.serve.batch_api.files)
-from the committed parts' export files (pipeline.batch.driver.openai_output, written by the job, or here if
-the job was killed before it got to them), and request_counts and the cost come from the
-manifest's totals. Nothing here blocks the event loop: callers run it in a thread.
+Otherwise the status is derived each time a batch is read, from the Ray job's status and the
+output's manifest (pipeline.serve.batch_api.status); the job itself is built and named by
+pipeline.serve.batch_api.jobs. Nothing here blocks the event loop: callers run it in a thread.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
-import re
 import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import yaml
 
 from pipeline.batch.interface.batch_api import (
-    EMBEDDINGS_URL,
     SUPPORTED_BATCH_URLS,
-    LineContext,
-    expected_exports,
-    export_committed,
 )
-from pipeline.batch.interface.output import Manifest, read_manifest
+from pipeline.batch.interface.output import read_manifest
 from pipeline.openai.errors import ApiError
 from pipeline.serve.access.keys import BatchQuota
 from pipeline.serve.batch_api.batch_quota import QuotaLedger
 from pipeline.serve.batch_api.files import (
-    MAX_REPORTED_ERRORS,
     PRIVATE,
     BatchInputSummary,
     FileStore,
-    InputError,
     owner_slug,
 )
+from pipeline.serve.batch_api.jobs import (
+    SUBMIT_GRACE_S,
+    JobsApi,
+    batch_created_s,
+    input_errors,
+    job_spec_data,
+    list_order,
+    new_batch_id,
+    submission_id,
+)
+from pipeline.serve.batch_api.records import (
+    MAX_RECORD_WRITES,
+    RESUME_KEY,
+    Loaded,
+    busy_record,
+    check_resumable,
+    dumps,
+    load,
+    public,
+    refuse_resume,
+    save,
+    write,
+)
+from pipeline.serve.batch_api.status import TERMINAL, BatchStatus
 from pipeline.serve.spec import BatchApiSpec, ServedModelSpec, ServeSpec
 from pipeline.spec import SpecError, parse_job_spec
 from pipeline.storage import OutputDir, PreconditionFailed, join_uri
@@ -84,7 +86,6 @@ from pipeline.submit import (
     SUBMIT_BACKOFF_S,
     SubmitFate,
     forwarded_env,
-    job_missing,
     run_entrypoint,
     runtime_env_for,
     submit_once,
@@ -93,119 +94,8 @@ from pipeline.submit import (
 logger = logging.getLogger(__name__)
 
 COMPLETION_WINDOWS = {"24h": 24 * 3600}
-TERMINAL = frozenset({"completed", "failed", "cancelled", "expired"})
-JOB_TERMINAL = frozenset({"SUCCEEDED", "FAILED", "STOPPED"})
 MAX_METADATA_PAIRS = 16  # OpenAI's limits on a batch's metadata
 MAX_LIST_LIMIT = 100
-# Metadata key naming a cancelled, failed or expired batch of the same file to resume.
-RESUME_KEY = "tokenmill_resume_from"
-RESUMABLE = frozenset({"cancelled", "failed", "expired"})
-# Records are written by compare-and-swap: a write that lost to another replica's reads the
-# record again and re-applies its change, this many times at most.
-MAX_RECORD_WRITES = 5
-# A record saved before its job was submitted whose job Ray does not know this long after it
-# was created: the ingress died between the two, so the batch fails (it can be resumed).
-SUBMIT_GRACE_S = 300
-# Batch ids start with the creation time counted down (milliseconds before 2^44 ms, 11 hex
-# digits) and end with 16 random hex digits, so the store's name order is newest first and a
-# list page reads only its own records.
-_ID_RE = re.compile(r"batch_[0-9a-f]{11}[0-9a-f]{16}")
-
-
-class JobsApi(Protocol):
-    """The subset of ray.job_submission.JobSubmissionClient used here (tests fake it)."""
-
-    def submit_job(self, **kwargs: Any) -> str: ...
-
-    def get_job_info(self, job_id: str) -> Any: ...
-
-    def stop_job(self, job_id: str) -> bool: ...
-
-
-def submission_id(batch_id: str) -> str:
-    return f"tokenmill-{batch_id}"
-
-
-def new_batch_id(created_ms: int) -> str:
-    """A batch id whose name order is newest first (see _ID_RE)."""
-    countdown = (1 << 44) - 1 - created_ms
-    return f"batch_{countdown:011x}{os.urandom(8).hex()}"
-
-
-def batch_created_s(batch_id: str) -> float | None:
-    """When a batch was created, from its id (None for ids from before ids carried it)."""
-    if _ID_RE.fullmatch(batch_id) is None:
-        return None
-    return ((1 << 44) - 1 - int(batch_id[6:17], 16)) / 1000
-
-
-def _list_order(batch_id: str) -> tuple[bool, str]:
-    # Ids from before ids carried their time come after the rest, in no particular order.
-    return (_ID_RE.fullmatch(batch_id) is None, batch_id)
-
-
-def job_spec_data(
-    batch_id: str,
-    served: ServedModelSpec,
-    spec: ServeSpec,
-    input_uri: str,
-    output_uri: str,
-    expires_at: float | None = None,
-    endpoint: str = "/v1/chat/completions",
-) -> dict[str, Any]:
-    """The pipeline job of a batch: the served model's sections, its batch template, the
-    uploaded file in and OpenAI-format files out; the job stops itself at `expires_at`."""
-    template = served.batch
-    assert template is not None
-    engine = template.engine or served.engine
-    # Name rows after the served model, so response bodies say what a client sent.
-    model = served.model.model_copy(update={"name": served.name})
-    if endpoint == EMBEDDINGS_URL:
-        # Texts embedded as given (no chat template); nothing is sampled.
-        task: dict[str, Any] = {
-            "task": "embed",
-            "prompt": {**served.prompt.model_dump(mode="json"), "chat_template": False},
-            "sampling": {},
-        }
-    else:
-        # A body without temperature samples at 1, as the same request sent to the endpoint
-        # (and to OpenAI) does; the job's own default is greedy.
-        task = {
-            "prompt": served.prompt.model_dump(mode="json"),
-            "sampling": {"max_tokens": template.max_tokens, "temperature": 1.0},
-        }
-    return {
-        "name": batch_id,
-        "input": {
-            "uri": input_uri,
-            "format": "openai_batch",
-            "passthrough_columns": ["url"],  # picks chat.completion or text_completion
-        },
-        **task,
-        "model": model.model_dump(mode="json"),
-        "engine": engine.model_dump(mode="json"),
-        "resources": template.resources.model_dump(mode="json"),
-        # Parts written and committed often, so request_counts move while the batch runs and
-        # a cancel loses little.
-        "output": {
-            "uri": output_uri,
-            "format": "openai_batch",
-            "flush_interval_s": 10.0,
-            "commit_interval_s": 5.0,
-        },
-        "storage": spec.storage.model_dump(mode="json"),
-        # A failed request is an error line, never a failed batch. At the end of the window
-        # the job stops itself and commits what finished, whether or not anyone reads the
-        # batch then (a read past the window stops it too, in case the job could not).
-        "limits": {"max_error_fraction": 1.0, "stop_at": expires_at},
-        "cost": served.cost.model_copy(
-            update={"batch_discount": template.batch_discount, "budget_usd": None}
-        ).model_dump(mode="json"),
-    }
-
-
-def _job_status(info: Any) -> str:
-    return str(getattr(info.status, "value", info.status))
 
 
 class BatchService:
@@ -225,6 +115,7 @@ class BatchService:
         self.now = now
         # Between tries of a submit whose fate is unknown (tests shorten it).
         self.submit_backoff_s = SUBMIT_BACKOFF_S
+        self._status = BatchStatus(lambda: self.jobs, spec.storage, self.files, lambda: self.now())
         self._id_lock = threading.Lock()
         self._last_id_ms = 0  # ids made here are strictly ordered, even within a millisecond
 
@@ -295,7 +186,7 @@ class BatchService:
         now = self.now()
         batch_id = self._new_id(now)
         resumed = self._resumed(out, metadata, input_file_id, endpoint)
-        errors, served = self._input_errors(summary, endpoint, allows)
+        errors, served = input_errors(self.spec, summary, endpoint, allows)
         created = int(now)
         window_s = self.api.completion_window_s or COMPLETION_WINDOWS[window]
         record = {
@@ -326,8 +217,8 @@ class BatchService:
             # No job: the batch fails on its next read, as OpenAI's fails during validating.
             record["request_counts"]["total"] = 0
             record[PRIVATE]["input_errors"] = [e.to_json() for e in errors]
-            out.create(f"{batch_id}.json", _dumps(record))
-            return _public(record)
+            out.create(f"{batch_id}.json", dumps(record))
+            return public(record)
         assert served is not None
         output_uri = resumed.record[PRIVATE]["output_uri"] if resumed else out.uri_of(batch_id)
         record[PRIVATE].update(
@@ -359,7 +250,7 @@ class BatchService:
             raise refused.error from None
         # Anything else may have left a job running (a submit interrupted mid-way): the place
         # stays taken until the batch's record says it ended (_ended_or_gone).
-        return _public(record)
+        return public(record)
 
     def _ended_or_gone(self, out: OutputDir, batch_id: str) -> bool:
         """Whether a batch counted in a quota no longer takes a place: it ended, or its record
@@ -393,7 +284,7 @@ class BatchService:
         return job
 
     def _start(
-        self, out: OutputDir, record: dict, resumed: _Loaded | None, job: dict[str, Any]
+        self, out: OutputDir, record: dict, resumed: Loaded | None, job: dict[str, Any]
     ) -> None:
         """Save the record, then submit its job.
 
@@ -411,7 +302,7 @@ class BatchService:
         batch_id = record["id"]
         # Saved before the submit: no job ever runs without its record.
         try:
-            version = out.create(f"{batch_id}.json", _dumps(record))
+            version = out.create(f"{batch_id}.json", dumps(record))
         except Exception as exc:
             # Nothing was submitted. (A create whose answer was lost leaves a record with no
             # job, which fails after the grace.)
@@ -446,7 +337,7 @@ class BatchService:
         record[PRIVATE]["submitted"] = submitted
         try:
             self._write(
-                out, _Loaded(record, version), lambda r: r[PRIVATE].update(submitted=submitted)
+                out, Loaded(record, version), lambda r: r[PRIVATE].update(submitted=submitted)
             )
         except Exception:
             # The job may run: the client gets its batch all the same (a retry would start a
@@ -460,7 +351,7 @@ class BatchService:
 
     def _resumed(
         self, out: OutputDir, metadata: dict[str, str], input_file_id: str, endpoint: str
-    ) -> _Loaded | None:
+    ) -> Loaded | None:
         """The batch metadata[RESUME_KEY] names, if it can be resumed: the new batch's job then
         writes to its output, so the job's own resume runs only the requests it did not
         finish, and the new batch's files hold every request once."""
@@ -470,21 +361,21 @@ class BatchService:
         try:
             old = self._current(out, resume_id)
         except ApiError:
-            raise _refuse_resume(resume_id, "no such batch") from None
-        _check_resumable(old.record, input_file_id, endpoint)
+            raise refuse_resume(resume_id, "no such batch") from None
+        check_resumable(old.record, input_file_id, endpoint)
         return old
 
-    def _claim(self, out: OutputDir, resumed: _Loaded, batch_id: str) -> None:
+    def _claim(self, out: OutputDir, resumed: Loaded, batch_id: str) -> None:
         """Mark the resumed batch as resumed by `batch_id`, by compare-and-swap on the record
         read when it was checked: a resume that lost the race reads the winner's name."""
         try:
             resumed.record[PRIVATE]["resumed_by"] = batch_id
             resumed.version = out.replace(
-                f"{resumed.record['id']}.json", _dumps(resumed.record), resumed.version
+                f"{resumed.record['id']}.json", dumps(resumed.record), resumed.version
             )
         except PreconditionFailed:
             current = self._current(out, resumed.record["id"])
-            _check_resumable(
+            check_resumable(
                 current.record, resumed.record["input_file_id"], resumed.record["endpoint"]
             )
             raise ApiError(
@@ -500,54 +391,9 @@ class BatchService:
                 record[PRIVATE]["resumed_by"] = None
 
         try:
-            self._write(out, self._loaded(out, resumed_id), release)
+            self._write(out, load(out, resumed_id), release)
         except Exception:  # the refused resume is reported to the client either way
             logger.exception("releasing %s after a refused resume failed", resumed_id)
-
-    def _input_errors(
-        self, summary: BatchInputSummary, endpoint: str, allows: Callable[[str], bool]
-    ) -> tuple[list[InputError], ServedModelSpec | None]:
-        """What fails this batch during validating (the file's own problems, then this
-        batch's: lines whose url is not its endpoint, models it cannot run), at most
-        MAX_REPORTED_ERRORS in line order; and the model when there is nothing."""
-        errors = list(summary.errors)
-        for url, lines in summary.urls.items():
-            if url != endpoint:
-                message = (
-                    f"The url {url!r} of this request is not the batch's endpoint {endpoint!r}."
-                )
-                errors += [InputError("url_mismatch", message, n, "url") for n in lines]
-        chosen: ServedModelSpec | None = None  # the first model it can run
-        for name, lines in summary.models.items():
-            served = self._served(name, allows)
-            if isinstance(served, str):
-                errors += [InputError("model_not_found", served, n, "body.model") for n in lines]
-            elif chosen is None:
-                chosen = served
-            else:
-                message = (
-                    f"This request names the model {name!r}, an earlier one {chosen.name!r}; a "
-                    "batch runs one model: split the file by body.model."
-                )
-                errors += [InputError("model_mismatch", message, n, "body.model") for n in lines]
-        if chosen is None and not errors:  # a file stored before lines were kept
-            errors.append(InputError("model_not_found", "No request names a model of this server."))
-        errors.sort(key=lambda e: e.line or 0)
-        if errors or chosen is None:
-            return errors[:MAX_REPORTED_ERRORS], None
-        return [], chosen
-
-    def _served(self, name: str, allows: Callable[[str], bool]) -> ServedModelSpec | str:
-        """The served model batches naming `name` run on, or why there is none."""
-        served = self.spec.model_named(name)
-        if served is None or not allows(name):
-            return f"The model '{name}' does not exist or this key may not use it."
-        if served.batch is None:
-            return (
-                f"The model '{name}' does not take batches on this server (its serve file "
-                "entry has no batch section)."
-            )
-        return served
 
     def _submit(
         self, batch_id: str, job: dict[str, Any]
@@ -576,7 +422,7 @@ class BatchService:
     # --- read --------------------------------------------------------------------------------
 
     def retrieve(self, owner: str, batch_id: str) -> dict:
-        return _public(self._current(self._dir(owner), batch_id).record)
+        return public(self._current(self._dir(owner), batch_id).record)
 
     def list(self, owner: str, limit: int = 20, after: str | None = None) -> dict:
         if not 1 <= limit <= MAX_LIST_LIMIT:
@@ -588,14 +434,14 @@ class BatchService:
         # records are read.
         ids = sorted(
             (n.removesuffix(".json") for n in out.names("batch_") if n.endswith(".json")),
-            key=_list_order,
+            key=list_order,
         )
         if after is not None:
             ids = ids[ids.index(after) + 1 :] if after in ids else []
         page = []
         for batch_id in ids[:limit]:
             try:
-                page.append(_public(self._current(out, batch_id).record))
+                page.append(public(self._current(out, batch_id).record))
             except ApiError:  # deleted since the listing
                 continue
         return {
@@ -612,7 +458,7 @@ class BatchService:
             loaded = self._current(out, batch_id)
             record = loaded.record
             if record["status"] in ("cancelling", "cancelled"):
-                return _public(record)
+                return public(record)
             if record["status"] in TERMINAL:
                 raise ApiError(
                     400,
@@ -623,208 +469,39 @@ class BatchService:
             record["cancelling_at"] = int(self.now())
             try:
                 # First: a replica reading it now must not call it expired.
-                loaded.version = self._save(out, loaded)
+                loaded.version = save(out, loaded)
             except PreconditionFailed:
                 continue  # another replica moved it on: look again
-            if self._stop(record):  # else every read while cancelling tries again
+            if self._status.stop(record):  # else every read while cancelling tries again
                 self._write(out, loaded, lambda r: r[PRIVATE].update(stopped=True))
-            return _public(record)
-        raise _busy_record(batch_id)
+            return public(record)
+        raise busy_record(batch_id)
 
     # --- the state machine -------------------------------------------------------------------
 
     def _load(self, out: OutputDir, batch_id: str) -> tuple[dict, str]:
-        """A batch's record and its version (what a compare-and-swap names), or 404."""
-        if not batch_id.startswith("batch_") or "/" in batch_id:
-            raise _not_found(batch_id)
-        found = out.read_versioned(f"{batch_id}.json")
-        if found is None:
-            raise _not_found(batch_id)
-        return json.loads(found.data), found.version
+        loaded = load(out, batch_id)
+        return loaded.record, loaded.version
 
-    def _loaded(self, out: OutputDir, batch_id: str) -> _Loaded:
-        return _Loaded(*self._load(out, batch_id))
+    def _write(self, out: OutputDir, loaded: Loaded, change: Callable[[dict], None]) -> None:
+        write(out, loaded, change)
 
-    def _save(self, out: OutputDir, loaded: _Loaded) -> str:
-        """Write the record if it is still the version read (PreconditionFailed if not)."""
-        return out.replace(f"{loaded.record['id']}.json", _dumps(loaded.record), loaded.version)
-
-    def _write(self, out: OutputDir, loaded: _Loaded, change: Callable[[dict], None]) -> None:
-        """Apply `change` and save; on a lost compare-and-swap, to the record as it is now."""
-        for _ in range(MAX_RECORD_WRITES):
-            change(loaded.record)
-            try:
-                loaded.version = self._save(out, loaded)
-                return
-            except PreconditionFailed:
-                loaded = self._loaded(out, loaded.record["id"])
-        raise _busy_record(loaded.record["id"])
-
-    def _stop(self, record: dict) -> bool:
-        """Ask Ray to stop the batch's job; False when that failed (the next read retries)."""
-        try:
-            self.jobs.stop_job(record[PRIVATE]["job"])  # False: it had ended already
-            return True
-        except Exception:  # the head is away: every read while stopping tries again
-            logger.warning(
-                "stopping %s failed; retried on the next read",
-                record[PRIVATE]["job"],
-                exc_info=True,
-            )
-            return False
-
-    def _current(self, out: OutputDir, batch_id: str) -> _Loaded:
+    def _current(self, out: OutputDir, batch_id: str) -> Loaded:
         """The record brought up to date (see the module docstring), saved if it changed. A
         save that loses to another replica's re-reads the record and brings that up to date
         (every step is safe to repeat: a second stop, the same file ids)."""
         for _ in range(MAX_RECORD_WRITES):
-            loaded = self._loaded(out, batch_id)
+            loaded = Loaded(*self._load(out, batch_id))
             before = json.dumps(loaded.record, sort_keys=True)
-            self._refresh(loaded.record)
+            self._status.refresh(loaded.record)
             if json.dumps(loaded.record, sort_keys=True) == before:
                 return loaded
             try:
-                loaded.version = self._save(out, loaded)
+                loaded.version = save(out, loaded)
                 return loaded
             except PreconditionFailed:
                 continue
-        raise _busy_record(batch_id)
-
-    def _refresh(self, record: dict) -> None:
-        """Bring a batch's status up to date in place (see the module docstring)."""
-        if record["status"] in TERMINAL:
-            return
-        if record[PRIVATE].get("input_errors"):
-            record["status"], record["failed_at"] = "failed", int(self.now())
-            record["errors"] = {"object": "list", "data": record[PRIVATE]["input_errors"]}
-            return
-        try:
-            job = self.jobs.get_job_info(record[PRIVATE]["job"])
-        except Exception as exc:
-            logger.warning("reading %s failed", record[PRIVATE]["job"], exc_info=True)
-            if job_missing(exc):  # Ray answered: no such job (yet)
-                self._never_submitted(record)
-            return  # the last known status; the next read tries again
-        record[PRIVATE]["submitted"] = True
-        job_status = _job_status(job)
-        now = int(self.now())
-        output = OutputDir(record[PRIVATE]["output_uri"], self.spec.storage)
-        manifest = read_manifest(output)
-        if manifest is not None:
-            record["request_counts"].update(_counts(manifest))
-        if job_status not in JOB_TERMINAL:
-            self._running(record, job_status, manifest, now)
-        else:
-            self._ended(record, job, job_status, output, manifest, now)
-
-    def _never_submitted(self, record: dict) -> None:
-        """A record saved before its submit whose job never came (the ingress died between
-        the two, the submit's fate was unknown, or it failed and the record could not be
-        removed) ends once Ray has had SUBMIT_GRACE_S to show the job: cancelled if it was
-        cancelled meanwhile, else failed (it can be resumed)."""
-        # Records from before "submitted" was kept were all submitted.
-        if record[PRIVATE].get("submitted", True) is True:
-            return
-        now = int(self.now())
-        if now - record["created_at"] < SUBMIT_GRACE_S:
-            return
-        if record["cancelling_at"] is not None:
-            record["status"], record["cancelled_at"] = "cancelled", now
-            return
-        message = (
-            "the batch job was never submitted (the server stopped meanwhile, or the cluster "
-            "did not take it); resume it"
-        )
-        record["status"], record["failed_at"] = "failed", now
-        record["errors"] = {
-            "object": "list",
-            "data": [{"code": "batch_failed", "message": message, "param": None, "line": None}],
-        }
-
-    def _running(self, record: dict, job_status: str, manifest: Manifest | None, now: int) -> None:
-        if record["cancelling_at"] is None and now >= record["expires_at"]:
-            record[PRIVATE].setdefault("expiring", now)  # ends as expired, with what finished
-        stopping = record["cancelling_at"] is not None or record[PRIVATE].get("expiring")
-        if stopping:
-            # Until Ray took the stop: a stop that failed (the head away) is sent again.
-            if not record[PRIVATE].get("stopped") and self._stop(record):
-                record[PRIVATE]["stopped"] = True
-            return
-        if job_status == "PENDING":
-            return
-        if record["in_progress_at"] is None:
-            record["in_progress_at"] = now
-        own = manifest is not None and len(manifest.runs) > record[PRIVATE].get("runs_before", 0)
-        if own and manifest is not None and manifest.status != "running":
-            record["status"] = "finalizing"  # the job is writing its report and exiting
-            record["finalizing_at"] = record["finalizing_at"] or now
-        else:
-            record["status"] = "in_progress"
-
-    def _ended(
-        self,
-        record: dict,
-        job: Any,
-        job_status: str,
-        output: OutputDir,
-        manifest: Manifest | None,
-        now: int,
-    ) -> None:
-        if manifest is not None:
-            self._register_files(record, output, manifest)
-            totals = manifest.totals or {}
-            record["metadata"] = {
-                **record["metadata"],
-                "tokenmill_cost_usd": f"{float(totals.get('total_usd') or 0.0):.6f}",
-            }
-            if totals.get("list_price_usd") is not None:
-                record["metadata"]["tokenmill_list_price_usd"] = f"{totals['list_price_usd']:.6f}"
-        complete = manifest is not None and manifest.status == "complete"
-        if record["cancelling_at"] is not None:
-            record["status"], record["cancelled_at"] = "cancelled", now
-        elif record[PRIVATE].get("expiring") or (not complete and now >= record["expires_at"]):
-            # Stopped at its window's end, by this service or by the job's own deadline.
-            record["status"], record["expired_at"] = "expired", now
-        elif job_status == "SUCCEEDED" and complete:
-            record["finalizing_at"] = record["finalizing_at"] or now
-            record["status"], record["completed_at"] = "completed", now
-        else:
-            message = str(getattr(job, "message", "") or "the batch job failed")[-500:]
-            record["status"], record["failed_at"] = "failed", now
-            record["errors"] = {
-                "object": "list",
-                "data": [{"code": "batch_failed", "message": message, "param": None, "line": None}],
-            }
-
-    def _register_files(self, record: dict, output: OutputDir, manifest: Manifest) -> None:
-        """Output and error files from the committed parts' export files (written here when
-        the job was killed before it wrote them)."""
-        parts = manifest.part_records()
-        prices = (manifest.spec.get("cost") or {}).get("price_per_million") is not None
-        export_committed(output, parts, LineContext(manifest.fingerprint["value"], prices))
-        names = [n for p in parts for n in expected_exports(p.sums.rows, p.sums.errors, p.name)]
-        files = self.files(record[PRIVATE]["owner"])
-        for kind, prefix in (("output", "openai-output-"), ("error", "openai-errors-")):
-            mine = [n for n in names if n.startswith(prefix)]
-            if not mine:
-                continue
-            file_id = "file-" + hashlib.sha256(f"{record['id']}:{kind}".encode()).hexdigest()[:24]
-            size = sum(output.stat(n)[0] for n in mine)
-            files.register(
-                file_id,
-                f"{record['id']}_{kind}.jsonl",
-                "batch_output",
-                [output.uri_of(n) for n in mine],
-                size,
-            )
-            record[f"{kind}_file_id"] = file_id
-
-
-def _counts(manifest: Manifest) -> dict[str, int]:
-    """Finished requests so far, from the committed parts (the totals come only at the end)."""
-    rows = sum(int(p.get("rows", 0)) for p in manifest.parts)
-    errors = sum(int(p.get("errors", 0)) for p in manifest.parts)
-    return {"completed": rows - errors, "failed": errors}
+        raise busy_record(batch_id)
 
 
 def _metadata(value: Any) -> dict[str, str]:
@@ -844,45 +521,6 @@ def _metadata(value: Any) -> dict[str, str]:
     return dict(value)
 
 
-@dataclass
-class _Loaded:
-    """A batch record as read, and the version a compare-and-swap of it names."""
-
-    record: dict
-    version: str
-
-
-def _dumps(record: dict) -> bytes:
-    return json.dumps(record).encode()
-
-
-def _refuse_resume(resume_id: str, why: str) -> ApiError:
-    return ApiError(
-        400,
-        f"Cannot resume {resume_id}: {why}",
-        param=f"metadata.{RESUME_KEY}",
-        code="invalid_value",
-    )
-
-
-def _check_resumable(old: dict, input_file_id: str, endpoint: str) -> None:
-    resume_id = old["id"]
-    if old["status"] not in RESUMABLE:
-        raise _refuse_resume(
-            resume_id,
-            f"its status is {old['status']!r}; only {', '.join(sorted(RESUMABLE))} "
-            "batches can be resumed",
-        )
-    if "output_uri" not in old[PRIVATE]:
-        raise _refuse_resume(resume_id, "it never ran (its input failed validation)")
-    if (old["input_file_id"], old["endpoint"]) != (input_file_id, endpoint):
-        raise _refuse_resume(resume_id, "a resume must use the same input_file_id and endpoint")
-    if old[PRIVATE].get("resumed_by"):
-        raise _refuse_resume(
-            resume_id, f"it was resumed by {old[PRIVATE]['resumed_by']}; resume that batch"
-        )
-
-
 class _NoJob(Exception):
     """Creating a batch stopped where no job can be running: its quota place is given back
     and `error` goes to the client."""
@@ -890,20 +528,3 @@ class _NoJob(Exception):
     def __init__(self, error: BaseException) -> None:
         super().__init__(str(error))
         self.error = error
-
-
-def _busy_record(batch_id: str) -> ApiError:
-    return ApiError(
-        503,
-        f"Batch {batch_id} is being changed by several requests at once; retry shortly",
-        type="server_error",
-        code="conflict",
-    )
-
-
-def _public(record: dict) -> dict:
-    return {k: v for k, v in record.items() if k != PRIVATE}
-
-
-def _not_found(batch_id: str) -> ApiError:
-    return ApiError(404, f"No such Batch object: {batch_id}", param="batch_id", code="not_found")
