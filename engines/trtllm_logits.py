@@ -29,7 +29,8 @@ from engines.api import PROCESSING_FIELDS, SamplingParams
 
 @dataclass
 class _Tokens:
-    """The shape LogitsProcessing.apply reads of a request (engines/reference/sampling/processing.py)."""
+    """The shape LogitsProcessing.apply reads of a request
+    (engines/reference/sampling/processing.py)."""
 
     token_ids: list[int]
     num_prompt_tokens: int

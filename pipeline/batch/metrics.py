@@ -173,8 +173,8 @@ class ShardCounts:
 
 
 def shard_counts(scheduler: Any) -> ShardCounts:
-    """Shards by state, from the scheduler's queues (pipeline.batch.driver.scheduler.Scheduler) and its
-    ledger. A shard being read by a prompt actor or waiting for an engine counts as queued."""
+    """Shards by state, from the scheduler's queues (pipeline.batch.driver.scheduler.Scheduler) and
+    its ledger. A shard being read by a prompt actor or waiting for an engine counts as queued."""
     queued = len(scheduler.queue) + len(scheduler.preparing) + len(scheduler.prepared)
     committed = sum(1 for state in scheduler.ledger.shards if state.is_complete)
     return ShardCounts(queued, len(scheduler.running), committed)

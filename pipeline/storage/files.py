@@ -165,11 +165,12 @@ def list_input_files(spec: JobSpec) -> list[InputFile]:
     A file matched by two entries is read once.
     """
     if spec.input.format == "ray_data":
-        # pipeline.batch.stages.read.staging turns the source into Parquet files; listing comes after that.
+        # pipeline.batch.stages.read.staging turns the source into Parquet files; listing
+        # comes after that.
         raise SpecError(
             "input.format ray_data has no files to list before `tokenmill run` stages the "
-            "source (pipeline.batch.stages.read.staging); run the job, or point input.uri at the staged "
-            "snapshot (output.uri/_staging/...) with format parquet"
+            "source (pipeline.batch.stages.read.staging); run the job, or point input.uri at "
+            "the staged snapshot (output.uri/_staging/...) with format parquet"
         )
     seen: set[str] = set()
     files: list[InputFile] = []

@@ -18,9 +18,9 @@ instance with every core of the machine:
 
 All three: one engine actor (concurrency 1) with --engine-cpus CPUs reserved, the same random
 model built locally (`engines.dev.tiny.make_tiny_model`, --size), the same chat prompts
-(`engines.quantize.calibration.sample_text`, one user message per row), greedy sampling with ignore_eos so
-every row generates exactly --max-tokens tokens, --batch-size rows per Ray Data batch and at
-most --max-num-seqs sequences in the engine. Both vLLM sides get the same engine arguments
+(`engines.quantize.calibration.sample_text`, one user message per row), greedy sampling with
+ignore_eos so every row generates exactly --max-tokens tokens, --batch-size rows per Ray Data batch
+and at most --max-num-seqs sequences in the engine. Both vLLM sides get the same engine arguments
 (float32 as tokenmill uses on CPU, eager mode, prefix caching, the same KV cache bytes).
 --engine-cpus is what Ray reserves for the engine actor; inside it, vLLM's CPU backend binds
 its own OpenMP threads and the reference engine uses torch threads on every core, as each does

@@ -79,8 +79,8 @@ def read_output(server: S3Server, prefix: str) -> tuple[pa.Table, list[str]]:
 
 
 def count_ray_sessions(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Count the Ray sessions a job opens: outermost entries of pipeline.batch.driver.run.ray_session
-    (one entered inside another reuses it)."""
+    """Count the Ray sessions a job opens: outermost entries of
+    pipeline.batch.driver.run.ray_session (one entered inside another reuses it)."""
     import pipeline.batch.driver.run as run_module
 
     opened, depth = [0], [0]

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from engines.api import EmbedParams, GenerationRequest, SamplingParams
-from engines.reference.engine import ReferenceEngine, take_embed_batch
+from engines.reference.engine import ReferenceEngine
 from engines.reference.model.pooling import embed_defaults
+from engines.reference.runtime.live import take_embed_batch
 from tests.engine_fixtures import greedy_requests, hf_greedy, run_all, tiny_model, varied_prompts
 
 pytestmark = pytest.mark.timeout(300)

@@ -357,8 +357,8 @@ class SimStream(_Waitable):
             self.engine.rt.cpu_s += time.process_time() - started
 
     def release(self) -> list[list[int]]:
-        """The second half of the positions not yet fed, as row spans (pipeline.batch.stages.generate
-        `release`: empty when too few are left)."""
+        """The second half of the positions not yet fed, as row spans
+        (pipeline.batch.stages.generate `release`: empty when too few are left)."""
         if (self.ended and self._next is None) or self.stopped:
             return []
         took_back = self._take_back()

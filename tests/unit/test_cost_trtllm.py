@@ -1,6 +1,7 @@
-"""Interval-based cost on the batch actor's real code path: pipeline.batch.stages.generate.EngineWorker
-serving shards through the TensorRT-LLM adapter (engines/trtllm.py) backed by the CPU stand-in
-package (tests/standins/tensorrt_llm). No Ray: the actor's coroutines are driven directly."""
+"""Interval-based cost on the batch actor's real code path:
+pipeline.batch.stages.generate.EngineWorker serving shards through the TensorRT-LLM adapter
+(engines/trtllm.py) backed by the CPU stand-in package (tests/standins/tensorrt_llm). No Ray: the
+actor's coroutines are driven directly."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """input.format ray_data: spec validation names the field and the fix; the source fingerprint
-changes with the source and its arguments, not with a secret (pipeline.batch.stages.read.sources)."""
+changes with the source and its arguments, not with a secret
+(pipeline.batch.stages.read.sources)."""
 
 from __future__ import annotations
 

@@ -104,7 +104,7 @@ def test_the_batch_watchdog_sees_a_hung_engine_and_an_idle_death(
         asyncio.run(submit())
         assert "engine hung" in why[0] and "no engine step" in why[0]
     finally:
-        engine._stopping = True  # a hung step loop cannot be joined: let the thread be
+        engine._mailbox.stopping = True  # a hung step loop cannot be joined: let it be
 
     process = ProcessEngine("reference", model=str(model), **settings)
     try:

@@ -1,5 +1,6 @@
 """The engine actor's work per row: sampling params shared through a cache, and request ids
-unique without a uuid per row (pipeline.batch.stages.rows.row_sampling, RowServer in the engine actor)."""
+unique without a uuid per row (pipeline.batch.stages.rows.row_sampling, RowServer in the engine
+actor)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""OpenAI Batch API output and error lines from output rows (pipeline.batch.driver.openai_output)."""
+"""OpenAI Batch API output and error lines from output rows
+(pipeline.batch.driver.openai_output)."""
 
 from __future__ import annotations
 

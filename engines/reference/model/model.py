@@ -13,8 +13,8 @@ scaled_dot_product_attention one request at a time.
 Module and parameter names match the Hugging Face checkpoints exactly
 (`model.layers.{i}.self_attn.q_proj`, ...), so weights load by name and a quantized linear can
 replace any projection before `fuse_projections` merges q/k/v and gate/up for speed. A
-Qwen3-MoE sparse layer's MLP is engines.reference.model.moe.SparseMoeBlock, whose experts are the same
-MLP as a dense layer's.
+Qwen3-MoE sparse layer's MLP is engines.reference.model.moe.SparseMoeBlock, whose experts are the
+same MLP as a dense layer's.
 
 GPT-OSS's attention has a learned per-head sink (one more logit in each softmax, attending to
 nothing) and, in every other layer, a sliding window (a query at position p sees keys

@@ -89,8 +89,8 @@ class Manifest:
     schema: list[list[str]]  # [[column, type], ...] of every part
     shards: list[dict[str, Any]]  # ShardState.to_json(): the shard, rows, complete, parts, sums
     runs: list[RunRecord]
-    # Engine slots the shard plan was sized for (pipeline.batch.driver.shards): a resume plans for the
-    # same number, so it derives the same shards whatever its own pool. None: TARGET_SHARDS.
+    # Engine slots the shard plan was sized for (pipeline.batch.driver.shards): a resume plans for
+    # the same number, so it derives the same shards whatever its own pool. None: TARGET_SHARDS.
     shard_slots: int | None = None
     parts: list[dict[str, Any]] = field(default_factory=list)  # PartRecord.to_json()
     stats: dict[str, Any] = field(default_factory=dict)  # merged RowStats of the parts

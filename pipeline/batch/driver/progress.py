@@ -2,8 +2,8 @@
 
 The total is exact when every shard's row count is known (Parquet footers, or JSONL shards
 already read); JSONL shards not read yet are estimated from their byte range and the mean bytes
-per line of a sample (pipeline.batch.driver.shards.bytes_per_line), and the line marks the total with
-`~` (`rows 1200/~5000`) until it is exact.
+per line of a sample (pipeline.batch.driver.shards.bytes_per_line), and the line marks the total
+with `~` (`rows 1200/~5000`) until it is exact.
 
 The driver blocks while it waits for the next output batch (engines loading, a long batch), so
 the line is printed by a small background thread: the user sees the job is alive even before

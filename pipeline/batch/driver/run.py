@@ -181,7 +181,8 @@ def stop_on_signals(stop: threading.Event, say: Callable[[str], None]) -> Iterat
 
 
 def _preflight(spec: JobSpec) -> list[InputFile]:
-    """Inputs listed, model and output checked (pipeline.batch.driver.plan); SpecError names the field."""
+    """Inputs listed, model and output checked (pipeline.batch.driver.plan); SpecError names the
+    field."""
 
     return list(preflight(spec))
 
@@ -532,8 +533,8 @@ def _result(
 
 
 def _start_budget(spec: JobSpec, previous: Manifest | None) -> Any:
-    """The run's shared budget actor (pipeline.batch.driver.budget), or None without cost.budget_usd.
-    Spend of earlier runs on this output counts against the budget."""
+    """The run's shared budget actor (pipeline.batch.driver.budget), or None without
+    cost.budget_usd. Spend of earlier runs on this output counts against the budget."""
     if spec.cost.budget_usd is None:
         return None
 

@@ -19,8 +19,8 @@ and a list page reads only its own records.
 
 A batch whose input file has problems (pipeline.serve.batch_api.files keeps them from the
 upload) or whose lines do not fit it (a url not its endpoint, a model it cannot run) gets no
-job: it is stored `validating` and fails on its next read with OpenAI's `errors` list, naming lines. A
-batch whose metadata names RESUME_KEY continues a stopped batch of the same file: its job
+job: it is stored `validating` and fails on its next read with OpenAI's `errors` list, naming
+lines. A batch whose metadata names RESUME_KEY continues a stopped batch of the same file: its job
 writes into that batch's output, so the pipeline resumes there and runs only what is missing.
 
 Otherwise the status is derived each time a batch is read, from the Ray job's status and the
