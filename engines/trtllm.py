@@ -124,6 +124,7 @@ from engines.requests import (
     error_result,
     read_config,
 )
+from engines.settings import default
 from engines.speculative import resolve
 from engines.trtllm_logits import SamplingProcessor, needs_processor, processing_fields
 
@@ -219,16 +220,16 @@ class TrtllmEngine(VendorAdapter):
         self,
         model: str,
         *,
-        max_batch_size: int = 2048,
-        max_num_tokens: int = 8192,
+        max_batch_size: int = default("trtllm", "max_batch_size"),
+        max_num_tokens: int = default("trtllm", "max_num_tokens"),
         kv_cache_tokens: int | None = None,
-        kv_cache_memory_fraction: float = 0.9,
-        kv_cache_dtype: str = "auto",
-        enable_prefix_caching: bool = True,
-        enable_chunked_prefill: bool = True,
-        dtype: str = "auto",
+        kv_cache_memory_fraction: float = default("trtllm", "kv_cache_memory_fraction"),
+        kv_cache_dtype: str = default("trtllm", "kv_cache_dtype"),
+        enable_prefix_caching: bool = default("trtllm", "enable_prefix_caching"),
+        enable_chunked_prefill: bool = default("trtllm", "enable_chunked_prefill"),
+        dtype: str = default("trtllm", "dtype"),
         max_model_len: int | None = None,
-        scheduler_policy: str = "guaranteed_no_evict",
+        scheduler_policy: str = default("trtllm", "scheduler_policy"),
         backend: str = "pytorch",
         cuda_graphs: bool = True,
         cuda_graph_max_batch_size: int | None = None,

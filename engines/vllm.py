@@ -67,6 +67,7 @@ from engines.requests import (
     error_result,
     read_config,
 )
+from engines.settings import default
 from engines.speculative import resolve
 
 log = logging.getLogger(__name__)
@@ -98,11 +99,11 @@ class VllmEngine(VendorAdapter):
         max_num_tokens: int | None = None,
         kv_cache_tokens: int | None = None,
         kv_cache_memory_gb: float | None = None,
-        kv_cache_memory_fraction: float = 0.9,
-        kv_cache_dtype: str = "auto",
-        enable_prefix_caching: bool = True,
-        enable_chunked_prefill: bool = True,
-        dtype: str = "auto",
+        kv_cache_memory_fraction: float = default("vllm", "kv_cache_memory_fraction"),
+        kv_cache_dtype: str = default("vllm", "kv_cache_dtype"),
+        enable_prefix_caching: bool = default("vllm", "enable_prefix_caching"),
+        enable_chunked_prefill: bool = default("vllm", "enable_chunked_prefill"),
+        dtype: str = default("vllm", "dtype"),
         max_model_len: int | None = None,
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,

@@ -62,6 +62,7 @@ from engines.reference.sampling.grammar import limitations as grammar_limitation
 from engines.reference.sampling.processing import LogitsProcessing
 from engines.reference.speculative.draft import Drafter, draft_pool_blocks
 from engines.requests import admit, embed_error
+from engines.settings import default
 from engines.sinks import Sink, await_result, stream_items
 from engines.speculative import resolve
 
@@ -118,15 +119,15 @@ class ReferenceEngine:
         self,
         model: str,
         *,
-        max_num_tokens: int = 2048,
-        max_batch_size: int = 64,
+        max_num_tokens: int = default("reference", "max_num_tokens"),
+        max_batch_size: int = default("reference", "max_batch_size"),
         kv_cache_tokens: int | None = None,
         kv_cache_memory_gb: float | None = None,
-        block_size: int = 16,
-        enable_prefix_caching: bool = True,
-        enable_chunked_prefill: bool = True,
-        dtype: str = "auto",
-        device: str = "auto",
+        block_size: int = default("reference", "block_size"),
+        enable_prefix_caching: bool = default("reference", "enable_prefix_caching"),
+        enable_chunked_prefill: bool = default("reference", "enable_chunked_prefill"),
+        dtype: str = default("reference", "dtype"),
+        device: str = default("reference", "device"),
         max_model_len: int | None = None,
         num_threads: int | None = None,
         profile_dir: str | None = None,

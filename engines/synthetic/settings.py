@@ -12,9 +12,11 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from engines.settings import default
+
 # Defaults sized like one H200 running a small model: tens of thousands of output tokens/s.
 DEFAULT_TOKENS_PER_S = 20000.0
-DEFAULT_MAX_BATCH_SIZE = 256
+DEFAULT_MAX_BATCH_SIZE = default("synthetic", "max_batch_size")
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
+from engines.settings import common_default, spec_description
 from engines.speculative import problems
 from engines.strict import StrictModel
 from engines.synthetic.settings import SyntheticSettings
@@ -72,51 +73,45 @@ class EngineSpec(StrictModel):
         "See docs/engines.md.",
     )
     max_batch_size: int | None = Field(
-        None,
-        ge=1,
-        description="Most requests in one engine step. Null: the engine kind's default "
-        "(reference 64; trtllm 2048, TensorRT-LLM's own default and the range its published "
-        "benchmarks run; vllm: vLLM's own; synthetic 256). See docs/engines.md.",
+        common_default("max_batch_size"), ge=1, description=spec_description("max_batch_size")
     )
     max_num_tokens: int | None = Field(
-        None,
-        ge=16,
-        description="Token budget of one engine step (prefill chunks + decodes). Null: the "
-        "engine kind's default (reference 2048; trtllm 8192, as its published benchmarks; "
-        "vllm: vLLM's own).",
+        common_default("max_num_tokens"), ge=16, description=spec_description("max_num_tokens")
     )
     kv_cache_tokens: int | None = Field(
-        None,
-        ge=16,
-        description="KV cache size in tokens. Null: sized from kv_cache_memory_fraction "
-        "(GPU) or kv_cache_memory_gb (CPU).",
+        common_default("kv_cache_tokens"), ge=16, description=spec_description("kv_cache_tokens")
     )
     kv_cache_memory_gb: float | None = Field(
-        None, gt=0, description="KV cache size as memory (GiB); used when kv_cache_tokens is null."
+        common_default("kv_cache_memory_gb"),
+        gt=0,
+        description=spec_description("kv_cache_memory_gb"),
     )
     kv_cache_memory_fraction: float = Field(
-        0.9,
+        common_default("kv_cache_memory_fraction"),
         gt=0,
         le=1,
-        description="trtllm, vllm on GPU: fraction of GPU memory for the KV cache "
-        "(free_gpu_memory_fraction / gpu_memory_utilization).",
+        description=spec_description("kv_cache_memory_fraction"),
     )
     kv_cache_dtype: Literal["auto", "fp8"] = Field(
-        "auto", description="auto (model dtype) | fp8 (trtllm with an FP8-KV checkpoint, vllm)."
+        common_default("kv_cache_dtype"), description=spec_description("kv_cache_dtype")
     )
     enable_prefix_caching: bool = Field(
-        True, description="Reuse KV of shared prompt prefixes (full blocks only)."
+        common_default("enable_prefix_caching"),
+        description=spec_description("enable_prefix_caching"),
     )
     enable_chunked_prefill: bool = Field(
-        True, description="Split long prompts across steps so decodes are not stalled."
+        common_default("enable_chunked_prefill"),
+        description=spec_description("enable_chunked_prefill"),
     )
-    block_size: int = Field(16, ge=1, description="Tokens per KV cache block.")
+    block_size: int = Field(
+        common_default("block_size"), ge=1, description=spec_description("block_size")
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="Compute dtype. auto: float32 on CPU, bfloat16 on GPU."
+        common_default("dtype"), description=spec_description("dtype")
     )
-    device: str = Field("auto", description="auto | cpu | cuda | cuda:N (reference engine).")
+    device: str = Field(common_default("device"), description=spec_description("device"))
     max_model_len: int | None = Field(
-        None, ge=16, description="Cap on prompt + output tokens; null: the model's context."
+        common_default("max_model_len"), ge=16, description=spec_description("max_model_len")
     )
     profile_dir: str | None = Field(
         None,
@@ -129,7 +124,7 @@ class EngineSpec(StrictModel):
         20, ge=1, description="reference engine with profile_dir: engine steps to record."
     )
     scheduler_policy: Literal["guaranteed_no_evict", "max_utilization"] = Field(
-        "guaranteed_no_evict", description="trtllm capacity scheduler policy."
+        common_default("scheduler_policy"), description=spec_description("scheduler_policy")
     )
     speculative: SpeculativeSpec | None = Field(
         None,

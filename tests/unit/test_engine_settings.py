@@ -53,3 +53,37 @@ def test_an_unknown_setting_names_it_and_the_accepted_ones() -> None:
         check_settings("XEngine", ["b", "zz", "a"], ("a", "b"), also=" and more")
     assert str(caught.value) == "XEngine got unknown setting(s) zz; accepted: a, b and more"
     check_settings("XEngine", ["zz"], ("a",), also_allowed=["zz"])
+
+
+@pytest.mark.parametrize("kind", ENGINE_KINDS)
+def test_the_shared_settings_table_is_what_each_kind_takes(kind: str) -> None:
+    """engines/settings.py declares each shared setting once: the kinds that take it are the
+    kinds whose constructor accepts it, and each constructor's default is the table's."""
+    from engines.settings import SHARED, default
+
+    accepted = set(accepted_settings(kind))
+    for setting in SHARED:
+        assert (setting.name in accepted) == (kind in setting.kinds), (kind, setting.name)
+    if kind == "synthetic":
+        from engines.synthetic.settings import DEFAULT_MAX_BATCH_SIZE
+
+        assert DEFAULT_MAX_BATCH_SIZE == default("synthetic", "max_batch_size")
+        return
+    params = inspect.signature(_constructor(kind)).parameters
+    for setting in SHARED:
+        if kind in setting.kinds:
+            assert params[setting.name].default == default(kind, setting.name), setting.name
+
+
+def test_the_job_specs_defaults_come_from_the_table() -> None:
+    """Where every kind shares a default the spec has it; where they differ the spec's null
+    leaves each kind its own, and says which."""
+    from engines.settings import SHARED, common_default
+
+    spec = EngineSpec()
+    for setting in SHARED:
+        assert getattr(spec, setting.name) == common_default(setting.name), setting.name
+    assert EngineSpec.model_fields["max_batch_size"].default is None
+    assert "reference 64; trtllm 2048" in (
+        EngineSpec.model_fields["max_batch_size"].description or ""
+    )
