@@ -84,6 +84,7 @@ demo: setup
 lint: setup-dev
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports --no-cache
 	$(BIN)/hadolint images/*.Dockerfile
 
 test: setup-dev lint

@@ -75,6 +75,7 @@ class SamplingProcessor:
                 logits.copy_(rows.view_as(logits))
 
     def _apply(self, row: Any, tokens: list[int]) -> None:
+        # torch: the reference engine's processing runs in TensorRT-LLM's workers only
         from engines.reference.sampling.processing import LogitsProcessing
 
         params = self.params

@@ -342,6 +342,7 @@ def _peak_rss_mb() -> float:
 def _run_reference(spec: dict) -> ModeResult:
     import asyncio
 
+    # torch: the bench's other modes run without it
     from engines.reference.engine import ReferenceEngine
 
     engine = ReferenceEngine(

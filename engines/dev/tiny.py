@@ -286,6 +286,7 @@ def _pack_experts_mxfp4(model_dir: Path) -> None:
     `quantization_config` transformers reads such checkpoints with."""
     from safetensors.torch import load_file, save_file
 
+    # torch: only MXFP4 checkpoints need it
     from engines.reference.model import mxfp4
 
     path = model_dir / "model.safetensors"

@@ -108,6 +108,7 @@ def register_cpu_nvfp4_backend() -> None:
         register_quant_backend,
     )
 
+    # torch and modelopt: loaded with the backend that needs them
     from engines.quantize.numerics import nvfp4_qdq
 
     if not is_registered_quant_backend(CPU_NVFP4_BACKEND):

@@ -1,6 +1,6 @@
 """ReferenceEngine: the `engines.api.Engine` contract over the reference PyTorch model.
 
-Threads: callers live on an asyncio loop; the step loop (engines/reference/runtime/step_loop.py)
+Threads: callers live on an asyncio loop; the step loop (engines.reference.step_loop.py)
 runs on its own thread, which also loads the model (one OpenMP pool per process: see
 _engine_thread), and owns every piece of mutable engine state (scheduler, block manager,
 runner). The two sides meet in a Mailbox (new requests and aborts, under a condition variable:
@@ -56,11 +56,11 @@ from engines.reference.runtime.resources import (
 )
 from engines.reference.runtime.runner import ModelRunner, kv_bytes_per_token
 from engines.reference.runtime.scheduler import Request, Scheduler, SchedulerConfig
-from engines.reference.runtime.step_loop import StepLoop
 from engines.reference.sampling.grammar import GrammarError, Grammars
 from engines.reference.sampling.grammar import limitations as grammar_limitations
 from engines.reference.sampling.processing import LogitsProcessing
 from engines.reference.speculative.draft import Drafter, draft_pool_blocks
+from engines.reference.step_loop import StepLoop
 from engines.requests import admit, embed_error
 from engines.settings import default
 from engines.sinks import Sink, await_result, stream_items

@@ -87,6 +87,7 @@ def write_run_report(spec: Any, say: Callable[[str], None] = _err) -> None:
     """
     if not spec.output.report:
         return
+    # lazy: the CLI starts without Ray, torch and pyarrow; only this command needs them
     from pipeline.report import write_report
 
     try:
@@ -103,6 +104,7 @@ def run_job_with_report(
     emit: Callable[[str], None] = _err,
 ) -> RunResult:
     """`run_job`, then the run report of whatever the run committed."""
+    # lazy: the CLI starts without Ray, torch and pyarrow; only this command needs them
     from pipeline.batch.driver.run import run_job
 
     result = run_job(spec, fresh=fresh, retry_errors=retry_errors, emit=emit)
@@ -112,6 +114,7 @@ def run_job_with_report(
 
 def run_and_report(spec: Any, *, fresh: bool, retry_errors: bool) -> int:
     """Run the job, print progress and the summary; returns the exit code."""
+    # lazy: the CLI starts without Ray, torch and pyarrow; only this command needs them
     from pipeline.batch.driver.run import (
         JobFailed,
         LeaseHeld,

@@ -39,6 +39,7 @@ def validate(
     try:
         spec = load_job_spec(job, overrides=set_, date=date)
         if check_storage:
+            # lazy: the CLI starts without Ray, torch and pyarrow; only this command needs them
             from pipeline.batch.driver.plan import preflight
 
             files = preflight(spec)
@@ -66,6 +67,7 @@ def plan(
     as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
 ) -> None:
     """Count rows, tokenize a sample, find error rows, estimate time and cost."""
+    # lazy: the CLI starts without Ray, torch and pyarrow; only this command needs them
     from pipeline.batch.driver.plan import build_plan, format_plan
 
     try:

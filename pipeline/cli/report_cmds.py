@@ -31,6 +31,7 @@ def report_cmd(
     from rich.console import Console
     from rich.table import Table
 
+    # lazy: the report's plotting (matplotlib) loads only for this command
     from pipeline.report import (
         ReportError,
         build_report,

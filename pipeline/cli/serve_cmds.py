@@ -44,6 +44,7 @@ def serve_cmd(
     ),
 ) -> None:
     """Serve the models in CONFIG over OpenAI's HTTP API until Ctrl-C or SIGTERM."""
+    # lazy: the CLI starts without Ray Serve's imports; only this command needs them
     from pipeline.doctor.packages import extra_problems
 
     problems = extra_problems("serve")

@@ -42,6 +42,7 @@ def read_output(
     unless `allow_incomplete`."""
     import ray.data
 
+    # lazy: importing pipeline.data loads no pyarrow or Ray (a Ray Data driver imports it at start)
     from pipeline.batch.interface.output import SUCCESS_NAME, read_manifest
 
     out = OutputDir(uri, storage or StorageSpec())

@@ -72,6 +72,7 @@ def build_processor(
     those sections). `preprocess` / `postprocess`: row functions run before and after
     generation (Ray Data `map`). Raises SpecError for an invalid config, before any actor
     starts."""
+    # lazy: importing pipeline.data loads no pyarrow or Ray (a Ray Data driver imports it at start)
     from pipeline.batch.interface.dataset import check_reasoning
 
     checked = processor_config(config)
@@ -180,6 +181,7 @@ class EngineStage:
     def __init__(self, config: ProcessorConfig, book: Any) -> None:
         import ray
 
+        # lazy: importing pipeline.data loads no pyarrow or Ray (a Ray Data driver imports it at...
         from pipeline.batch.interface.dataset import (
             GenerateConfig,
             PromptStage,
@@ -265,6 +267,7 @@ def prepare_rows(batch: pa.Table, spec: JobSpec, prompts: Any) -> list[dict[str,
     """The batch's rows as the row server takes them: the batch's columns (template
     variables), the read columns (`_row`, id, prompt, messages, error, coerced override
     sources) and the prompt stage's (token ids, sampling values, error)."""
+    # lazy: importing pipeline.data loads no pyarrow or Ray (a Ray Data driver imports it at start)
     from pipeline.batch.interface.dataset import (
         ERROR,
         ID,
@@ -316,6 +319,7 @@ def output_table(
     """The batch's own columns, then `id` and the result columns (which win a name clash)."""
     import pyarrow as pa
 
+    # lazy: importing pipeline.data loads no pyarrow or Ray (a Ray Data driver imports it at start)
     from pipeline.batch.interface.dataset import ID, ROW, outcomes_to_table
 
     keys = pa.table(

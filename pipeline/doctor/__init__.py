@@ -16,6 +16,7 @@ def run_checks(
     subprocess (seconds to a minute on a GPU image); `env` defaults to os.environ."""
     import os
 
+    # lazy: the checks import what they check; the package itself stays cheap to import
     from pipeline.doctor import device, engines, environment, packages
 
     env = dict(os.environ) if env is None else env

@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 from engines.api import MAX_LOGPROBS, MAX_SAMPLES
 from pipeline.openai import params
 from pipeline.openai.errors import ApiError
+from pipeline.spec.sampling import MAX_TEMPERATURE, TOP_P_RANGE
 
 WARNING_HEADER = "x-tokenmill-warning"  # what the server ignored or changed in a request
 STRICT_HEADER = "x-tokenmill-strict"  # "1": unknown request fields are a 400, not a warning
@@ -60,8 +61,9 @@ class _Request(BaseModel):
 
     model: str = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
+    # None: not sent (OpenAI's default applies: pipeline.openai.sampling.resolve).
+    temperature: float | None = Field(None, ge=0, le=MAX_TEMPERATURE)
+    top_p: float | None = Field(None, gt=TOP_P_RANGE[0], le=TOP_P_RANGE[1])
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False

@@ -23,19 +23,6 @@ from engines.api import ResponseFormat
 from pipeline.spec.response_format import parse_response_format
 
 
-def to_json(fmt: ResponseFormat | None) -> str | None:
-    """The canonical JSON text of a format (the flat shape), for a row's column."""
-    if fmt is None:
-        return None
-    if fmt.kind == "json_schema":
-        return json.dumps({"type": "json_schema", "schema": json.loads(fmt.schema)})
-    if fmt.kind == "regex":
-        return json.dumps({"type": "regex", "regex": fmt.regex})
-    if fmt.kind == "choice":
-        return json.dumps({"type": "choice", "choices": list(fmt.choices)})
-    return json.dumps({"type": "json_object"})
-
-
 @functools.lru_cache(maxsize=256)
 def from_column(text: str) -> ResponseFormat | None:
     """A format from a row's canonical column text; cached, as most rows share one."""

@@ -75,6 +75,7 @@ def _serve_until_stopped(
     import ray
     from ray import serve
 
+    # lazy: `tokenmill serve --help` and the file checks run without Ray Serve
     from pipeline.serve.access.limit_coordinator import kill_coordinator
     from pipeline.serve.app import build_app
     from pipeline.serve.http.probes import probe_targets

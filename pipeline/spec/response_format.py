@@ -72,3 +72,16 @@ def _schema(value: dict[str, Any], where: str) -> dict[str, Any]:
     except SchemaError as exc:
         raise FormatError(f"{label} is not a valid JSON schema: {exc.message}") from None
     return schema
+
+
+def to_json(fmt: ResponseFormat | None) -> str | None:
+    """The canonical JSON text of a format (the flat shape), for a row's column."""
+    if fmt is None:
+        return None
+    if fmt.kind == "json_schema":
+        return json.dumps({"type": "json_schema", "schema": json.loads(fmt.schema)})
+    if fmt.kind == "regex":
+        return json.dumps({"type": "regex", "regex": fmt.regex})
+    if fmt.kind == "choice":
+        return json.dumps({"type": "choice", "choices": list(fmt.choices)})
+    return json.dumps({"type": "json_object"})

@@ -3,19 +3,27 @@
 from __future__ import annotations
 
 import functools
-import json
 from typing import Any
 
-from pydantic import Field, field_validator
+from pydantic import Field, PrivateAttr, field_validator, model_validator
 
-from engines.api import PROCESSING_FIELDS
+from engines.api import MAX_LOGPROBS, MAX_SAMPLES, PROCESSING_FIELDS, ResponseFormat
 from engines.strict import StrictModel
-from pipeline.spec.response_format import parse_response_format
+from pipeline.spec.response_format import parse_response_format, to_json
+
+# The one set of bounds of a request's sampling values, wherever they come from: a job's
+# sampling section (below), a row's override column, a Batch API line or a Serve request
+# (pipeline.openai.sampling.check, pipeline.openai.models). OpenAI's where it publishes them.
+MAX_TEMPERATURE = 2.0
+TOP_P_RANGE = (0.0, 1.0)  # (exclusive, inclusive]
+LOGPROBS_RANGE = (0, MAX_LOGPROBS)
+SAMPLES_RANGE = (1, MAX_SAMPLES)
 
 
 class SamplingSpec(StrictModel):
+    _format: ResponseFormat | None = PrivateAttr(default=None)  # parsed response_format
     max_tokens: int = Field(256, ge=1, description="Tokens to generate at most per row.")
-    temperature: float = Field(0.0, ge=0, description="0 is greedy.")
+    temperature: float = Field(0.0, ge=0, le=MAX_TEMPERATURE, description="0 is greedy.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass; 1 disables.")
     top_k: int = Field(0, ge=0, description="Keep only the k most likely tokens; 0 disables.")
     seed: int | None = Field(
@@ -123,17 +131,21 @@ class SamplingSpec(StrictModel):
     )
 
     @functools.cached_property
-    def response_format_json(self) -> str:
-        """`response_format` as JSON text, made once per spec: every row of a job reads it
-        (the prompt stage's format cache is keyed by it), and a schema is not small."""
-        return json.dumps(self.response_format, sort_keys=True)
+    def format_text(self) -> str | None:
+        """`response_format` as a row's column holds it (canonical JSON text), made once per
+        spec: every row of a job gets it, and a schema is not small."""
+        return to_json(self._format)
 
-    @field_validator("response_format")
-    @classmethod
-    def _readable_format(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        # FormatError is a ValueError: pydantic reports it under sampling.response_format.
-        parse_response_format(value, "sampling.response_format")
-        return value
+    @property
+    def parsed_format(self) -> ResponseFormat | None:
+        """`response_format` as the engine takes it, parsed once, when the spec was read."""
+        return self._format
+
+    @model_validator(mode="after")
+    def _readable_format(self) -> SamplingSpec:
+        # FormatError is a ValueError naming sampling.response_format; pydantic reports it.
+        self._format = parse_response_format(self.response_format, "sampling.response_format")
+        return self
 
     @field_validator("logit_bias")
     @classmethod

@@ -292,6 +292,7 @@ class OutputDir:
     def _translate(self, exc: Exception, what: str, name: str) -> Exception:
         """PreconditionFailed for a lost condition; transient errors as they are (they are
         retried); anything else as a StorageError naming the object and the endpoint."""
+        # retry imports this module's OutputDir: a top-level import would be a cycle
         from pipeline.storage.retry import _s3_code, is_transient
 
         if _s3_code(exc) == "PreconditionFailed":

@@ -407,12 +407,21 @@ def test_an_idle_engine_process_killed_is_seen_by_the_health_check(server: Serve
     time.sleep(0.5)  # idle: nothing in flight
     killed_at = time.monotonic()
     os.kill(pid, signal.SIGKILL)
-    # No request is sent until /ready has told: only the health check can see the death.
-    while httpx.get(server.base_url + "/ready", timeout=PROBE_TIMEOUT_S).status_code != 503:
-        assert time.monotonic() - killed_at < CHECK_PERIOD_S + READY_503_AFTER_CRASH_S, (
-            "/ready stayed 200 after the engine process died"
-        )
+    # No request is sent until /ready has told: only the health check can see the death. It
+    # runs every CHECK_PERIOD_S; on a loaded machine Serve may start one late, so a few
+    # periods are allowed (a dead engine that only a request reveals would never turn it).
+    bound = 3 * CHECK_PERIOD_S + READY_503_AFTER_CRASH_S
+    while True:
+        try:
+            status = httpx.get(server.base_url + "/ready", timeout=PROBE_TIMEOUT_S).status_code
+        except httpx.HTTPError:
+            status = None  # a probe the loaded machine did not answer in time: ask again
+        if status == 503:
+            break
+        waited = time.monotonic() - killed_at
+        assert waited < bound, f"/ready stayed 200 {waited:.1f} s after the engine process died"
         time.sleep(0.05)
+    print(f"/ready 503 {time.monotonic() - killed_at:.2f} s after the engine process was killed")
     new = until_replaced(client, old, deadline_s)
     wait_ready(server, deadline_s)
     assert served_by(client) == new

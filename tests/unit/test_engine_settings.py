@@ -67,7 +67,7 @@ def test_the_shared_settings_table_is_what_each_kind_takes(kind: str) -> None:
     if kind == "synthetic":
         from engines.synthetic.settings import DEFAULT_MAX_BATCH_SIZE
 
-        assert DEFAULT_MAX_BATCH_SIZE == default("synthetic", "max_batch_size")
+        assert default("synthetic", "max_batch_size") == DEFAULT_MAX_BATCH_SIZE
         return
     params = inspect.signature(_constructor(kind)).parameters
     for setting in SHARED:

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from engines.api import ResponseFormat
-from pipeline.openai.response_format import conforms, from_column, to_json
-from pipeline.spec.response_format import FormatError, parse_response_format
+from pipeline.openai.response_format import conforms, from_column
+from pipeline.spec.response_format import FormatError, parse_response_format, to_json
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 

@@ -176,6 +176,7 @@ def _apply_quantization(model: CausalLM, tensors: dict[str, torch.Tensor], model
     except json.JSONDecodeError as exc:
         raise EngineError(f"{quant_path} is not valid JSON: {exc}") from exc
     try:
+        # optional: quantized checkpoints need torchao/modelopt pieces (ImportError says which)
         from engines.reference.model.quant import apply_quantized_checkpoint
     except ImportError as exc:
         raise EngineError(

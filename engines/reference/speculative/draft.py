@@ -219,6 +219,7 @@ class Drafter:
         dtype: Any,
         device: Any,
     ) -> None:
+        # torch: the draft's model loads with it, when method draft is used
         from engines.reference.model.weights import load_model
         from engines.reference.runtime.runner import ModelRunner
 
@@ -257,6 +258,7 @@ class Drafter:
         self, requests: Sequence[DraftRequest], budget: int, default_generator: Any
     ) -> dict[str, Proposal]:
         """Proposals for the requests that fit this step (see the module doc), by id."""
+        # torch: imported where the draft runs, as the rest of this module does
         from engines.reference.runtime.runner import ChunkInput
 
         by_id = {r.request_id: r for r in requests}
@@ -325,6 +327,7 @@ def _draw(
     of the request's generator (or the engine's default)."""
     import torch
 
+    # torch: imported where the draft runs, as the rest of this module does
     from engines.reference.sampling.sampler import pick, probabilities
 
     params = [r.sampling for r in requests]

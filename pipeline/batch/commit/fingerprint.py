@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeline.engine_setup import engine_settings
-from pipeline.spec import JobSpec, StorageSpec
+from pipeline.spec import JobSpec, SpecError, StorageSpec
 from pipeline.storage import filesystem_for
 
 COMPONENTS = ("model", "engine", "sampling", "prompt", "input", "output")
@@ -85,8 +85,6 @@ def model_content(path: str, storage: StorageSpec) -> dict[str, Any]:
     try:
         entries = fs.find(root, detail=True)
     except OSError as exc:
-        from pipeline.spec import SpecError
-
         raise SpecError(f"model.path: cannot list {path}: {exc}") from None
     sizes = {}
     config_hash = None

@@ -198,6 +198,7 @@ def _cost_estimate(
     spec: JobSpec, num_rows: int, prompt_tokens: int, output_tokens: int, tokens_per_s: float
 ) -> dict[str, Any] | None:
     try:
+        # optional: the cost estimate's prices may be absent (ImportError: no estimate)
         from pipeline.cost import estimate_cost
     except ImportError:
         return None

@@ -61,9 +61,9 @@ from pipeline.openai.chat import (
     prompt_chat,
     render_prompt,
 )
-from pipeline.openai.response_format import to_json
+from pipeline.openai.sampling import check
 from pipeline.spec import JobSpec, ModelSpec, PromptSpec, StorageSpec
-from pipeline.spec.response_format import FormatError, parse_response_format
+from pipeline.spec.response_format import FormatError, parse_response_format, to_json
 from pipeline.storage import OutputDir, materialize_model
 
 if TYPE_CHECKING:
@@ -262,36 +262,6 @@ def _format_cell(text: str, where: str) -> tuple[str | None, str | None]:
     return (to_json(fmt) if fmt is not None else FREE_TEXT), None
 
 
-def _check_sampling(field: str, value: Any) -> str | None:
-    """None if `value` is valid for the sampling field, else what is wrong with it."""
-    if field in ("max_tokens", "top_k", "seed", "logprobs", "n") and (
-        isinstance(value, bool) or not isinstance(value, int)
-    ):
-        return "must be an integer"
-    if field == "max_tokens" and value < 1:
-        return "must be >= 1"
-    if field == "top_k" and value < 0:
-        return "must be >= 0 (0 disables)"
-    if field == "logprobs" and not 0 <= value <= 20:
-        return "must be in [0, 20]"
-    if field == "n" and not 1 <= value <= 128:
-        return "must be in [1, 128]"
-    if field == "seed" and not -(2**63) <= value < 2**63:
-        return "must fit in int64"
-    if field in ("temperature", "top_p"):
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, (int, float))
-            or not math.isfinite(value)
-        ):
-            return "must be a finite number"
-        if field == "temperature" and value < 0:
-            return "must be >= 0"
-        if field == "top_p" and not 0 < value <= 1:
-            return "must be in (0, 1]"
-    return None
-
-
 def resolve_sampling(
     row: Mapping[str, Any], spec: JobSpec, overrides: Mapping[str, str]
 ) -> tuple[dict[str, Any], str | None]:
@@ -308,10 +278,8 @@ def resolve_sampling(
         SAMPLES: base.n,
         REASONING_EFFORT: spec.prompt.reasoning_effort,
     }
-    if base.response_format is not None:
-        values[RESPONSE_FORMAT], _ = _format_cell(
-            base.response_format_json, "sampling.response_format"
-        )
+    if base.parsed_format is not None:  # parsed when the job was read
+        values[RESPONSE_FORMAT] = base.format_text
     seed_overridden = False
     for field, column in overrides.items():
         value = row.get(column)
@@ -336,7 +304,7 @@ def resolve_sampling(
                 )
             values[REASONING_EFFORT] = value
             continue
-        problem = _check_sampling(field, value)
+        problem = check(field, value)
         if problem:
             return values, f"column {column!r} (sampling.overrides.{field}): {value!r} {problem}"
         values[SAMPLES if field == "n" else field] = value

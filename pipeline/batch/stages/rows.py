@@ -6,7 +6,6 @@ tests: no Ray, no storage.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime as dt
 import json
 from dataclasses import dataclass
@@ -15,7 +14,6 @@ from typing import Any
 import pyarrow as pa
 
 from engines.api import (
-    PROCESSING_FIELDS,
     EmbedParams,
     GenerationResult,
     ResponseFormat,
@@ -40,6 +38,7 @@ from pipeline.batch.stages.schema import (
 from pipeline.cost import row_cost
 from pipeline.openai.reasoning import Split
 from pipeline.openai.response_format import conforms, from_column
+from pipeline.openai.sampling import configured, resolve
 from pipeline.spec import CostSpec, EngineSpec, JobSpec, ModelSpec, SamplingSpec, StorageSpec
 
 
@@ -118,54 +117,42 @@ def row_sampling(
     sampling: SamplingSpec,
     cache: dict[tuple[Any, ...], SamplingParams] | None = None,
 ) -> SamplingParams:
-    """SamplingParams for one row: its own columns (prompt stage) over the job's defaults.
+    """SamplingParams for one row: its own values (the prompt stage's columns, an openai_batch
+    body's) over the job's sampling section, by the one resolver (pipeline.openai.sampling).
 
-    Raises ValueError naming the field when a row's value is invalid. `cache`, one per caller
-    and `sampling`, maps a row's values to the params already built for them: most rows of a
-    job share their values, and building SamplingParams (its validation) per row was a
-    noticeable part of an engine actor's work per row. The params are frozen, so rows can
-    share one.
+    Raises ValueError (SamplingError) naming the field when a row's value is invalid. `cache`,
+    one per caller and `sampling`, maps a row's values to the params already built for them:
+    most rows of a job share their values, and building SamplingParams (its validation) per
+    row was a noticeable part of an engine actor's work per row. The params are frozen, so
+    rows can share one.
     """
-
-    def pick(name: str, default: Any) -> Any:
-        value = row.get(name)
-        return default if value is None else value
-
     # The prompt stage fills `seed`: the row's override, or one derived from (sampling.seed, id).
     seed = row.get("seed")
     if seed is None and sampling.seed is not None and "seed" not in row:
         seed = derive_seed(sampling.seed, str(row["id"]))
-    # The row's values, in the order the params take them (so a bad value raises as before).
     key = (
-        int(pick("max_tokens", sampling.max_tokens)),
-        float(pick("temperature", sampling.temperature)),
-        float(pick("top_p", sampling.top_p)),
-        int(pick("top_k", sampling.top_k)),
-        None if seed is None else int(seed),
-        row_format(row),
-        _row_logprobs(row, sampling),
+        row.get("max_tokens"),
+        row.get("temperature"),
+        row.get("top_p"),
+        row.get("top_k"),
+        seed,
+        row.get("response_format"),
+        row.get("logprobs"),
         row.get(BODY_SAMPLING),
     )
     params = None if cache is None else cache.get(key)
     if params is None:
-        max_tokens, temperature, top_p, top_k, seed, response_format, logprobs, body = key
-        params = SamplingParams(
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            seed=seed,
-            stop=tuple(sampling.stop),
-            stop_token_ids=tuple(sampling.stop_token_ids),
-            ignore_eos=sampling.ignore_eos,
-            response_format=response_format,
-            logprobs=logprobs,
-            prompt_logprobs=sampling.prompt_logprobs,
-            # The job's logits processing (SamplingParams normalizes lists and dicts).
-            **{name: getattr(sampling, name) for name in PROCESSING_FIELDS},
-        )
-        if body:
-            params = dataclasses.replace(params, **_body_values(body))
+        values = {
+            "max_tokens": key[0],
+            "temperature": key[1],
+            "top_p": key[2],
+            "top_k": key[3],
+            "seed": seed,
+            "response_format": row_format(row),
+            "logprobs": key[6],
+            **(_body_values(key[7]) if key[7] else {}),
+        }
+        params = resolve(values, configured(sampling))
         if cache is not None:
             if len(cache) >= SAMPLING_CACHE_SIZE:
                 cache.clear()
@@ -186,14 +173,6 @@ def row_samples(row: dict[str, Any], sampling: SamplingSpec) -> int:
     """Samples to draw for the row: the prompt stage's `num_samples` cell, else the job's."""
     value = row.get("num_samples")
     return sampling.n if value is None else int(value)
-
-
-def _row_logprobs(row: dict[str, Any], sampling: SamplingSpec) -> int | None:
-    """The prompt stage's `logprobs` cell (override or job default); the job's without it."""
-    if "logprobs" in row:
-        value = row["logprobs"]
-        return None if value is None else int(value)
-    return sampling.logprobs
 
 
 def row_format(row: dict[str, Any]) -> ResponseFormat | None:

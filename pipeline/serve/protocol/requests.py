@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from engines.api import EngineInfo, GenerationRequest, GenerationResult, SamplingParams
+from engines.api import EngineInfo, GenerationRequest, GenerationResult
 from pipeline.cost import cost_usd, list_price_usd
 from pipeline.openai.errors import ApiError
 from pipeline.openai.models import (
@@ -25,6 +25,7 @@ from pipeline.openai.models import (
     parse_completion_request,
 )
 from pipeline.openai.responses import Endpoint, ResponseIds, Usage
+from pipeline.openai.sampling import SamplingError, resolve
 from pipeline.serve.protocol.tokens import PromptTokenizer
 from pipeline.serve.spec import ServedModelSpec
 from pipeline.spec.response_format import FormatError, parse_response_format
@@ -124,24 +125,24 @@ def to_engine_request(
             param="echo",
             code="unsupported_parameter",
         )
+    values = {
+        "max_tokens": max_tokens.value,
+        "temperature": request.temperature,
+        "top_p": request.top_p,
+        "top_k": request.top_k_value,
+        "seed": request.seed,
+        "stop": request.stop_list,
+        "stop_token_ids": tuple(request.stop_token_ids or ()),
+        "ignore_eos": request.ignore_eos,
+        "response_format": response_format,
+        "logprobs": logprobs,
+        "prompt_logprobs": prompt_logprobs,
+        **request.sampling_values,  # penalties, min_p, logit_bias... (pipeline.openai.params)
+    }
     try:
-        sampling = SamplingParams(
-            max_tokens=max_tokens.value,
-            temperature=request.temperature,
-            top_p=request.top_p,
-            top_k=request.top_k_value,
-            seed=request.seed,
-            stop=request.stop_list,
-            stop_token_ids=tuple(request.stop_token_ids or ()),
-            ignore_eos=bool(request.ignore_eos),
-            response_format=response_format,
-            logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
-            **request.sampling_values,  # penalties, min_p, logit_bias... (pipeline.openai)
-        )
-    except ValueError as exc:
-        # The shared parameters keep their names in SamplingParams: name the one refused.
-        param = next((n for n in request.sampling_values if f"{n} " in str(exc)), None)
+        sampling = resolve(values)  # a served model configures no sampling defaults
+    except SamplingError as exc:
+        param = exc.field if exc.field in values else None
         raise ApiError(400, str(exc), param=param, code="invalid_value") from None
     warnings = []
     if request.ignored_fields:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from engines.api import SamplingParams
 from pipeline.batch.columns import (
     BATCH_OVERRIDE_COLUMNS,
     BODY_SAMPLING,
@@ -20,7 +19,14 @@ from pipeline.batch.columns import (
     PROMPT,
 )
 from pipeline.batch.stages.read.cells import apply_overrides, coerce_override, json_cell
-from pipeline.openai import params
+from pipeline.openai.errors import ApiError
+from pipeline.openai.models import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    parse_chat_request,
+    parse_completion_request,
+)
+from pipeline.openai.sampling import SamplingError, resolve
 from pipeline.spec import JobSpec
 
 EMBEDDINGS_URL = "/v1/embeddings"
@@ -67,30 +73,30 @@ def parse_batch_request(obj: dict[str, Any]) -> dict[str, Any]:
         if name in body and needs_feature(body[name]):
             out[ERROR] = f"unsupported body parameter {name}={body[name]!r}"
             return out
-    try:
-        params.check_refused(body)
-        shared = params.sampling_values(body, params.BATCH_SAMPLING)
-        # Ranges now, so a bad value is this line's error before any rendering.
-        SamplingParams(max_tokens=max(1, shared.get("min_tokens", 0)), **shared)
-    except params.ParamError as exc:
-        if exc.unsupported:
-            value = body[exc.name]
-            out[ERROR] = (
-                f"unsupported body parameter {exc.name}={value!r}: remove it or send its default"
-            )
-        else:
-            out[ERROR] = f"body.{exc.name}: {exc}"
+    # Read with the very request models Serve reads its requests with: the same fields,
+    # shapes, bounds and refusals, so a line means what the same request sent to the
+    # endpoint means.
+    chat = url == "/v1/chat/completions"
+    if chat and (not isinstance(body.get("messages"), list) or not body["messages"]):
+        out[ERROR] = "body.messages must be a non-empty list for /v1/chat/completions"
         return out
-    except ValueError as exc:
-        out[ERROR] = f"body: {exc}"
+    if not body.get("model"):  # a job names its model: its lines may leave it out
+        body = {**body, "model": "-"}
+    try:
+        request = parse_chat_request(body) if chat else parse_completion_request(body)
+        logprobs = request.requested_logprobs
+    except ApiError as exc:
+        out[ERROR] = _body_error(body, exc)
+        return out
+    shared = _shared_sampling(request)
+    try:  # ranges now, so a bad value is this line's error before any rendering
+        resolve({"max_tokens": max(1, shared.get("min_tokens", 0)), **shared})
+    except SamplingError as exc:
+        out[ERROR] = f"body.{exc.field}: {exc}"
         return out
     out[BODY_SAMPLING] = json.dumps(shared, sort_keys=True) if shared else None
-    if url == "/v1/chat/completions":
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            out[ERROR] = "body.messages must be a non-empty list for /v1/chat/completions"
-            return out
-        out[MESSAGES] = json.dumps(messages)
+    if chat:
+        out[MESSAGES] = json.dumps(body["messages"])
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
@@ -99,15 +105,16 @@ def parse_batch_request(obj: dict[str, Any]) -> dict[str, Any]:
             out[ERROR] = "body.prompt must be one string for /v1/completions"
             return out
         out[PROMPT] = prompt
+    sent = request.model_fields_set  # a field the line left out takes the job's default
     values = {
-        "max_tokens": body.get("max_completion_tokens", body.get("max_tokens")),
-        "temperature": body.get("temperature"),
-        "top_p": body.get("top_p"),
-        "seed": body.get("seed"),
-        "response_format": body.get("response_format"),
-        "logprobs": _logprobs(url, body),
-        "n": body.get("n"),
-        "reasoning_effort": body.get("reasoning_effort"),  # for the chat template
+        "max_tokens": request.requested_max_tokens,
+        "temperature": request.temperature,
+        "top_p": request.top_p,
+        "seed": request.seed,
+        "response_format": request.response_format,
+        "logprobs": logprobs,
+        "n": request.n if "n" in sent else None,
+        "reasoning_effort": getattr(request, "reasoning_effort", None),  # the chat template's
     }
     for field, value in values.items():
         column = BATCH_OVERRIDE_COLUMNS[field]
@@ -117,6 +124,33 @@ def parse_batch_request(obj: dict[str, Any]) -> dict[str, Any]:
             out[ERROR] = problem
             return out
     return out
+
+
+def _shared_sampling(request: ChatCompletionRequest | CompletionRequest) -> dict[str, Any]:
+    """The line's SamplingParams values that have no column of their own (the shared table's
+    penalties, bias, stop, ...), as the row's BODY_SAMPLING JSON carries them."""
+    shared: dict[str, Any] = dict(request.sampling_values)
+    if request.stop_list:
+        shared["stop"] = list(request.stop_list)
+    if request.stop_token_ids:
+        shared["stop_token_ids"] = list(request.stop_token_ids)
+    if request.top_k is not None:
+        shared["top_k"] = request.top_k_value
+    if request.ignore_eos is not None:
+        shared["ignore_eos"] = request.ignore_eos
+    if "bad_words" in shared:
+        shared["bad_words"] = list(shared["bad_words"])
+    return shared
+
+
+def _body_error(body: dict[str, Any], exc: ApiError) -> str:
+    """A line's error from the request models' 400, naming the body field."""
+    if exc.code == "unsupported_parameter" and exc.param in body:
+        return (
+            f"unsupported body parameter {exc.param}={body[exc.param]!r}: remove it or send "
+            "its default"
+        )
+    return f"body.{exc.param}: {exc}" if exc.param else f"body: {exc}"
 
 
 def _embedding_input(body: dict[str, Any]) -> dict[str, Any]:
@@ -132,17 +166,6 @@ def _embedding_input(body: dict[str, Any]) -> dict[str, Any]:
     if body.get("dimensions") is not None:
         return {ERROR: "unsupported body parameter dimensions: remove it"}
     return {PROMPT: text}
-
-
-def _logprobs(url: str, body: dict[str, Any]) -> Any:
-    """Alternatives per token asked for, in one number: chat says `logprobs: true` plus
-    `top_logprobs: k`; completions say `logprobs: k`. None: no logprobs."""
-    if url == "/v1/chat/completions":
-        if not body.get("logprobs"):
-            return None
-        top = body.get("top_logprobs")
-        return 0 if top is None else top
-    return body.get("logprobs")
 
 
 def batch_row(spec: JobSpec, obj: dict[str, Any], row: dict[str, Any], where: str) -> None:
