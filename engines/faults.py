@@ -1,4 +1,6 @@
-"""Test hooks, off unless the process runs with TOKENMILL_TEST_HOOKS=1.
+"""Fault injection for the tests, shipped with the product and off unless the process runs with
+TOKENMILL_TEST_HOOKS=1 (then each hook below acts only when its own variable is set too).
+Product code calls these hooks where a fault must land; without the switch they do nothing.
 
 TOKENMILL_TEST_STEP_DELAY_S: the reference engine sleeps this long after every step. Tests that
 kill or stop a run midway need a midway on any machine; without it a fast machine finishes

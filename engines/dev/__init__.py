@@ -1,14 +1,12 @@
-"""Development tooling for the engines, not the product: benchmarks, tiny random models for
-tests and the demo, and test hooks.
+"""Development tooling for the engines, not the product: benchmarks and tiny random models
+for tests and the demo.
 
     bench.py      `tokenmill bench`: the reference engine against transformers (and vLLM)
-    tiny.py       tiny random HF checkpoints with a locally trained tokenizer; built-in text
+    tiny.py       tiny random HF checkpoints with a locally trained tokenizer
     tiny_copy.py  a tiny Llama trained to copy its prompt (speculative-decoding benchmarks)
-    testhooks.py  fault and timing hooks for tests, inert without TOKENMILL_TEST_HOOKS=1
 
-Product code may import only `testhooks` from here: its hooks do nothing unless the process
-runs with TOKENMILL_TEST_HOOKS=1. Exceptions today, each a lazy import inside the function
-that needs it: the CLI's development commands (`tokenmill bench`, `make-tiny-model`, `demo`
-in pipeline/batch/driver/demo.py, `serve --make-demo-model`) and quantization's built-in calibration
-text (engines/quantize/calibration.py, `tiny.sample_text`).
+Product code does not import this package (an import-linter contract): fault injection for
+tests is engines/faults.py, the calibration text is engines/quantize/calibration.py. The CLI's
+development commands (`tokenmill bench`, `make-tiny-model`, `demo` in
+pipeline/batch/driver/demo.py, `serve --make-demo-model`) import it, lazily.
 """

@@ -1,5 +1,7 @@
-"""Column names of the batch row contract: what the readers write, what the prompt stage adds.
-Imports nothing of pipeline.batch."""
+"""The batch row contract: the column names every stage shares. What the readers write (ROW,
+CORE_COLUMNS, BODY_SAMPLING and the openai_batch override columns), then what the prompt
+stage adds (STAGE_COLUMNS). A leaf: it imports nothing, so every stage and the commit protocol
+can import it without a cycle."""
 
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ OVERRIDE_TYPES: dict[str, type] = {
     "reasoning_effort": str,  # low | medium | high; checked by the prompt stage
 }
 
-
+# --- what the prompt stage adds ---------------------------------------------------------------
 PROMPT_TOKEN_IDS = "prompt_token_ids"
 PROMPT_TOKENS = "prompt_tokens"
 MAX_TOKENS = "max_tokens"

@@ -1,4 +1,6 @@
-"""What the driver hands to workers and what they send back (small, picklable, no rows).
+"""What the driver hands to workers and what they send back (small, picklable, no rows): the
+shard geometry (RowRanges, RowSelection, Shard, ShardPlan), work units and their results, and
+the budget's messages (RowAdmission, RowSpend).
 
     driver ──WorkUnit──▶ prompt actor ──(PreparedInfo, rows table ref)──▶ driver
     driver ──WorkUnit + rows ref──▶ engine actor ──PartWritten* , UnitEnd──▶ driver
