@@ -380,18 +380,19 @@ def test_a_broken_replica_is_replaced_and_the_probes_answer_throughout(
     print(break_and_replace(server, mode, bound).line())
 
 
-def engine_processes() -> list[int]:
-    """Pids of the engine processes running on this machine (engines/process.py children)."""
+def engine_processes(server: Server) -> list[int]:
+    """Pids of the engine processes (engines/process.py children) this server runs: below its
+    own process (Ray's raylet, the replica's worker, then the engine), never another's."""
+    import psutil
+
     pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    for child in psutil.Process(server.process.process.pid).children(recursive=True):
         try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:  # gone meanwhile
-            continue
-        if b"-m" in argv and b"engines.process" in argv:
-            pids.append(int(entry.name))
+            argv = child.cmdline()
+        except (psutil.NoSuchProcess, psutil.ZombieProcess):
+            continue  # gone meanwhile
+        if "-m" in argv and "engines.process" in argv:
+            pids.append(child.pid)
     return pids
 
 
@@ -403,7 +404,7 @@ def test_an_idle_engine_process_killed_is_seen_by_the_health_check(server: Serve
     client = chat_client(server, timeout_s=deadline_s)
     wait_ready(server, deadline_s)
     old = served_by(client)
-    (pid,) = engine_processes()  # one replica, its engine in a process of its own
+    (pid,) = engine_processes(server)  # one replica, its engine in a process of its own
     time.sleep(0.5)  # idle: nothing in flight
     killed_at = time.monotonic()
     os.kill(pid, signal.SIGKILL)
@@ -425,7 +426,7 @@ def test_an_idle_engine_process_killed_is_seen_by_the_health_check(server: Serve
     new = until_replaced(client, old, deadline_s)
     wait_ready(server, deadline_s)
     assert served_by(client) == new
-    assert engine_processes() != [pid]
+    assert engine_processes(server) != [pid]
 
 
 @pytest.mark.slow
