@@ -397,7 +397,12 @@ def test_a_dead_engine_raises_engine_dead_for_every_request(fresh: EngineHarness
 
 # Kinds whose engine runs in a process that can die while idle (the others' deaths are
 # injected into their next step: idle, they cannot die).
-PROCESS_KINDS = [p for p in KINDS if p.values[0] in ("reference-process", "vllm")]
+# vLLM's (20 s for its engine) is slow: by default its stats() raising once its engine core
+# died is test_a_dead_engine_raises_engine_dead_for_every_request's.
+PROCESS_KINDS = [
+    pytest.param("reference-process", id="reference-process"),
+    pytest.param("vllm", id="vllm", marks=[pytest.mark.vllm, pytest.mark.slow]),
+]
 
 
 @pytest.mark.parametrize("fresh", PROCESS_KINDS, indirect=True)
@@ -455,3 +460,22 @@ def test_logit_bias_and_min_tokens_act_alike(harness: EngineHarness) -> None:
     assert held.finish_reason == "stop" and held.stop_reason is None
     assert len(held.output_token_ids) == 4 and held.output_token_ids[-1] == eos
     assert_counted(held, PROMPT)
+
+
+# Kinds that do not compute embeddings: the request is a row error saying which kind does.
+NO_EMBED_KINDS = [p for p in KINDS if p.values[0] in ("trtllm", "vllm")]
+
+
+@pytest.mark.parametrize("harness", NO_EMBED_KINDS, indirect=True)
+def test_an_embed_request_is_a_row_error_where_the_kind_cannot_embed(
+    harness: EngineHarness,
+) -> None:
+    from engines.api import EmbedParams
+    from engines.requests import EMBED_UNSUPPORTED
+
+    async def go() -> GenerationResult:
+        request = GenerationRequest(list(PROMPT), request_id="embed", embed=EmbedParams())
+        return await harness.engine.generate(request)
+
+    result = harness.run(go)
+    assert result.finish_reason == "error" and result.error == EMBED_UNSUPPORTED

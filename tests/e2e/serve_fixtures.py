@@ -182,7 +182,9 @@ def serve_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("serve-model") / "tiny", arch="llama")
 
 
-@pytest.fixture(scope="module")
+# One server for the session: the modules that use it (test_serve_openai, test_serve_embeddings)
+# agree on its configuration and leave it as they found it, and a start costs about a minute.
+@pytest.fixture(scope="session")
 def server(
     serve_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerProcess]:

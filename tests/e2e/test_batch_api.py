@@ -301,6 +301,9 @@ def _ids(client: openai.OpenAI, batch: Batch) -> tuple[list[dict], list[str]]:
     return output, ids
 
 
+# Slow (100 s): by default a real cancel is test_cancel_mid_run_keeps_what_finished, and
+# resuming into the stopped batch's output tests/unit/test_batch_api.py's resume tests.
+@pytest.mark.slow
 def test_cancel_then_resume_or_resubmit_loses_nothing(server: ServerProcess) -> None:
     client = client_of(server)
     # Long enough that the cancel lands mid-run: at most 8 requests in flight and 10 ms after

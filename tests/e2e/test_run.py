@@ -139,6 +139,10 @@ def test_bad_job_fails_before_any_actor(
 # --- kill the driver, resume -----------------------------------------------------------------
 
 
+# Slow (80 s): by default, adoption of a dead run's parts is tests/integration/
+# test_commit_takeover.py's, rows landing once after a death test_pipeline_kill.py's, and a
+# rerun resuming committed rows test_pipeline.py::test_stop_at_ends_the_run_...
+@pytest.mark.slow
 def test_driver_killed_mid_run_then_rerun_every_id_once(tmp_path: Path, model_dir: Path) -> None:
     job = base_job(tmp_path, model_dir, rows=60)
     job["limits"] = {"max_error_fraction": 0.0}

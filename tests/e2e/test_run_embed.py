@@ -87,6 +87,9 @@ def _run(tmp_path: Path, model_dir: Path, rows: int, timeout: float) -> tuple[pa
     return table, seconds
 
 
+# Slow (55 s): by default a real embed job runs in tests/e2e/test_batch_api_embeddings.py, and
+# the engine's embeddings equal transformers' in tests/integration/test_reference_embed.py.
+@pytest.mark.slow
 def test_embed_job_end_to_end(tmp_path: Path, model_dir: Path) -> None:
     _run(tmp_path, model_dir, 300, timeout=600)
 

@@ -216,7 +216,10 @@ def test_a_hung_driver_is_fenced_off_and_its_output_taken_over(
 
 # On the S3 server too, in the slow set: tests/integration/test_commit_takeover.py checks the
 # same stalls on S3 step by step, in seconds.
-@pytest.mark.parametrize("where", ["local", pytest.param("s3", marks=pytest.mark.slow)])
+# Slow (85 s each): by default tests/integration/test_commit_takeover.py wakes a run inside its
+# finish after a takeover, in process, and checks it deletes nothing.
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["local", "s3"])
 def test_a_driver_stopped_inside_finish_wakes_after_a_takeover_and_deletes_nothing(
     tmp_path: Path, model_dir: Path, where: str, request: pytest.FixtureRequest
 ) -> None:

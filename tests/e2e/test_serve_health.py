@@ -371,7 +371,10 @@ def break_and_replace(server: Server, mode: str, p99_bound_s: float) -> Outcome:
     )
 
 
-@pytest.mark.parametrize("mode", ["crash", "stall"])
+# The stall (50 s more) is slow: by default the stall watch is tests/unit/test_serve_health.py's
+# and test_engine_health.py's, a hung engine process's tests/unit/test_process_engine.py's, and
+# the replacement path the crash's.
+@pytest.mark.parametrize("mode", ["crash", pytest.param("stall", marks=pytest.mark.slow)])
 def test_a_broken_replica_is_replaced_and_the_probes_answer_throughout(
     server: Server, mode: str
 ) -> None:

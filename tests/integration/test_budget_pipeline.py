@@ -6,11 +6,15 @@ from __future__ import annotations
 import json
 from collections import Counter
 
+import pytest
+
 from tests.integration.test_cost_pipeline import check_books, read_rows, tiny_job, write_prompts
 
 NUM_ROWS = 24
 
 
+# Slow (50 s): by default the gate's projection and stop are tests/unit/test_cost_budget.py's.
+@pytest.mark.slow
 def test_budget_stops_the_run_and_a_higher_budget_resumes(ray_local, tiny_model_dir, tmp_path):
     # The CLI's run: the job, then its report beside the output.
     from pipeline.cli.job_cmds import run_job_with_report as run_job

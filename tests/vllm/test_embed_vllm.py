@@ -16,7 +16,6 @@ import pytest
 
 from engines import load_engine
 from engines.api import EmbedParams, GenerationRequest
-from engines.requests import EMBED_UNSUPPORTED
 from tests.vllm.test_parity import text_prompts
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
@@ -29,6 +28,9 @@ def _model() -> Path:
     return make_tiny_model(root / "llama", arch="llama", size="tiny-hd32")
 
 
+# Slow (90 s): by default the reference engine's embeddings equal transformers'
+# (tests/integration/test_reference_embed.py); this compares vLLM's pooling runner too.
+@pytest.mark.slow
 def test_vllm_pooling_runner_equals_the_reference_default() -> None:
     from vllm import LLM
 
@@ -57,17 +59,3 @@ def test_vllm_pooling_runner_equals_the_reference_default() -> None:
     for a, b in zip(ours, theirs, strict=True):
         assert len(a) == len(b)
         assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-4
-
-
-def test_vllm_kind_refuses_embed_requests() -> None:
-    model = _model()
-
-    async def run():
-        engine = load_engine("vllm", model=str(model), kv_cache_tokens=4096)
-        try:
-            return await engine.generate(GenerationRequest([1, 2, 3], embed=EmbedParams()))
-        finally:
-            engine.shutdown()
-
-    result = asyncio.run(run())
-    assert result.finish_reason == "error" and result.error == EMBED_UNSUPPORTED
