@@ -42,13 +42,21 @@ against tests/standins/tensorrt_llm, a stand-in written to the same signatures a
   TensorRT-LLM backends implement; llguidance is PyTorch-only), and a response_format becomes
   SamplingParams.guided_decoding (see `guided_decoding`; json_object is sent as the schema
   {"type": "object"}).
-- Logprobs (PyTorch backend): SamplingParams.logprobs = max(k, 1), since TensorRT-LLM reads 0
-  as "off"; each position's {token id: Logprob(logprob, rank)} becomes a TokenLogprob with the
-  k most likely alternatives. A position without the chosen token (1.2's top-k may leave it
-  out) is a row error, never a made-up value. The TensorRT backend computes logprobs from
-  generation logits, which the LLM must gather for every request (gather_generation_logits):
-  logprobs there are refused. prompt_logprobs are refused on both backends: 1.2 returns the
-  top-k of each prompt position without the prompt token's own logprob.
+- Logprobs (PyTorch backend): TensorRT-LLM reads logprobs=0 as "off", so at least one is asked
+  for; each position's {token id: Logprob(logprob, rank)} becomes a TokenLogprob with the k most
+  likely alternatives. 1.2's TorchSampler returns the top k of log_softmax(logits) (after the
+  logits processors, before temperature) and the sampled token only when it is among them. So
+  on 1.2 a greedy row asks for its own k (its token is rank 1); a sampled row with top_k in
+  1..SAMPLED_LOGPROBS_MAX_TOP_K (64) asks for max(k, top_k), which holds every token it can
+  sample; any other sampled row asking for logprobs is refused before it runs
+  (SAMPLED_LOGPROBS_UNSUPPORTED), rather than failing at random once a token from the tail is
+  drawn. A position still without its token (a tie at the top-k edge, a grammar mask) is a row
+  error naming it, never a made-up value. Versions whose SamplingParams has `logprobs_mode`
+  always add the sampled token: there every row asks for its own k. The TensorRT backend
+  computes logprobs from generation logits, which the LLM must gather for every request
+  (gather_generation_logits): logprobs there are refused. prompt_logprobs are refused on both
+  backends: 1.2 returns the top-k of each prompt position without the prompt token's own
+  logprob.
 - Timing comes from `request_perf_metrics` (return_perf_metrics=True on the LLM and on every
   SamplingParams): steady-clock time points as timedeltas, which on Linux share
   CLOCK_MONOTONIC with time.monotonic(); a time point never reached is zero, read as "never".
@@ -61,9 +69,12 @@ trtllm-bench on the PyTorch backend with `cuda_graph_config: {enable_padding: tr
 batch_sizes: [1 .. 8192]}`, often kv_cache_free_gpu_mem_fraction 0.95) and trtllm-bench's
 sizing heuristic (max_batch_size = the requests that fit the KV cache, 64..4096; max_num_tokens
 = max_batch_size x (1 + ISL/OSL), 2048..32768, i.e. 4096 / 8192 for 1k/1k on an H200):
-- cuda_graphs True, cuda_graph_padding True, cuda_graph_max_batch_size = max_batch_size
-  (PyTorch backend; CUDA graphs for decode batches up to that size, padded up to a captured
-  size rather than falling back to eager mode);
+- cuda_graphs True, cuda_graph_padding True (PyTorch backend: decode batches run as CUDA
+  graphs, padded up to the next captured size rather than falling back to eager mode), with
+  graphs captured only up to CUDA_GRAPH_MAX_BATCH (256) split among the actors sharing a GPU
+  (`cuda_graph_batch_size`): each captured graph can take up to ~200 MB (TensorRT-LLM's docs)
+  on top of the KV cache's memory fraction, and above a few hundred rows a decode step is
+  long enough that launching it eagerly costs little;
 - max_batch_size 2048 and max_num_tokens 8192 (TensorRT-LLM's own LLM defaults and
   trtllm-bench's fallback), used when a job leaves engine.max_batch_size / max_num_tokens null
   (the spec's default);
@@ -126,6 +137,7 @@ from engines.requests import (
 )
 from engines.settings import default
 from engines.speculative import resolve
+from engines.trtllm_args import PARALLEL_ARGS, accepted
 from engines.trtllm_logits import SamplingProcessor, needs_processor, processing_fields
 
 log = logging.getLogger(__name__)
@@ -165,6 +177,21 @@ PROCESSING_SPECULATIVE_UNSUPPORTED = (
     "processor sees one position per step, not the proposals a speculative step verifies); "
     "turn speculation off, or use engine.kind reference or vllm"
 )
+# The largest top_k whose sampled rows get logprobs on 1.2 (asked for as their k): every
+# token such a row can draw is among them. Each asked logprob is a Logprob object per output
+# token pickled back from the executor, so the bound keeps that traffic small.
+SAMPLED_LOGPROBS_MAX_TOP_K = 64
+SAMPLED_LOGPROBS_UNSUPPORTED = (
+    "logprobs of a sampled row on this TensorRT-LLM need top_k between 1 and "
+    f"{SAMPLED_LOGPROBS_MAX_TOP_K} (its sampler returns the k most likely tokens, with the "
+    "sampled one only when it is among them); set top_k, send temperature 0, or use "
+    "engine.kind reference or vllm"
+)
+SAMPLING_SPECULATIVE_UNSUPPORTED = (
+    "sampled rows (temperature, top_p or top_k) under engine.speculative eagle3 or mtp need a "
+    "TensorRT-LLM with allow_advanced_sampling (this one would decode them greedily); send "
+    "temperature 0, turn speculation off, or use method ngram or draft"
+)
 MIN_TOKENS_STOP_UNSUPPORTED = (
     "min_tokens with stop strings is not supported on engine.kind trtllm (TensorRT-LLM matches "
     "stop strings from the first token); send one of them, or use engine.kind reference or vllm"
@@ -174,27 +201,17 @@ SEED_LIMITATION = (
     "request from one generator): seeded sampled rows are not reproducible; use backend "
     "tensorrt or the reference engine where reproducibility matters"
 )
-# Parallelism and multi-node orchestration: passed to the LLM as they are. The names are the
-# fields of `BaseLlmArgs` in tensorrt_llm/llmapi/llm_args.py (NVIDIA/TensorRT-LLM, the 1.2 line
-# this adapter targets) that say how one engine spans devices and nodes. They were read from a
-# revision of that file that could not be tied to the exact 1.2.x tag here: check them against
-# the release's llm_args.py when upgrading (newer revisions add e.g. `pp_partition`, left out
-# until the release is checked). Tests check that the stand-in (tests/standins/tensorrt_llm)
-# accepts exactly these. The sizes must multiply to resources.devices_per_actor
+# Parallelism and multi-node orchestration: passed to the LLM as they are (engines/trtllm_args.py
+# says where the names were read). The sizes must multiply to resources.devices_per_actor
 # (engines.parallel, checked when the spec is parsed).
-PARALLEL_SETTINGS = (
-    "tensor_parallel_size",
-    "pipeline_parallel_size",
-    "context_parallel_size",
-    "gpus_per_node",
-    "moe_cluster_parallel_size",
-    "moe_tensor_parallel_size",
-    "moe_expert_parallel_size",
-    "enable_attention_dp",
-    "enable_lm_head_tp_in_adp",
-    "cp_config",
-    "orchestrator_type",
-)
+PARALLEL_SETTINGS = tuple(PARALLEL_ARGS)
+# The largest decode batch captured as a CUDA graph when a job does not say, shared among the
+# engines on one GPU. Graphs pay where launching a step's kernels is a large share of it (small
+# batches); TensorRT-LLM's docs put each graph at up to CUDA_GRAPH_MB of extra memory, and 1.2
+# captures ~20 sizes up to 256 with padding (23 up to its own default batch of 2,048, the
+# largest of them the most costly).
+CUDA_GRAPH_MAX_BATCH = 256
+CUDA_GRAPH_MB = 200
 
 
 @dataclass(frozen=True)
@@ -234,6 +251,7 @@ class TrtllmEngine(VendorAdapter):
         cuda_graphs: bool = True,
         cuda_graph_max_batch_size: int | None = None,
         cuda_graph_padding: bool = True,
+        actors_per_device: int = 1,
         build_cache: str | None = None,
         build_cache_dir: str = "~/.cache/tokenmill/trtllm-build",
         quantize: str | None = None,
@@ -246,9 +264,13 @@ class TrtllmEngine(VendorAdapter):
 
         backend: pytorch (loads HF / ModelOpt checkpoints) | tensorrt (builds a TensorRT engine).
         cuda_graphs: pytorch backend: capture decode steps as CUDA graphs (default on).
-        cuda_graph_max_batch_size: largest captured batch; null: max_batch_size.
+        cuda_graph_max_batch_size: largest captured batch (at most max_batch_size); null:
+            CUDA_GRAPH_MAX_BATCH (256) / actors_per_device, at most max_batch_size.
         cuda_graph_padding: pad a batch up to the next captured size instead of running it
             eagerly (default on, as in NVIDIA's published benchmark configs).
+        actors_per_device: engines sharing this GPU (set from resources.devices_per_actor or
+            the Serve replica's devices below 1; pipeline.engine_setup): their CUDA graphs
+            share its memory.
         build_cache: tensorrt backend: keep built engines under this local path or s3:// /
             other fsspec URI (synced to build_cache_dir before loading, back after a build).
         quantize: tensorrt backend only: fp8 | nvfp4 quantization while building (ModelOpt
@@ -290,6 +312,7 @@ class TrtllmEngine(VendorAdapter):
         self._backend = backend
         self._model_dir = model_dir
         self._speculative = spec is not None
+        self._greedy_speculation = False  # set below: this version would ignore sampling
         self._tokenizer: Any = None  # the checkpoint's own, for bad_words (loaded on first use)
         self.limitations: tuple[str, ...] = (SEED_LIMITATION,) if backend == "pytorch" else ()
         self._seed_warned = False
@@ -313,6 +336,9 @@ class TrtllmEngine(VendorAdapter):
         )
 
         self._sampling_cls = trt.SamplingParams
+        # Versions whose SamplingParams has logprobs_mode always return the sampled token's
+        # logprob with the top k; 1.2's may leave it out.
+        self._sampled_logprob_included = has_field(trt.SamplingParams, "logprobs_mode")
         self._guided_cls = GuidedDecodingParams
         self._request_error: type[Exception] = RequestError
         kv_cache_config = KvCacheConfig(
@@ -351,14 +377,23 @@ class TrtllmEngine(VendorAdapter):
             else:
                 llm_cls = trt.LLM
                 args["cuda_graph_config"] = _cuda_graph_config(
-                    cuda_graphs, cuda_graph_max_batch_size or max_batch_size, cuda_graph_padding
+                    cuda_graphs,
+                    cuda_graph_batch_size(
+                        max_batch_size, cuda_graph_max_batch_size, actors_per_device
+                    ),
+                    cuda_graph_padding,
                 )
                 if spec is not None:
                     args["speculative_config"] = speculative_config(spec)
+                    self._greedy_speculation = samples_greedily(args["speculative_config"])
                     # The drafters need the previous step's tokens before they propose: the
                     # overlap scheduler (which runs a step ahead) is off with them, as
                     # TensorRT-LLM's examples set it.
                     args["disable_overlap_scheduler"] = True
+            # Only what this backend's LLM takes (the real one raises on the rest, by name).
+            wrong = sorted(set(args) - set(accepted(backend)))
+            if wrong:
+                raise EngineError(f"TensorRT-LLM's {backend} backend takes no {', '.join(wrong)}")
             with self._loading(model):
                 self._llm = llm_cls(str(model_dir), **args)
         if self._build_cache_local is not None:
@@ -422,9 +457,13 @@ class TrtllmEngine(VendorAdapter):
             return PROMPT_LOGPROBS_UNSUPPORTED, 0
         if request.sampling.logprobs is not None and self._backend != "pytorch":
             return LOGPROBS_TENSORRT_UNSUPPORTED, 0
+        if not self._sampled_logprob_reachable(request.sampling):
+            return SAMPLED_LOGPROBS_UNSUPPORTED, 0
         problem = self._processing_problem(request.sampling)
         if problem is not None:
             return problem, 0
+        if self._greedy_speculation and not request.sampling.is_greedy:
+            return SAMPLING_SPECULATIVE_UNSUPPORTED, 0
         num_prompt = len(request.prompt_token_ids)
         if not self._chunked_prefill and num_prompt > self._max_num_tokens:
             return (
@@ -510,12 +549,28 @@ class TrtllmEngine(VendorAdapter):
             detokenize=True,
             return_perf_metrics=True,
             guided_decoding=guided_decoding(s.response_format, self._guided_cls),
-            # TensorRT-LLM reads logprobs=0 as "off": ask for one and report none of it.
-            logprobs=None if s.logprobs is None else max(s.logprobs, 1),
+            logprobs=self._logprobs_asked(s),
             # Penalties, logit bias, min_tokens, bad words and min_p: see trtllm_logits.py
             # (1.2's own fields for them are ignored by its default sampler).
             logits_processor=self._processor(request),
         )
+
+    def _sampled_logprob_reachable(self, s: SamplingParams) -> bool:
+        """Whether every token this row can emit comes back with its logprob (module notes):
+        always without logprobs, for greedy rows and where the version adds the sampled token;
+        on 1.2 for sampled rows only when their top_k bounds what they can draw."""
+        if s.logprobs is None or s.is_greedy or self._sampled_logprob_included:
+            return True
+        return 0 < s.top_k <= SAMPLED_LOGPROBS_MAX_TOP_K
+
+    def _logprobs_asked(self, s: SamplingParams) -> int | None:
+        """How many logprobs per position to ask TensorRT-LLM for: at least one (it reads 0
+        as "off"), and on 1.2 a sampled row's top_k, so its token is among them."""
+        if s.logprobs is None:
+            return None
+        if s.is_greedy or self._sampled_logprob_included:
+            return max(s.logprobs, 1)
+        return max(s.logprobs, s.top_k)
 
     def _note_seed(self) -> None:
         """Say once per engine that the PyTorch backend will not honour per-request seeds."""
@@ -669,11 +724,36 @@ def speculative_config(spec: Any) -> Any:
         return DraftTargetDecodingConfig(
             max_draft_len=spec.num_tokens, speculative_model=spec.model, **common
         )
+    # Eagle-3 and MTP run one-model paths by default, where TensorRT-LLM 1.2 decodes every
+    # request greedily unless allow_advanced_sampling is set (temperature, top_p and top_k
+    # then apply; the drafts stay greedy, and acceptance is an exact match with the target's
+    # own sample, so the output keeps the model's distribution).
     if spec.method == "eagle3":
-        return Eagle3DecodingConfig(
-            max_draft_len=spec.num_tokens, speculative_model=spec.model, **common
-        )
-    return MTPDecodingConfig(num_nextn_predict_layers=spec.num_layers or spec.num_tokens, **common)
+        cls = Eagle3DecodingConfig
+        args = {"max_draft_len": spec.num_tokens, "speculative_model": spec.model}
+    else:
+        cls = MTPDecodingConfig
+        args = {"num_nextn_predict_layers": spec.num_layers or spec.num_tokens}
+    if has_field(cls, "allow_advanced_sampling"):
+        args["allow_advanced_sampling"] = True
+    return cls(**args, **common)
+
+
+def has_field(cls: Any, name: str) -> bool:
+    """Whether a TensorRT-LLM config class (pydantic, or a dataclass in the stand-in) has the
+    field `name` in this version."""
+    fields = getattr(cls, "model_fields", None) or getattr(cls, "__dataclass_fields__", {})
+    return name in fields
+
+
+def samples_greedily(config: Any) -> bool:
+    """Whether TensorRT-LLM decodes every request greedily under this speculative config: a
+    one-model Eagle-3 or MTP path in a version without allow_advanced_sampling (or with it
+    off)."""
+    one_model = getattr(config, "eagle3_one_model", None) or getattr(
+        config, "mtp_eagle_one_model", None
+    )
+    return bool(one_model) and not getattr(config, "allow_advanced_sampling", False)
 
 
 def guided_decoding(fmt: ResponseFormat | None, params_cls: Any) -> Any:
@@ -714,7 +794,8 @@ def _token_logprob(token: int, entry: Any, k: int, position: int) -> TokenLogpro
     if chosen is None:
         raise _MissingLogprob(
             f"TensorRT-LLM returned no logprob for output token {position} (id {token}, outside "
-            f"the top {max(k, 1)} it returned); ask for more logprobs, or use engine.kind "
+            f"the {len(entry)} most likely it returned: a tie at the top_k edge, or a "
+            "response_format mask); send the row with temperature 0, or use engine.kind "
             "reference or vllm"
         )
     ranked = sorted(((-float(lp.logprob), t) for t, lp in entry.items()))[:k]
@@ -887,13 +968,41 @@ def _vocab_size(config: dict[str, Any], model_dir: Path) -> int:
     return vocab
 
 
+def cuda_graph_batch_size(max_batch_size: int, asked: int | None, actors_per_device: int) -> int:
+    """The largest decode batch to capture as a CUDA graph: the job's own
+    cuda_graph_max_batch_size, or CUDA_GRAPH_MAX_BATCH shared among the engines on one GPU;
+    never above max_batch_size (larger graphs would never run)."""
+    if asked is not None:
+        if not 1 <= asked <= max_batch_size:
+            raise EngineError(
+                f"engine.extra cuda_graph_max_batch_size {asked} must be between 1 and "
+                f"engine.max_batch_size ({max_batch_size}); lower it, or set cuda_graphs false"
+            )
+        return asked
+    if actors_per_device < 1:
+        raise EngineError(f"actors_per_device {actors_per_device} must be at least 1")
+    return max(1, min(max_batch_size, CUDA_GRAPH_MAX_BATCH // actors_per_device))
+
+
 def _cuda_graph_config(enabled: bool, max_batch_size: int, padding: bool) -> Any:
-    """CudaGraphConfig for the PyTorch backend, or None (which turns CUDA graphs off)."""
+    """CudaGraphConfig for the PyTorch backend, or None (which turns CUDA graphs off). The
+    library generates the captured sizes up to max_batch_size; they are logged with the memory
+    they may take, since they come on top of the KV cache's share of the GPU."""
     if not enabled:
         return None
     from tensorrt_llm.llmapi import CudaGraphConfig
 
-    return CudaGraphConfig(max_batch_size=max_batch_size, enable_padding=padding)
+    config = CudaGraphConfig(max_batch_size=max_batch_size, enable_padding=padding)
+    sizes = list(getattr(config, "batch_sizes", None) or [])
+    if sizes:
+        log.info(
+            "TensorRT-LLM captures %d CUDA graphs for decode batches up to %d (up to ~%d MB "
+            "by its docs)",
+            len(sizes),
+            max(sizes),
+            len(sizes) * CUDA_GRAPH_MB,
+        )
+    return config
 
 
 @contextmanager

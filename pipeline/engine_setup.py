@@ -35,17 +35,34 @@ def engine_settings(engine: EngineSpec) -> dict[str, Any]:
 
 
 def open_engine(
-    model: ModelSpec, engine: EngineSpec, storage: StorageSpec, *, own_process: bool = False
+    model: ModelSpec,
+    engine: EngineSpec,
+    storage: StorageSpec,
+    *,
+    own_process: bool = False,
+    devices: float = 0,
 ) -> Engine:
     """Fetch the model to local disk if it is remote (once per node), then load the engine:
-    here, or with `own_process` in a child process of its own (engines/process.py)."""
+    here, or with `own_process` in a child process of its own (engines/process.py).
+    `devices` is the GPUs the actor or replica holds: below 1, engines share a GPU, which an
+    engine that sizes GPU memory per engine is told (`placement_settings`)."""
 
     local_path = materialize_model(model.path, model.cache_dir, storage)
     if model.quantization is not None:
         local_path = quantized_model(local_path, model, storage)
+    settings = {**placement_settings(engine, devices), **engine_settings(engine)}
     if own_process:
-        return ProcessEngine(engine.kind, model=str(local_path), **engine_settings(engine))
-    return load_engine(engine.kind, model=str(local_path), **engine_settings(engine))
+        return ProcessEngine(engine.kind, model=str(local_path), **settings)
+    return load_engine(engine.kind, model=str(local_path), **settings)
+
+
+def placement_settings(engine: EngineSpec, devices: float) -> dict[str, Any]:
+    """Settings that follow from where the engine runs rather than from the job's engine
+    section: `actors_per_device` (how many engines Ray packs on one GPU) for the kinds that
+    take it. A job's own engine.extra value wins."""
+    if not 0 < devices < 1 or "actors_per_device" not in accepted_settings(engine.kind):
+        return {}
+    return {"actors_per_device": max(1, int(1 / devices + 1e-9))}
 
 
 def quantized_model(local_path: Path, model: ModelSpec, storage: StorageSpec) -> Path:

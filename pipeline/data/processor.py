@@ -195,7 +195,9 @@ class EngineStage:
         spec = config.job_spec()
         self.spec = spec
         self.prompts = PromptStage(spec)
-        self.engine = open_engine(spec.model, spec.engine, spec.storage)
+        self.engine = open_engine(
+            spec.model, spec.engine, spec.storage, devices=spec.resources.devices_per_actor
+        )
         self.meter = CostMeter(
             spec.resources.devices_per_actor,
             spec.cost.prefill_weight,

@@ -18,6 +18,12 @@
    of TensorRT-LLM with the reference engine (rows with the same text; shared leading
    characters). A table on stdout, the numbers as JSON in --out/report.json.
 
+5. With trtllm among the engines: TensorRT-LLM's own behaviours on the bf16 model
+   (tests/gpu/library_checks.py): sampled rows under n-gram speculation differ from greedy,
+   logprobs of sampled rows are all there, and the GPU memory CUDA graphs take at the
+   adapter's default capture (256) against the library's 2,048 and none. In report.json
+   under "library"; `--no-library-checks` leaves them out.
+
 Random weights make agreement a numerics check, not a quality one: FP8 GEMMs in TensorRT-LLM
 run in FP8 while the reference engine dequantizes to bf16, so FP8 streams part sooner. Not run
 in CI (no GPU); tests/integration/test_device_check_script.py runs its CPU smoke shape.
@@ -184,6 +190,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="Build the model and its FP8 export into --out and stop (for an environment with "
         "the quantize extra; the check then runs where the engines are)",
     )
+    parser.add_argument(
+        "--no-library-checks",
+        dest="library_checks",
+        action="store_false",
+        help="Skip TensorRT-LLM's sampling, logprobs and CUDA graph memory checks",
+    )
     args = parser.parse_args(argv)
     engines = [e for e in args.engines.split(",") if e]
     kinds = [c for c in args.checkpoints.split(",") if c]
@@ -231,6 +243,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             report[f"agreement_fp8_vs_bf16_{engine}"] = agreement(
                 texts[f"{engine}-bf16"], texts[f"{engine}-fp8"]
             )
+    if "trtllm" in engines and args.library_checks:
+        from tests.gpu.library_checks import run_all
+
+        report["library"] = run_all(checkpoints["bf16"], min(args.rows, 64), args.max_tokens)
     report["total_s"] = round(time.monotonic() - started, 1)
     (work / "report.json").write_text(json.dumps(report, indent=2))
     print(f"{'run':<18} {'rows':>6} {'tok/s':>9} {'tok/s/dev':>9} {'$/1M out':>9} {'wall s':>7}")
@@ -242,7 +258,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"{(f'{usd:.4f}' if usd is not None else '-'):>9} {run['job_wall_s']:>7.1f}"
         )
     for key, value in report.items():
-        if key.startswith("agreement"):
+        if key.startswith("agreement") or key == "library":
             print(f"{key}: {value}")
     print(f"total {report['total_s']:.0f} s; report: {work / 'report.json'}")
     return report

@@ -284,11 +284,12 @@ def test_cuda_graph_settings(trt, model_dir):
     engine_for(model_dir, cuda_graphs=False).shutdown()
     assert trt.LLM.instances[-1].args["cuda_graph_config"] is None
 
-    # Constructed directly: TensorRT-LLM's own throughput defaults, graphs padded up to them.
+    # Constructed directly: TensorRT-LLM's own throughput defaults, with graphs padded up to
+    # 256 rather than to the batch of 2,048 (tests/unit/test_trtllm_library.py, item 6).
     engine_for(model_dir).shutdown()
     args = trt.LLM.instances[-1].args
     assert (args["max_batch_size"], args["max_num_tokens"]) == (2048, 8192)
-    assert args["cuda_graph_config"] == CudaGraphConfig(max_batch_size=2048, enable_padding=True)
+    assert args["cuda_graph_config"] == CudaGraphConfig(max_batch_size=256, enable_padding=True)
 
     # The TensorRT backend takes no CUDA graph config (it would raise).
     engine_for(model_dir, backend="tensorrt").shutdown()

@@ -135,8 +135,9 @@ def test_stream_deltas_carry_their_tokens_logprobs(trt, model_dir) -> None:
 
 
 def test_sampled_tokens_outside_the_top_k_keep_their_own_logprob(trt, model_dir) -> None:
-    sampling = SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True, logprobs=1)
+    sampling = SamplingParams(max_tokens=6, temperature=1.0, top_k=6, ignore_eos=True, logprobs=1)
     result = _run(_engine(model_dir), sampling)
+    assert result.ok, result.error
     for lp in result.logprobs:
         assert len(lp.top) == 1 and lp.logprob <= lp.top[0][1] + 1e-9
 

@@ -48,12 +48,15 @@ def test_draft_eagle3_and_mtp_configs(trt, model_dir, tmp_path):  # noqa: F811
         max_draft_len=4, speculative_model=str(tmp_path / "d")
     )
     eagle = _config(trt, model_dir, {"method": "eagle3", "num_tokens": 3, "model": "/heads/e3"})
+    # allow_advanced_sampling: without it the one-model path decodes every row greedily.
     assert eagle["speculative_config"] == Eagle3DecodingConfig(
-        max_draft_len=3, speculative_model="/heads/e3"
+        max_draft_len=3, speculative_model="/heads/e3", allow_advanced_sampling=True
     )
     assert eagle["speculative_config"].eagle3_one_model is True
     mtp = _config(trt, model_dir, {"method": "mtp", "num_layers": 2})
-    assert mtp["speculative_config"] == MTPDecodingConfig(num_nextn_predict_layers=2)
+    assert mtp["speculative_config"] == MTPDecodingConfig(
+        num_nextn_predict_layers=2, allow_advanced_sampling=True
+    )
     assert mtp["speculative_config"].max_draft_len == 2
 
 

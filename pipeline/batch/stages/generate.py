@@ -289,7 +289,9 @@ class EngineWorker:
         # A multi-device actor: its group's GPUs on this node become visible before the engine
         # starts its workers (pipeline.batch.driver.placement).
         self.devices = claim_devices() if config.devices > 1 else []
-        self.engine = open_engine(config.model, config.engine, config.storage)
+        self.engine = open_engine(
+            config.model, config.engine, config.storage, devices=config.devices
+        )
         self.meter = CostMeter(
             config.devices,
             config.cost.prefill_weight,

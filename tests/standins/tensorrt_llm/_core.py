@@ -2,9 +2,11 @@
 
 The toy model is deterministic and cheap: greedy output token i of a prompt is
 (sum(prompt) + 7 * i) % 50 + 10, so tests can predict every token; a sampled token adds a
-random offset of 1..4 to that. It runs on the asyncio loop of the caller (the real executor
-runs in a worker process), producing one token per loop turn so that concurrent requests
-interleave, abort lands mid-generation and streaming has steps.
+random offset of 1..4 to that (which can wrap far down the toy distribution), or with top_k
+is one of the top_k most likely. It runs on the asyncio loop of the caller (the real executor
+runs in worker processes: requests reach it pickled, as they would), producing one token per
+loop turn so that concurrent requests interleave, abort lands mid-generation and streaming
+has steps.
 
 The toy tokenizer writes token t as "<t>"; the checkpoint's EOS ids are its special tokens.
 
@@ -34,9 +36,9 @@ What it copies from TensorRT-LLM 1.2 (see the notes at each place):
   processed row's argmax is the token (the penalty fields themselves are accepted and, as in
   1.2's default sampler, not applied);
 - logprobs: SamplingParams.logprobs k (0 and None: none) gives one {token id: Logprob(logprob,
-  rank)} per output token, the top k by rank plus the chosen token, from a toy distribution
-  that peaks at the greedy toy token (log-softmax of -0.7 * |t - greedy|, before any guide or
-  sampling offset).
+  rank)} per output token, the top k by rank, from a toy distribution that peaks at the greedy
+  toy token (log-softmax of -0.7 * |t - greedy|, before any guide or sampling offset); as 1.2's
+  TorchSampler, the PyTorch backend leaves the sampled token out when it is not among them.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ import datetime as dt
 import enum
 import json
 import math
+import pickle
 import random
 import re
 import time
@@ -53,71 +56,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+# The arguments each backend's LLM takes: the adapter's own table (engines/trtllm_args.py),
+# read from the 1.2 line's llm_args.py.
+from engines.trtllm_args import (
+    COMMON_ARGS,
+    PARALLEL_ARGS,
+    PYTORCH_ONLY_ARGS,
+    TENSORRT_ONLY_ARGS,
+)
 from tensorrt_llm.executor.result import Logprob
 from tensorrt_llm.executor.utils import RequestError
 from tensorrt_llm.llmapi import DecodingBaseConfig, KvCacheConfig, SchedulerConfig
 
-# 1.2 `BaseLlmArgs`' parallelism and multi-node orchestration fields (and their defaults).
-PARALLEL_ARGS = {
-    "tensor_parallel_size": 1,
-    "pipeline_parallel_size": 1,
-    "context_parallel_size": 1,
-    "gpus_per_node": None,
-    "moe_cluster_parallel_size": None,
-    "moe_tensor_parallel_size": None,
-    "moe_expert_parallel_size": None,
-    "enable_attention_dp": False,
-    "enable_lm_head_tp_in_adp": False,
-    "cp_config": None,
-    "orchestrator_type": None,
-}
-# Arguments both backends accept (1.2 `BaseLlmArgs` plus the constructor's named ones).
-COMMON_ARGS = {
-    "model": None,
-    "tokenizer": None,
-    "tokenizer_mode": "auto",
-    "skip_tokenizer_init": False,
-    "trust_remote_code": False,
-    "dtype": "auto",
-    "revision": None,
-    "tokenizer_revision": None,
-    **PARALLEL_ARGS,
-    "load_format": "auto",
-    "enable_lora": False,
-    "lora_config": None,
-    "kv_cache_config": None,
-    "enable_chunked_prefill": False,
-    "guided_decoding_backend": None,
-    "scheduler_config": None,
-    "speculative_config": None,
-    "max_batch_size": 2048,
-    "max_input_len": 1024,
-    "max_seq_len": None,
-    "max_beam_width": 1,
-    "max_num_tokens": 8192,
-    "return_perf_metrics": False,
-    "batching_type": None,
-    "normalize_log_probs": False,
-    "postprocess_tokenizer_dir": None,
-    "reasoning_parser": None,
-}
-PYTORCH_ONLY_ARGS = {
-    "cuda_graph_config": None,
-    "disable_overlap_scheduler": False,
-    "enable_iter_perf_stats": False,
-    "stream_interval": 1,
-    "attn_backend": "TRTLLM",
-    "torch_compile_config": None,
-    "kv_cache_dtype": None,
-}
-TENSORRT_ONLY_ARGS = {
-    "quant_config": None,
-    "calib_config": None,
-    "build_config": None,
-    "enable_build_cache": False,
-    "embedding_parallel_mode": "SHARDING_ALONG_VOCAB",
-    "fast_build": False,
-}
+__all__ = ["COMMON_ARGS", "PARALLEL_ARGS", "PYTORCH_ONLY_ARGS", "TENSORRT_ONLY_ARGS"]
 
 
 _ZERO = dt.timedelta(0)
@@ -468,6 +419,9 @@ class LlmCore:
     # --- the toy model ------------------------------------------------------------------------
 
     def _is_greedy(self, p: Any) -> bool:
+        spec = self.args["speculative_config"]
+        if spec is not None and spec.samples_greedily:
+            return True  # a one-model speculative path without allow_advanced_sampling
         if self.backend == "pytorch":
             return p.params_imply_greedy_decoding(
                 temperature=p.temperature, top_p=p.top_p, top_k=p.top_k
@@ -484,8 +438,20 @@ class LlmCore:
         return random.Random(0 if p.seed is None else p.seed)  # C++ default seed is 0
 
     def _next_token(self, prompt: list[int], i: int, p: Any, rng: random.Random) -> int:
-        offset = 0 if self._is_greedy(p) else rng.randint(1, 4)
-        return (sum(prompt) + 7 * i + offset) % 50 + 10
+        """The greedy toy token; sampled with top_k > 1, one of the top_k most likely (as a
+        sampler keeps them); sampled without, 1..4 steps along the toy sequence, which can
+        land far down the toy distribution (its tail)."""
+        greedy = (sum(prompt) + 7 * i) % 50 + 10
+        if self._is_greedy(p):
+            return greedy
+        top_k = p.top_k or 0
+        if top_k > 1:
+            return self._by_rank(greedy)[rng.randint(1, min(top_k, self._vocab_size) - 1)]
+        return (sum(prompt) + 7 * i + rng.randint(1, 4)) % 50 + 10
+
+    def _by_rank(self, greedy: int) -> list[int]:
+        """The vocabulary from the most to the least likely under the toy distribution."""
+        return sorted(range(self._vocab_size), key=lambda t: (abs(t - greedy), t))
 
     def _processed_token(self, out: RequestOutput, ids: list[int], token: int) -> int:
         """The PyTorch backend's logits post-processors: each is called in place on this
@@ -513,17 +479,19 @@ class LlmCore:
         return self._guide.matcher(p.guided_decoding)
 
     def _toy_logprobs(self, greedy: int, chosen: int, k: int) -> dict[int, Logprob]:
-        """One position's {token id: Logprob}: the top k by rank, and the chosen token."""
+        """One position's {token id: Logprob}: the top k by rank, as 1.2's TorchSampler returns
+        them (the top k of log_softmax, the sampled token only when it is among them); the
+        TensorRT backend's also holds the chosen token."""
         vocab = self._vocab_size
         norm = self._log_norm.get(greedy)
         if norm is None:
             norm = math.log(sum(math.exp(-0.7 * abs(t - greedy)) for t in range(vocab)))
             self._log_norm[greedy] = norm
-        by_rank = sorted(range(vocab), key=lambda t: (abs(t - greedy), t))
+        by_rank = self._by_rank(greedy)
         entry = {
             t: Logprob(-0.7 * abs(t - greedy) - norm, rank=r + 1) for r, t in enumerate(by_rank[:k])
         }
-        if chosen not in entry:
+        if chosen not in entry and self.backend == "tensorrt":
             entry[chosen] = Logprob(-0.7 * abs(chosen - greedy) - norm, by_rank.index(chosen) + 1)
         return entry
 
@@ -542,7 +510,7 @@ class LlmCore:
         from tensorrt_llm import SamplingParams
 
         if self.is_shutdown:
-            raise self.executor_error or RuntimeError("LLM is shut down")
+            raise self.executor_error or RuntimeError("LLM is shutting down")
         if kwargs:
             raise TypeError(f"unexpected arguments {sorted(kwargs)}")
         params = sampling_params or SamplingParams()
@@ -555,9 +523,19 @@ class LlmCore:
                 f"The sum of prompt length ({len(prompt)}) should not exceed max_num_tokens "
                 f"({self.args['max_num_tokens']})"
             )
+        # The request crosses to the executor's worker processes pickled (executor/ipc.py):
+        # what runs there, a logits processor included, is a copy, and must pickle and import.
+        params = pickle.loads(pickle.dumps(params))
         max_seq_len = self.args["max_seq_len"]
         if max_seq_len is not None and len(prompt) + params.max_tokens > max_seq_len:
-            raise ValueError(f"prompt + max_tokens exceeds max_seq_len ({max_seq_len})")
+            if self.backend == "tensorrt":  # the TensorRT backend checks the sum
+                raise ValueError(f"prompt + max_tokens exceeds max_seq_len ({max_seq_len})")
+            # The PyTorch backend's worker lowers max_tokens to what the sequence has room for
+            # (_deduce_max_tokens, with a warning), and refuses a prompt that leaves none.
+            room = max_seq_len - len(prompt)
+            if room <= 0:
+                raise ValueError(f"the prompt ({len(prompt)} tokens) fills max_seq_len")
+            params.max_tokens = room
         self.submitted.append((prompt, params, streaming))
         self._next_id += 1
         out = RequestOutput(self, self._next_id, prompt, params, streaming)
@@ -581,8 +559,12 @@ class LlmCore:
         self.live.pop(out.request_id, None)
 
     def shutdown(self) -> None:
+        """As 1.2's LLM.shutdown: every request in flight is aborted (each ends with
+        finish_reason "cancelled"), then the executor's workers are waited for."""
         self.shutdown_calls += 1
         self.is_shutdown = True
+        for out in list(self.live.values()):
+            out.abort()
 
     def __enter__(self):
         return self

@@ -7,6 +7,7 @@ are pydantic models with extra="forbid").
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -65,9 +66,11 @@ class SchedulerConfig:
 
 @dataclass
 class CudaGraphConfig:
-    """PyTorch backend only. batch_sizes given: max_batch_size becomes their maximum (a
-    different non-zero max_batch_size is an error); otherwise sizes up to max_batch_size are
-    generated. enable_padding rounds a batch up to the next captured size."""
+    """PyTorch backend only, as 1.2's validator does it. batch_sizes given: sorted, and
+    max_batch_size becomes their maximum (a different non-zero max_batch_size is an error);
+    otherwise max_batch_size defaults to 128 and the sizes up to it are generated
+    (`generated_batch_sizes`). enable_padding rounds a batch up to the next captured size.
+    The library's docs: each captured graph can use up to 200 MB of extra memory."""
 
     batch_sizes: list[int] | None = None
     max_batch_size: int = 0
@@ -77,13 +80,26 @@ class CudaGraphConfig:
         if self.max_batch_size < 0:
             raise ValueError("cuda_graph_config.max_batch_size must be non-negative")
         if self.batch_sizes:
-            top = max(self.batch_sizes)
+            self.batch_sizes = sorted(self.batch_sizes)
+            top = self.batch_sizes[-1]
             if self.max_batch_size not in (0, top):
                 raise ValueError(
                     f"cuda_graph_config.max_batch_size ({self.max_batch_size}) must equal "
                     f"max(batch_sizes) ({top})"
                 )
             self.max_batch_size = top
+        else:
+            self.max_batch_size = self.max_batch_size or 128
+            self.batch_sizes = generated_batch_sizes(self.max_batch_size, self.enable_padding)
+
+
+def generated_batch_sizes(top: int, padding: bool) -> list[int]:
+    """The batch sizes 1.2 captures up to `top`: with padding 1, 2, 4 and multiples of 8 up to
+    128; without, every size below 32, then 32, 64, 128; both then the powers of two from 256
+    below `top`, and `top` itself."""
+    small = [1, 2, 4] + [8 * i for i in range(1, 17)] if padding else [*range(1, 32), 32, 64, 128]
+    powers = [2**i for i in range(8, math.ceil(math.log2(top)))] if top > 1 else []
+    return sorted({s for s in small + powers if s <= top} | {top})
 
 
 @dataclass
@@ -140,8 +156,17 @@ class DecodingBaseConfig:
     speculative_model: str | Path | None = None
     max_concurrency: int | None = None
     load_format: str | None = None
+    # 1.2: off by default, and on the one-model paths (Eagle3's and MTP's defaults) a request's
+    # temperature, top_p and top_k are then not applied: it decodes greedily, without an
+    # error (speculative/interface.py samples with argmax unless it is set).
+    allow_advanced_sampling: bool = False
 
     decoding_type = "Base"
+
+    @property
+    def samples_greedily(self) -> bool:
+        """Whether every request decodes greedily under this config, whatever it asks."""
+        return False
 
     def __post_init__(self) -> None:
         if self.max_draft_len is not None and self.max_draft_len < 0:
@@ -198,6 +223,10 @@ class EagleDecodingConfig(DecodingBaseConfig):
 
     decoding_type = "Eagle"
 
+    @property
+    def samples_greedily(self) -> bool:
+        return bool(self.eagle3_one_model) and not self.allow_advanced_sampling
+
     def __post_init__(self) -> None:
         super().__post_init__()
         if not self.max_draft_len:
@@ -220,8 +249,13 @@ class MTPDecodingConfig(DecodingBaseConfig):
     relaxed_topk: int = 1
     relaxed_delta: float = 0.0
     use_mtp_vanilla: bool = False
+    mtp_eagle_one_model: bool = True
 
     decoding_type = "MTP"
+
+    @property
+    def samples_greedily(self) -> bool:
+        return self.mtp_eagle_one_model and not self.allow_advanced_sampling
 
     def __post_init__(self) -> None:
         super().__post_init__()
