@@ -87,7 +87,9 @@ lint: setup-dev
 	$(BIN)/lint-imports --no-cache
 	$(BIN)/hadolint images/*.Dockerfile
 
-test: setup-dev lint
+# .venv-trtllm first: the default suite runs engine processes under its interpreter (Serve
+# with replicas.engine_python, the engine contract "elsewhere").
+test: setup-dev setup-trtllm lint
 	TOKENMILL_CHECKOV=$(CURDIR)/$(CHECKOV_VENV)/bin/checkov $(BIN)/pytest
 	$(MAKE) test-vllm
 	$(MAKE) test-trtllm-pins

@@ -9,10 +9,16 @@ model under load: the replica process spent 31 ms of CPU per request at 30 reque
 of a core, with the other core two thirds idle; docs/benchmarks.md). In a child process the
 engine has a GIL of its own, as vLLM's engine core does, and the two sides run in parallel.
 
+The child may run under another interpreter (`interpreter`: the engine's own environment, such
+as TensorRT-LLM's container Python, while the parent runs Ray Serve in one whose fastapi the
+engine's pins exclude). It then imports tokenmill from that environment, so both sides first
+check they speak the same protocol and version (`handshake`).
+
 What crosses the socket (pickled tuples, a socket pair read and written as a
 `multiprocessing.connection.Connection`):
-    parent → child: ("submit", tag, request, stream) | ("abort", request_id)
-                    | ("break", mode) | ("shutdown",)
+    child → parent: ("hello", Side), first, before anything else;
+    parent → child: (kind, model, settings) once; then ("submit", tag, request, stream)
+                    | ("abort", request_id) | ("break", mode) | ("shutdown",)
     child → parent: ("loaded", info, stats) or ("failed", error), once; then
                     ("batch", records, stats, items) with items [(tag, item, final)] (stats:
                     the EngineDeadError reading them raised, once the engine died), and
@@ -36,12 +42,15 @@ import contextlib
 import dataclasses
 import os
 import pickle
+import platform
 import signal
 import socket
 import subprocess
 import sys
 import threading
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from importlib import metadata
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -65,6 +74,45 @@ from engines.sinks import Sink, await_result, deliver, stream_items
 STATS_INTERVAL_S = 0.05
 # A child that does not exit this long after being asked to is killed.
 SHUTDOWN_TIMEOUT_S = 30.0
+# What crosses the socket, versioned: raise it with any change to the messages above or to
+# the engines.api types they carry. Both sides also check tokenmill's own version, since the
+# pickled types are tokenmill's.
+PROTOCOL = 1
+# A child that has not said hello this long after starting never will (an interpreter that
+# cannot import tokenmill exits at once; one that hangs while importing is as useless).
+HELLO_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class Side:
+    """One end of the socket: what the other checks before any engine is loaded."""
+
+    protocol: int
+    tokenmill: str  # the installed distribution's version ("unknown" outside an install)
+    interpreter: str  # sys.executable
+    python: str  # platform.python_version()
+
+    @classmethod
+    def here(cls) -> Side:
+        try:
+            version = metadata.version("tokenmill")
+        except metadata.PackageNotFoundError:
+            version = "unknown"
+        return cls(PROTOCOL, version, sys.executable, platform.python_version())
+
+    def describe(self) -> str:
+        return f"tokenmill {self.tokenmill} under {self.interpreter} (Python {self.python})"
+
+
+def handshake(ours: Side, theirs: Side) -> str | None:
+    """Why the engine process `theirs` cannot serve this side `ours`, or None."""
+    if theirs.protocol == ours.protocol and theirs.tokenmill == ours.tokenmill:
+        return None
+    return (
+        f"the engine process runs {theirs.describe()} (engine protocol {theirs.protocol}), "
+        f"this side {ours.describe()} (engine protocol {ours.protocol}); install the same "
+        "tokenmill version in both environments"
+    )
 
 
 class ProcessEngine:
@@ -74,19 +122,33 @@ class ProcessEngine:
     (as an EngineError naming it when the exception itself cannot cross the pipe).
     """
 
-    def __init__(self, kind: str, model: str, **settings: Any) -> None:
+    def __init__(
+        self, kind: str, model: str, *, interpreter: str | None = None, **settings: Any
+    ) -> None:
+        """`interpreter`: the Python to run the engine under (a path; null: this one). Another
+        interpreter imports tokenmill and the engine from its own environment."""
         # A fresh interpreter (not fork: this process holds threads; not multiprocessing's
-        # spawn, which re-imports the caller's __main__), with this process's import path.
+        # spawn, which re-imports the caller's __main__).
+        python = interpreter or sys.executable
+        self._kind = kind
         ours, theirs = socket.socketpair()
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-        self._process = subprocess.Popen(
-            [sys.executable, "-m", "engines.process", str(theirs.fileno())],
-            pass_fds=(theirs.fileno(),),
-            env=env,
-        )
+        try:
+            self._process = subprocess.Popen(
+                [python, *child_flags(python), "-m", "engines.process", str(theirs.fileno())],
+                pass_fds=(theirs.fileno(),),
+                env=child_env(python),
+            )
+        except OSError as exc:
+            ours.close()
+            theirs.close()
+            raise EngineError(
+                f"cannot start the {kind} engine process under {python}: {exc}; "
+                "set replicas.engine_python to an interpreter that exists on the node"
+            ) from None
         theirs.close()
         self._conn = Connection(ours.detach())
         try:
+            self.peer = self._hello(python)
             message = self._load(kind, model, settings)
         except BaseException:
             # However loading ended here (the child died, settings that cannot cross, Ctrl-C),
@@ -95,7 +157,13 @@ class ProcessEngine:
             raise
         if message[0] == "failed":
             self._stop_child(SHUTDOWN_TIMEOUT_S)
-            raise message[1]
+            error = message[1]
+            if python != sys.executable:  # say where: the other environment may lack the engine
+                raise EngineError(
+                    f"{error} (in the engine process: {self.peer.describe()}; this side: "
+                    f"{Side.here().describe()})"
+                )
+            raise error
         _, self.info, self._stats = message
         self.info: EngineInfo
         self._stats: EngineStats
@@ -109,6 +177,41 @@ class ProcessEngine:
         self._closed = threading.Event()
         self._reader = threading.Thread(target=self._read, name="engine-pipe-reader", daemon=True)
         self._reader.start()
+
+    def _hello(self, python: str) -> Side:
+        """The child's Side, checked against ours before anything else crosses."""
+        ours = Side.here()
+        if not self._conn.poll(HELLO_TIMEOUT_S):
+            raise EngineError(
+                f"the {self._kind} engine process under {python} did not start within "
+                f"{HELLO_TIMEOUT_S:.0f} s"
+            )
+        try:
+            message = self._conn.recv()
+        except (EOFError, OSError):
+            code = self._process.wait(5)
+            raise EngineError(
+                f"the {self._kind} engine process under {python} exited before it started "
+                f"(exit code {code}): {_import_problem(python)}; this side runs "
+                f"{ours.describe()}: install the same tokenmill version there"
+            ) from None
+        except Exception as exc:  # a reply this side cannot unpickle: another tokenmill
+            raise EngineError(
+                f"the {self._kind} engine process under {python} answered what this side "
+                f"({ours.describe()}) cannot read ({type(exc).__name__}: {exc}); install the "
+                "same tokenmill version in both environments"
+            ) from None
+        theirs = message[1] if message[0] == "hello" else None
+        if not isinstance(theirs, Side):
+            raise EngineError(
+                f"the {self._kind} engine process under {python} did not say hello "
+                f"({message[0]!r}); install the same tokenmill version as this side's "
+                f"({ours.describe()})"
+            )
+        problem = handshake(ours, theirs)
+        if problem is not None:
+            raise EngineError(problem)
+        return theirs
 
     def _load(self, kind: str, model: str, settings: dict[str, Any]) -> tuple:
         self._conn.send((kind, model, settings))
@@ -259,6 +362,39 @@ class ProcessEngine:
         deliver((sink, error) for sink in sinks.values())
 
 
+def child_env(python: str) -> dict[str, str]:
+    """The child's environment. Under this interpreter it gets this process's import path (a
+    child of a test or a Ray worker imports what its parent does); under another, that
+    interpreter's own environment decides, and only PYTHONPATH set for this process (by the
+    user, for both sides) carries over: this side's site-packages would mix two installs."""
+    if python == sys.executable:
+        return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    return dict(os.environ)
+
+
+def child_flags(python: str) -> list[str]:
+    """Under another interpreter, -P: `-m` would put the working directory first on its
+    path, and a tokenmill source tree there (a Ray worker's working_dir, a checkout) would
+    shadow the one installed in that environment, version check included."""
+    return [] if python == sys.executable else ["-P"]
+
+
+def _import_problem(python: str) -> str:
+    """Why `python` cannot import tokenmill's engine process: its own last error line."""
+    try:
+        probe = subprocess.run(
+            [python, *child_flags(python), "-c", "import engines.process"],
+            env=child_env(python),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    lines = probe.stderr.strip().splitlines()
+    return lines[-1] if lines else f"it exited with code {probe.returncode}"
+
+
 # ---- the child ---------------------------------------------------------------------------
 
 
@@ -276,6 +412,7 @@ def _child_main(fd: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     conn = Connection(fd)
     try:
+        conn.send(("hello", Side.here()))
         kind, model, settings = conn.recv()
     except (EOFError, OSError):
         return
@@ -398,4 +535,8 @@ class _Child:
 
 
 if __name__ == "__main__":
-    _child_main(int(sys.argv[1]))
+    # Run from the module itself, not this __main__ copy of it: what the child pickles (Side)
+    # must name engines.process, which the parent can import.
+    from engines.process import _child_main as child_main
+
+    child_main(int(sys.argv[1]))

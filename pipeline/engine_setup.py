@@ -40,10 +40,12 @@ def open_engine(
     storage: StorageSpec,
     *,
     own_process: bool = False,
+    interpreter: str | None = None,
     devices: float = 0,
 ) -> Engine:
     """Fetch the model to local disk if it is remote (once per node), then load the engine:
-    here, or with `own_process` in a child process of its own (engines/process.py).
+    here, or with `own_process` in a child process of its own (engines/process.py), under
+    `interpreter` when given (another environment's Python).
     `devices` is the GPUs the actor or replica holds: below 1, engines share a GPU, which an
     engine that sizes GPU memory per engine is told (`placement_settings`)."""
 
@@ -52,7 +54,9 @@ def open_engine(
         local_path = quantized_model(local_path, model, storage)
     settings = {**placement_settings(engine, devices), **engine_settings(engine)}
     if own_process:
-        return ProcessEngine(engine.kind, model=str(local_path), **settings)
+        return ProcessEngine(
+            engine.kind, model=str(local_path), interpreter=interpreter, **settings
+        )
     return load_engine(engine.kind, model=str(local_path), **settings)
 
 

@@ -2,7 +2,8 @@
 
     .venv/bin/python tests/benchmarks/bench_serve.py [--sizes tiny-hd32,small] [--rounds 3]
         [--requests 200] [--concurrency 32] [--sequential 20] [--max-tokens 16] [--threads 1]
-        [--peers engine,vllm,vllm-eager] [--[no-]one-hop] [--no-direct-ingress] [--out r.json]
+        [--peers engine,vllm,vllm-eager,elsewhere] [--[no-]one-hop] [--no-direct-ingress]
+        [--out r.json]
 
 Every side gets the same model (a tiny random Llama built here: tiny-hd32, where the HTTP path
 decides, and small, 27M parameters, where the engine does real work), the same chat prompts,
@@ -13,6 +14,12 @@ async official OpenAI client over loopback with streamed chat completions: --req
 --concurrency (requests/s, latency, time to first token under load), then --sequential lone
 requests (latency and TTFT of one request on an idle server). The engine alone runs the same
 prompts in this process first.
+
+The `elsewhere` peer is `tokenmill serve` again with its engine process under another
+environment's interpreter (replicas.engine_python = .venv-trtllm's Python: `make
+setup-trtllm`), as the TensorRT-LLM image serves; `vs_elsewhere` is its overhead against the
+engine process under Serve's own interpreter. With it, the model is written by that
+environment (whose transformers reads only its own tokenizer format), for every side.
 
 Per model, all servers are started once and stay up; each round measures them one after the
 other, the order rotated per round, and the result is the median over --rounds. The peer is
@@ -41,6 +48,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+OTHER_PYTHON = REPO / ".venv-trtllm" / "bin" / "python"
 
 API_KEY = "bench-key"
 WORDS = ("river", "bridge", "market", "harbour", "letter", "garden", "window", "story")
@@ -242,7 +250,9 @@ def http_workload(base_url: str, model: str, args: argparse.Namespace) -> dict[s
 class TokenmillServer:
     """`tokenmill serve` on the model, with the product's defaults but the bench's limits."""
 
-    def __init__(self, model_dir: Path, work: Path, args: argparse.Namespace) -> None:
+    def __init__(
+        self, model_dir: Path, work: Path, args: argparse.Namespace, python: Path | None = None
+    ) -> None:
         from tests.e2e.serve_fixtures import start_server
 
         http: dict = {"cpus_per_ingress": 0.25, "access_log": args.access_log}
@@ -259,6 +269,8 @@ class TokenmillServer:
                         "cpus_per_replica": 0.5,
                         "max_ongoing_requests": args.concurrency,
                         "max_queued_requests": args.requests,
+                        # The reference engine runs in a process of its own either way.
+                        **({"engine_python": str(python)} if python else {}),
                     },
                     "limits": {
                         "max_tokens": args.max_tokens,
@@ -268,7 +280,7 @@ class TokenmillServer:
             ],
             "http": http,
         }
-        path = work / "serve.yaml"
+        path = work / ("serve-elsewhere.yaml" if python else "serve.yaml")
         path.write_text(yaml.safe_dump(config))
         started = time.perf_counter()
         self._server = start_server(path, {"TOKENMILL_API_KEYS": API_KEY}, [])
@@ -377,13 +389,23 @@ def bench_size(size: str, work: Path, args: argparse.Namespace, peers: set[str])
     of the machine does not fall on one side only."""
     from engines.dev.tiny import make_tiny_model
 
-    model_dir = make_tiny_model(work / f"model-{size}", arch="llama", size=size)
+    if "elsewhere" in peers:
+        model_dir = work / f"model-{size}"
+        build = (
+            "import sys; from engines.dev.tiny import make_tiny_model; "
+            "make_tiny_model(sys.argv[1], arch='llama', size=sys.argv[2])"
+        )
+        subprocess.run([str(OTHER_PYTHON), "-c", build, str(model_dir), size], check=True)
+    else:
+        model_dir = make_tiny_model(work / f"model-{size}", arch="llama", size=size)
     result: dict = {}
     if "engine" in peers:
         result["engine"] = {"rounds": [bench_engine(model_dir, args) for _ in range(args.rounds)]}
     servers: dict[str, TokenmillServer | VllmServer] = {}
     try:
         servers["serve"] = TokenmillServer(model_dir, work, args)
+        if "elsewhere" in peers:
+            servers["serve_elsewhere"] = TokenmillServer(model_dir, work, args, OTHER_PYTHON)
         if "vllm" in peers:
             servers["vllm_compiled"] = VllmServer(model_dir, work, args, eager=False)
         if "vllm-eager" in peers:
@@ -422,6 +444,14 @@ def bench_size(size: str, work: Path, args: argparse.Namespace, peers: set[str])
             "sequential_ttft_p50": serve["sequential_ttft_p50_s"] / best["sequential_ttft_p50_s"],
             "loaded_ttft_p50": serve["ttft_p50_s"] / best["ttft_p50_s"],
         }
+    if "serve_elsewhere" in result:
+        there = result["serve_elsewhere"]["median"]
+        result["vs_elsewhere"] = {
+            # The engine process under another interpreter against under Serve's own: near 1.
+            "requests_per_s": there["requests_per_s"] / serve["requests_per_s"],
+            "ttft_p50": there["ttft_p50_s"] / serve["ttft_p50_s"],
+            "sequential_ttft_p50": there["sequential_ttft_p50_s"] / serve["sequential_ttft_p50_s"],
+        }
     if "engine" in result:
         engine = result["engine"]["median"]
         result["vs_engine"] = {
@@ -449,7 +479,8 @@ def main() -> None:
         "--peers",
         default="engine,vllm,vllm-eager",
         help="comma-separated sides to compare tokenmill serve with: engine (alone), vllm "
-        "(compiled graphs, its default), vllm-eager (--enforce-eager)",
+        "(compiled graphs, its default), vllm-eager (--enforce-eager), elsewhere (the engine "
+        "process under .venv-trtllm's interpreter)",
     )
     parser.add_argument("--threads", type=int, default=1, help="torch threads of each engine")
     parser.add_argument(
@@ -501,6 +532,12 @@ def main() -> None:
             print(
                 f"{size} vs vLLM at its best: "
                 + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items())
+            )
+        ratios = result[size].get("vs_elsewhere")
+        if ratios:
+            print(
+                f"{size} engine under another interpreter vs Serve's own: "
+                + ", ".join(f"{k} {v:.3f}x" for k, v in ratios.items())
             )
 
 

@@ -23,9 +23,17 @@ import pytest
 
 from engines import Engine, load_engine
 
-STANDINS = Path(__file__).resolve().parents[1] / "standins"
+REPO = Path(__file__).resolve().parents[2]
+STANDINS = REPO / "tests" / "standins"
 KINDS = ("reference", "trtllm", "vllm", "synthetic")
 MAX_MODEL_LEN = 256  # small, so that "beyond the context" is cheap to reach
+# Another environment's interpreter for the engine process: TensorRT-LLM 1.2's pure-Python
+# pins (`make setup-trtllm`), where Serve's fastapi cannot install (engines/process.py).
+OTHER_PYTHON = Path(os.environ.get("TOKENMILL_TRTLLM_PYTHON", REPO / ".venv-trtllm/bin/python"))
+needs_other_python = pytest.mark.skipif(
+    not OTHER_PYTHON.is_file() or Path(sys.executable) == OTHER_PYTHON,
+    reason=f"needs {OTHER_PYTHON} (make setup-trtllm), run from another environment",
+)
 
 
 def has_vllm() -> bool:
@@ -38,7 +46,16 @@ def kind_params() -> list[Any]:
         pytest.param("reference", id="reference"),
         # The reference engine in a process of its own (engines/process.py), as Serve runs it.
         pytest.param("reference-process", id="reference-process"),
+        # ... and under another environment's interpreter, as Serve runs TensorRT-LLM.
+        # (slow: the reference engine across interpreters is also tests/unit/
+        # test_process_engine.py's, and the default suite runs the stand-in's here)
+        pytest.param(
+            "reference-elsewhere",
+            id="reference-elsewhere",
+            marks=[needs_other_python, pytest.mark.slow],
+        ),
         pytest.param("trtllm", id="trtllm-standin"),
+        pytest.param("trtllm-elsewhere", id="trtllm-standin-elsewhere", marks=needs_other_python),
         pytest.param("vllm", id="vllm", marks=pytest.mark.vllm),
         pytest.param("synthetic", id="synthetic"),
     ]
@@ -50,7 +67,7 @@ def settings_for(kind: str) -> dict[str, Any]:
         # test aborts, closes or shuts it down (200 steps of 5 ms).
         return {"max_model_len": MAX_MODEL_LEN, "max_batch_size": 16, "ttft_ms": 2.0}
     common = {"max_model_len": MAX_MODEL_LEN, "max_batch_size": 16, "max_num_tokens": 512}
-    if kind in ("reference", "reference-process"):
+    if kind == "reference":
         return {**common, "kv_cache_tokens": 4096, "num_threads": 1}
     if kind == "trtllm":
         return {**common, "check_gpu": False}
@@ -58,22 +75,30 @@ def settings_for(kind: str) -> dict[str, Any]:
 
 
 class EngineHarness:
-    """One engine of `kind` on its own event loop thread."""
+    """One engine on its own event loop thread. `param` is a kind, or KIND-process (in a
+    child process) or KIND-elsewhere (in a child process under OTHER_PYTHON); `kind` is the
+    engine kind, `where` how it runs: "here", "process" or "elsewhere"."""
 
-    def __init__(self, kind: str, model_dir: Path) -> None:
-        self.kind = kind
-        if kind == "trtllm":
+    def __init__(self, param: str, model_dir: Path) -> None:
+        kind, _, where = param.partition("-")
+        self.kind, self.where = kind, where or "here"
+        if self.where == "here" and kind == "trtllm":
             _use_trtllm_standin()
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
 
         async def load() -> Engine:
-            if kind == "reference-process":
-                from engines.process import ProcessEngine
+            if self.where == "here":
+                return load_engine(kind, model=str(model_dir), **settings_for(kind))
+            from engines.process import ProcessEngine
 
-                return ProcessEngine("reference", model=str(model_dir), **settings_for(kind))
-            return load_engine(kind, model=str(model_dir), **settings_for(kind))
+            if self.where == "process":
+                return ProcessEngine(kind, model=str(model_dir), **settings_for(kind))
+            with _standin_for_children():
+                return ProcessEngine(
+                    kind, model=str(model_dir), interpreter=str(OTHER_PYTHON), **settings_for(kind)
+                )
 
         self.engine: Engine = self.run(load)
 
@@ -83,15 +108,15 @@ class EngineHarness:
 
     def kill(self) -> None:
         """Make the engine die the way a real failure would (not a clean shutdown)."""
-        if self.kind == "reference":
+        if self.where != "here":
+            os.kill(self.engine.pid, signal.SIGKILL)  # the engine's process dies outright
+        elif self.kind == "reference":
             runner = self.engine.runner
 
             def broken(*args: Any, **kwargs: Any) -> Any:
                 raise RuntimeError("injected: the device fell off the bus")
 
             runner.execute = broken  # the next forward pass raises inside the step loop
-        elif self.kind == "reference-process":
-            os.kill(self.engine.pid, signal.SIGKILL)  # the engine's process dies outright
         elif self.kind == "synthetic":
 
             def failing(*args: Any, **kwargs: Any) -> Any:
@@ -134,6 +159,32 @@ def _shutdown(engine: Engine) -> Callable[[], Coroutine[Any, Any, None]]:
     return go
 
 
+@contextlib.contextmanager
+def _standin_for_children() -> Any:
+    """While a child engine process starts: the stand-in on its import path and its step
+    time (as `_use_trtllm_standin` sets in this process); a child under another interpreter
+    takes this process's environment, not its sys.path."""
+    saved = {name: os.environ.get(name) for name in ("PYTHONPATH", STEP_ENV)}
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(STANDINS), str(REPO), saved["PYTHONPATH"]) if p
+    )
+    os.environ[STEP_ENV] = str(STEP_SECONDS)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+# A step takes time on a GPU too: without it the stand-in finishes 200 tokens before a test can
+# abort, cancel or shut down anything in flight.
+STEP_SECONDS = 0.005
+STEP_ENV = "TOKENMILL_STANDIN_STEP_S"  # read by the stand-in in a child process
+
+
 def _use_trtllm_standin() -> None:
     """Import the TensorRT-LLM stand-in (written to the real signatures) as tensorrt_llm."""
     if str(STANDINS) not in sys.path:
@@ -142,6 +193,4 @@ def _use_trtllm_standin() -> None:
     from tensorrt_llm._core import LlmCore
 
     assert tensorrt_llm.IS_STANDIN, "TensorRT-LLM is installed; the suite needs the stand-in"
-    # A step takes time on a GPU too: without it the stand-in finishes 200 tokens before a
-    # test can abort, cancel or shut down anything in flight.
-    LlmCore.step_seconds = 0.005
+    LlmCore.step_seconds = STEP_SECONDS

@@ -37,7 +37,7 @@ from engines.api import (
     SamplingParams,
 )
 from pipeline.openai.response_format import conforms
-from tests.contract.harness import MAX_MODEL_LEN, EngineHarness, kind_params
+from tests.contract.harness import MAX_MODEL_LEN, EngineHarness, kind_params, needs_other_python
 
 PROMPT = [11, 42, 7, 300, 5, 99, 12]
 KINDS = kind_params()
@@ -401,6 +401,7 @@ def test_a_dead_engine_raises_engine_dead_for_every_request(fresh: EngineHarness
 # died is test_a_dead_engine_raises_engine_dead_for_every_request's.
 PROCESS_KINDS = [
     pytest.param("reference-process", id="reference-process"),
+    pytest.param("trtllm-elsewhere", id="trtllm-standin-elsewhere", marks=needs_other_python),
     pytest.param("vllm", id="vllm", marks=[pytest.mark.vllm, pytest.mark.slow]),
 ]
 

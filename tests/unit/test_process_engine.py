@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -193,3 +194,102 @@ def test_a_load_interrupted_on_our_side_leaves_no_child(
     finally:
         child.kill()
     del caught
+
+
+# --- under another environment's interpreter (replicas.engine_python) -------------------------
+
+OTHER_PYTHON = Path(__file__).resolve().parents[2] / ".venv-trtllm/bin/python"
+needs_other_python = pytest.mark.skipif(
+    not OTHER_PYTHON.is_file() or Path(sys.executable) == OTHER_PYTHON,
+    reason=f"needs {OTHER_PYTHON} (make setup-trtllm), run from another environment",
+)
+
+
+@pytest.fixture(scope="module")
+def other_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model written by the other environment (its transformers' tokenizer format)."""
+    out = tmp_path_factory.mktemp("proc-other") / "llama"
+    build = "import sys; from engines.dev.tiny import make_tiny_model; make_tiny_model(sys.argv[1])"
+    subprocess.run([str(OTHER_PYTHON), "-c", build, str(out)], check=True)
+    return out
+
+
+@needs_other_python
+def test_a_child_of_another_tokenmill_version_fails_the_start_naming_both(
+    other_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from engines.api import EngineError
+
+    # Another install of tokenmill ahead on the other interpreter's path, as a stale image
+    # would have it: its metadata says 9.9.9.
+    dist = tmp_path / "tokenmill-9.9.9.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: tokenmill\nVersion: 9.9.9\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    with pytest.raises(EngineError) as caught:
+        ProcessEngine(
+            "reference", model=str(other_model_dir), interpreter=str(OTHER_PYTHON), **SETTINGS
+        )
+    message = str(caught.value)
+    assert f"tokenmill 9.9.9 under {OTHER_PYTHON}" in message
+    assert f"under {sys.executable}" in message and "same tokenmill version" in message
+    assert not _children_named("engines.process")  # none left behind
+
+
+@needs_other_python
+def test_an_environment_without_the_engine_fails_the_start_naming_both(
+    other_model_dir: Path,
+) -> None:
+    from engines.api import EngineError
+
+    # TensorRT-LLM's pins hold no vLLM.
+    with pytest.raises(EngineError, match="vLLM") as caught:
+        ProcessEngine("vllm", model=str(other_model_dir), interpreter=str(OTHER_PYTHON))
+    message = str(caught.value)
+    assert f"in the engine process: tokenmill {_version()} under {OTHER_PYTHON}" in message
+    assert f"this side: tokenmill {_version()} under {sys.executable}" in message
+
+
+def test_an_interpreter_without_tokenmill_fails_the_start_saying_so(model_dir: Path) -> None:
+    from engines.api import EngineError
+
+    bare = Path(sys.base_prefix) / "bin" / "python3"  # this venv's base: no tokenmill there
+    with pytest.raises(EngineError, match=r"exited before it started .*No module named"):
+        ProcessEngine("reference", model=str(model_dir), interpreter=str(bare), **SETTINGS)
+    with pytest.raises(EngineError, match="cannot start the reference engine process under"):
+        ProcessEngine("reference", model=str(model_dir), interpreter="/nonexistent/python")
+
+
+@needs_other_python
+def test_the_engine_under_another_interpreter_answers_as_in_process(other_model_dir: Path) -> None:
+    from engines.factory import load_engine
+
+    engine = ProcessEngine(
+        "reference", model=str(other_model_dir), interpreter=str(OTHER_PYTHON), **SETTINGS
+    )
+    local = load_engine("reference", model=str(other_model_dir), **SETTINGS)
+    try:
+        assert engine.peer.interpreter == str(OTHER_PYTHON)
+        request = GenerationRequest([5, 6, 7, 8], greedy(8), request_id="x")
+        there = asyncio.run(engine.generate(request))
+        here = asyncio.run(local.generate(request))
+        assert there.output_token_ids == here.output_token_ids and there.text == here.text
+    finally:
+        engine.shutdown()
+        local.shutdown()
+
+
+def _version() -> str:
+    from importlib import metadata
+
+    return metadata.version("tokenmill")
+
+
+def _children_named(fragment: str) -> list[Any]:
+    import psutil
+
+    return [
+        p
+        for p in psutil.Process().children(recursive=True)
+        if fragment in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE
+    ]

@@ -89,6 +89,7 @@ class EngineReplica:
             served.engine,
             storage,
             own_process=served.replicas.runs_engine_process(served.engine.kind),
+            interpreter=served.replicas.engine_python,
             devices=served.replicas.devices_per_replica,
         )
         info = self._engine.info

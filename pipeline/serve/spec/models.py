@@ -73,17 +73,34 @@ class ReplicaSpec(StrictModel):
         "process.py), so its step loop and the replica's request handling (HTTP, JSON, "
         "tokenizing, streaming) run in parallel instead of taking turns on one GIL. null: on "
         "for the reference engine, whose step loop is a thread of the replica; off for vLLM "
-        "and TensorRT-LLM, which run their engine cores in processes of their own already.",
+        "and TensorRT-LLM, which run their engine cores in processes of their own already; "
+        "on whenever engine_python is set.",
+    )
+    engine_python: str | None = Field(
+        None,
+        description="The Python interpreter (a path on the replica's node) to run the engine "
+        "process under, when the engine lives in another environment than Ray Serve: in the "
+        "TensorRT-LLM image, the container's own Python (TensorRT-LLM 1.2 pins a fastapi "
+        "older than Serve needs, so Serve runs in an environment of its own; docs/deploy.md). "
+        "That environment must hold the same tokenmill version; the replica checks it at "
+        "start. null: the replica's own interpreter.",
     )
 
     def runs_engine_process(self, kind: str) -> bool:
         """Whether this model's engine runs in its own process (engine_process resolved)."""
+        if self.engine_python is not None:
+            return True
         return self.engine_process if self.engine_process is not None else kind == "reference"
 
     @model_validator(mode="after")
     def _bounds(self) -> ReplicaSpec:
         if self.min_replicas > self.max_replicas:
             raise ValueError("replicas.min_replicas must be <= replicas.max_replicas")
+        if self.engine_python is not None and self.engine_process is False:
+            raise ValueError(
+                "replicas.engine_python runs the engine in a process of its own: drop "
+                "replicas.engine_process: false, or engine_python"
+            )
         return self
 
 

@@ -48,6 +48,7 @@ import datetime as dt
 import enum
 import json
 import math
+import os
 import pickle
 import random
 import re
@@ -346,8 +347,8 @@ class LlmCore:
     #: every LLM constructed in this process, newest last (tests read the recorded args)
     instances: list[LlmCore] = []
     #: seconds per generated token (0: one event-loop turn); tests that need requests to stay
-    #: in flight for a while raise it
-    step_seconds: float = 0.0
+    #: in flight for a while raise it (in a child process: TOKENMILL_STANDIN_STEP_S)
+    step_seconds: float = float(os.environ.get("TOKENMILL_STANDIN_STEP_S", "0"))
     backend = "pytorch"
     extra_args: dict[str, Any] = {}
     rejected_args: dict[str, Any] = {}
