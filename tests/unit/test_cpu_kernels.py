@@ -473,3 +473,24 @@ def test_a_build_lock_left_by_a_killed_build_is_removed_a_fresh_one_kept(tmp_pat
     _remove_stale_lock(lock)
     assert not lock.exists()
     _remove_stale_lock(lock)  # nothing there: nothing to do
+
+
+def test_each_torch_install_builds_into_its_own_directory() -> None:
+    """Two environments on one node (Serve's and the engine's, the suite's two venvs) share the
+    cache: one build directory each, or each load would rebuild the other's (the build files
+    name the include paths of the torch they link against)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from engines.reference.model.cpu_kernels import _build_dir
+
+    other = Path(__file__).resolve().parents[2] / ".venv-trtllm" / "bin" / "python"
+    if not other.is_file() or Path(sys.executable) == other:
+        pytest.skip("needs .venv-trtllm (make setup-trtllm), run from another environment")
+    code = "from engines.reference.model.cpu_kernels import _build_dir; print(_build_dir())"
+    theirs = subprocess.run(
+        [str(other), "-c", code], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    assert theirs != str(_build_dir())
+    assert Path(theirs).parent == _build_dir().parent  # the same cache, another directory

@@ -19,8 +19,11 @@ copy per layer before SDPA; for a step of 64 requests with ~330 tokens of contex
 reads each K/V row where it lies, once for all query heads sharing it, and also beats SDPA on
 prefill chunks (see paged_attention.cpp). It is compiled once per machine with the compiler torch
 itself uses (about ten seconds) into ~/.cache/tokenmill/kernels/<key> (TOKENMILL_KERNEL_CACHE
-overrides), keyed by the source, the torch version and the CPU's instruction-set flags (it is
-built for the host CPU), and loaded from there afterwards in well under a second; torch
+overrides), keyed by the source, the torch version, the CPU's instruction-set flags (it is
+built for the host CPU) and the torch install it links against (two environments on one node,
+Serve's and the engine's, would otherwise take turns rebuilding one directory: the build files
+name each one's include paths, and torch rebuilds when they change), and loaded from there
+afterwards in well under a second; torch
 serialises concurrent builds of one directory with a lock file. Where it cannot be built (no
 C++ compiler) the engine says so once in its log and keeps the torch ops;
 TOKENMILL_CPU_KERNELS=0 forces them. CUDA always uses the torch ops (the equality tests run
@@ -95,6 +98,8 @@ def _build_dir() -> Path:
         key.update(part)
     key.update(_cpu_flags().encode())
     key.update(" ".join(_CFLAGS).encode())
+    key.update(str(Path(torch.__file__).resolve().parent).encode())
+    key.update(sys.version.encode())
     base = os.environ.get(CACHE_ENV) or "~/.cache/tokenmill/kernels"
     return Path(base).expanduser() / f"cpu-kernels-{key.hexdigest()[:16]}"
 
