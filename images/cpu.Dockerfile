@@ -3,6 +3,9 @@
 #
 #   # beside images/trtllm.Dockerfile (batch clusters, the nightly submitter):
 #   docker build -f images/cpu.Dockerfile -t REGISTRY/tokenmill-cpu:TAG-trtllm .
+#   # beside images/trtllm.Dockerfile serving (Serve clusters with serve_engine "trtllm"):
+#   docker build -f images/cpu.Dockerfile --build-arg OVERRIDE=trtllm-1.2-serve \
+#     --build-arg EXTRAS=serve -t REGISTRY/tokenmill-cpu:TAG-trtllm-serve .
 #   # beside images/vllm.Dockerfile (Serve clusters: the Serve controller and proxy run here):
 #   docker build -f images/cpu.Dockerfile --build-arg PINS=vllm-0.32-cuda \
 #     --build-arg TORCH=2.13.0 --build-arg EXTRAS=serve -t REGISTRY/tokenmill-cpu:TAG-vllm .
@@ -16,6 +19,9 @@ FROM python:3.12-slim
 ARG PINS=trtllm-1.2
 ARG TORCH=2.9.0
 ARG EXTRAS=""
+# A pins file whose lines replace PINS' for the same packages (images/constraints.py):
+# trtllm-1.2-serve for the head beside the TensorRT-LLM image's Serve environment.
+ARG OVERRIDE=""
 
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 ENV PIP_NO_CACHE_DIR=1 \
@@ -27,8 +33,10 @@ COPY pyproject.toml README.md ./
 COPY engines ./engines
 COPY pipeline ./pipeline
 COPY images/pins ./images/pins
+COPY images/constraints.py ./images/constraints.py
 
-RUN grep -v '^torch==' "images/pins/${PINS}.txt" > /tmp/constraints.txt \
+RUN python images/constraints.py "images/pins/${PINS}.txt" \
+        ${OVERRIDE:+"images/pins/${OVERRIDE}.txt"} | grep -v '^torch==' > /tmp/constraints.txt \
     && echo "torch==${TORCH}+cpu" >> /tmp/constraints.txt \
     && python -m pip install --index-url https://download.pytorch.org/whl/cpu "torch==${TORCH}+cpu" \
     && python -m pip install -c /tmp/constraints.txt ".${EXTRAS:+[${EXTRAS}]}" \

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 
 import typer
 
+from engines.process import Side
 from pipeline.cli.app import app
 from pipeline.doctor import Status, run_checks
+from pipeline.doctor.engine_side import check_engine_side
 from pipeline.doctor.findings import unmet
 
 CAPABILITIES = (
@@ -41,6 +44,13 @@ def doctor(
         "them (an import can take a minute on a GPU image).",
     ),
     ray_timeout_s: float = typer.Option(5.0, help="Seconds to wait for RAY_ADDRESS to answer."),
+    engine_python: str | None = typer.Option(
+        None,
+        "--engine-python",
+        help="The interpreter engine processes run under (a served model's "
+        "replicas.engine_python): check its environment too, and that both sides run the "
+        "same tokenmill. Its engines and devices count for --require.",
+    ),
 ) -> None:
     """Check this environment: engine kinds, torch and its GPUs, versions against the supported
     ranges, storage credentials (never their values) and Ray. Exit 0 when nothing conflicts,
@@ -57,11 +67,15 @@ def doctor(
         )
         raise typer.Exit(2)
     findings = run_checks(probe_engines=not no_import, ray_timeout_s=ray_timeout_s)
+    if engine_python is not None:
+        findings += check_engine_side(engine_python, probe=not no_import)
     conflicts = [f for f in findings if f.status is Status.CONFLICT]
     missing = unmet(findings, require)
     if as_json:
         payload = {
             "ok": not conflicts and not missing,
+            # What an engine process's parent checks (tokenmill doctor --engine-python).
+            "side": asdict(Side.here()),
             "findings": [f.as_json() for f in findings],
             "unmet_requirements": missing,
         }

@@ -17,6 +17,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 SECRET = "do-not-print-this-secret-value"
 
@@ -78,3 +80,60 @@ def test_an_unknown_requirement_is_a_usage_error() -> None:
     proc = doctor("--require", "tpu", "--no-import")
     assert proc.returncode == 2
     assert "--require tpu: unknown" in proc.stderr
+
+
+# --- two environments on one node (replicas.engine_python) -----------------------------------
+
+OTHER_PYTHON = REPO / ".venv-trtllm" / "bin" / "python"
+needs_other_python = pytest.mark.skipif(
+    not OTHER_PYTHON.is_file() or Path(sys.executable) == OTHER_PYTHON,
+    reason=f"needs {OTHER_PYTHON} (make setup-trtllm), run from another environment",
+)
+
+
+def engine_python(tmp_path: Path, dists: dict[str, str]) -> Path:
+    """The other environment's interpreter behind a wrapper (as a deployment may name one) that
+    puts metadata of `dists` (name -> version) first on its path, for that side only."""
+    shadow = tmp_path / "engine-side"
+    for name, version in dists.items():
+        info = shadow / f"{name}-{version}.dist-info"
+        info.mkdir(parents=True)
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    wrapper = tmp_path / "engine-python"
+    wrapper.write_text(f'#!/bin/sh\nPYTHONPATH={shadow} exec {OTHER_PYTHON} "$@"\n')
+    wrapper.chmod(0o755)
+    return wrapper
+
+
+@needs_other_python
+def test_the_engine_side_is_checked_and_its_engine_counts_for_require(tmp_path: Path) -> None:
+    """Serve's environment lacks TensorRT-LLM, the engine's has it (its metadata, here): the
+    pair can serve it, and both sides run the same tokenmill."""
+    python = engine_python(tmp_path, {"tensorrt_llm": "1.2.1"})
+    proc = doctor("--json", "--no-import", "--require", "trtllm", "--engine-python", str(python))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
+    report = json.loads(proc.stdout)
+    by_name = {(f["area"], f["name"]): f for f in report["findings"]}
+    assert by_name[("engine", "trtllm")]["status"] == "info"  # not here
+    there = by_name[("engine (engine side)", "trtllm")]
+    assert there["status"] == "ok" and "tensorrt_llm 1.2.1" in there["detail"]
+    handshake = by_name[("engine side", "handshake")]
+    assert handshake["status"] == "ok" and str(OTHER_PYTHON) in handshake["detail"]
+    assert "4.57.1" in by_name[("package (engine side)", "transformers")]["detail"]
+    assert not any(area.startswith(("storage (", "ray (")) for area, _ in by_name)
+
+
+@needs_other_python
+def test_an_engine_side_of_another_tokenmill_version_is_a_conflict(tmp_path: Path) -> None:
+    python = engine_python(tmp_path, {"tokenmill": "9.9.9"})
+    proc = doctor("--no-import", "--engine-python", str(python))
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr
+    assert f"tokenmill 9.9.9 under {OTHER_PYTHON}" in proc.stderr
+    assert f"under {sys.executable}" in proc.stderr
+    assert "install the same tokenmill version in both environments" in proc.stderr
+
+
+def test_an_engine_python_that_does_not_exist_is_a_conflict() -> None:
+    proc = doctor("--no-import", "--engine-python", "/nonexistent/python")
+    assert proc.returncode == 1
+    assert "engine side interpreter: /nonexistent/python" in proc.stderr

@@ -24,6 +24,13 @@
    adapter's default capture (256) against the library's 2,048 and none. In report.json
    under "library"; `--no-library-checks` leaves them out.
 
+6. Where Serve's environment is (`--serve-env`, default /opt/serve-env/bin when it exists:
+   images/trtllm.Dockerfile's): the first engine's last checkpoint (TensorRT-LLM on the FP8
+   export, as jobs/serve-gpu-trtllm.yaml serves the nightly's) served by `tokenmill serve` from
+   that environment, its engine process under this interpreter (replicas.engine_python):
+   requests/s, time to first token and agreement with the batch run (tests/gpu/serve_check.py).
+   In report.json under "serve"; `--serve-env none` leaves it out.
+
 Random weights make agreement a numerics check, not a quality one: FP8 GEMMs in TensorRT-LLM
 run in FP8 while the reference engine dequantizes to bf16, so FP8 streams part sooner. Not run
 in CI (no GPU); tests/integration/test_device_check_script.py runs its CPU smoke shape.
@@ -40,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
+DEFAULT_SERVE_ENV = Path("/opt/serve-env/bin")  # images/trtllm.Dockerfile's Serve environment
 ENGINE_SETTINGS = {
     "trtllm": {"max_batch_size": 256, "max_num_tokens": 8192, "kv_cache_memory_fraction": 0.5},
     "reference": {"max_batch_size": 256, "max_num_tokens": 8192},
@@ -94,6 +102,11 @@ def write_prompts(path: Path, model: Path, rows: int) -> None:
         for i in range(rows):
             prompt = " ".join(sentences[3 * i : 3 * i + 3])
             out.write(json.dumps({"id": f"row-{i:05d}", "prompt": prompt}) + "\n")
+
+
+def read_prompts(path: Path) -> dict[str, str]:
+    rows = (json.loads(line) for line in path.read_text().splitlines() if line)
+    return {row["id"]: row["prompt"] for row in rows}
 
 
 def job_file(work: Path, name: str, engine: str, model: Path, args: argparse.Namespace) -> Path:
@@ -191,6 +204,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "the quantize extra; the check then runs where the engines are)",
     )
     parser.add_argument(
+        "--serve-env",
+        default=str(DEFAULT_SERVE_ENV) if DEFAULT_SERVE_ENV.is_dir() else "none",
+        help="bin/ of the environment with Serve (its `tokenmill`); the engine process runs "
+        "under this interpreter. `none`: no Serve step",
+    )
+    parser.add_argument(
         "--no-library-checks",
         dest="library_checks",
         action="store_false",
@@ -247,6 +266,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         from tests.gpu.library_checks import run_all
 
         report["library"] = run_all(checkpoints["bf16"], min(args.rows, 64), args.max_tokens)
+    if args.serve_env != "none":
+        from tests.gpu.serve_check import serve_check
+
+        engine, kind = engines[0], kinds[-1]
+        settings = dict(ENGINE_SETTINGS[engine])
+        if engine == "reference":
+            settings["device"] = args.device
+        report["serve"] = serve_check(
+            work=work,
+            model=checkpoints[kind],
+            engine=engine,
+            settings=settings,
+            serve_bin=Path(args.serve_env),
+            engine_python=sys.executable,
+            device=args.device,
+            prompts=read_prompts(work / "prompts.jsonl"),
+            batch_texts=texts[f"{engine}-{kind}"],
+            max_tokens=args.max_tokens,
+        )
     report["total_s"] = round(time.monotonic() - started, 1)
     (work / "report.json").write_text(json.dumps(report, indent=2))
     print(f"{'run':<18} {'rows':>6} {'tok/s':>9} {'tok/s/dev':>9} {'$/1M out':>9} {'wall s':>7}")
@@ -258,7 +296,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"{(f'{usd:.4f}' if usd is not None else '-'):>9} {run['job_wall_s']:>7.1f}"
         )
     for key, value in report.items():
-        if key.startswith("agreement") or key == "library":
+        if key.startswith("agreement") or key in ("library", "serve"):
             print(f"{key}: {value}")
     print(f"total {report['total_s']:.0f} s; report: {work / 'report.json'}")
     return report

@@ -114,6 +114,78 @@ def test_cpu_image_matches_the_gpu_images_python_and_pins() -> None:
     assert gpu_torch.startswith(arg_default(steps, "TORCH").rsplit(".", 1)[0])
 
 
+# --- Serve beside TensorRT-LLM: the image's second environment ---------------------------------
+
+SERVE_OVERRIDE = "trtllm-1.2-serve"
+
+
+def test_constraints_put_the_override_lines_in_place_of_the_bases() -> None:
+    from tests.integration.test_install_targets import constraints
+
+    base = "# a comment\nfastapi>=0.120.1,<=0.121.3\nStarlette>=0.49.1  # why\ntorch==2.9.0\n"
+    merged = constraints.merged(base, "# ours\nfastapi==0.133.0\nstarlette==1.0.1\n")
+    assert merged.splitlines() == [
+        "# a comment",
+        "torch==2.9.0",
+        "fastapi==0.133.0",
+        "starlette==1.0.1",
+    ]
+    real = constraints.merged(
+        (PINS / "trtllm-1.2.txt").read_text(), (PINS / f"{SERVE_OVERRIDE}.txt").read_text()
+    )
+    assert "fastapi>=0.120.1,<=0.121.3" not in real and "fastapi==0.133.0" in real
+    assert "tensorrt_llm==1.2.1" in real  # everything else stays
+
+
+def test_entry_points_run_under_the_interpreter_that_wrote_them(tmp_path: Path) -> None:
+    """A venv over the container's packages has no `ray` or `tokenmill` of its own; the scripts
+    written for it start them under its interpreter (Ray's workers then run there too)."""
+    (tmp_path / "ray").write_text("#!/bin/sh\necho pip wrote me\n")  # left alone
+    proc = subprocess.run(
+        [sys.executable, str(IMAGES / "entry_points.py"), str(tmp_path), "ray", "tokenmill"],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "ray").read_text() == "#!/bin/sh\necho pip wrote me\n"
+    tokenmill = tmp_path / "tokenmill"
+    assert tokenmill.read_text().splitlines()[0] == f"#!{sys.executable}"
+    assert (tmp_path / "serve").is_file()  # ray's other console scripts too
+    ran = subprocess.run([str(tokenmill), "--help"], capture_output=True, text=True)
+    assert ran.returncode == 0 and "Usage: tokenmill" in ran.stdout, ran.stderr
+    under = subprocess.run([str(tmp_path / "serve"), "--help"], capture_output=True, text=True)
+    assert under.returncode == 0, under.stderr
+    missing = subprocess.run(
+        [sys.executable, str(IMAGES / "entry_points.py"), str(tmp_path), "no-such-dist"],
+        capture_output=True,
+        text=True,
+    )
+    assert missing.returncode == 1 and "no-such-dist" in missing.stderr
+
+
+def test_the_trtllm_image_has_serves_environment_over_the_containers() -> None:
+    steps = instructions(IMAGES / "trtllm.Dockerfile")
+    (serve_env,) = [
+        args for op, args in steps if op == "RUN" and "/opt/serve-env" in args and "venv" in args
+    ]
+    assert "-m venv --without-pip --system-site-packages /opt/serve-env" in serve_env
+    assert f"images/pins/trtllm-1.2.txt images/pins/{SERVE_OVERRIDE}.txt" in serve_env
+    # The plan is checked before the install, and may change exactly the override's packages
+    # (and tokenmill, a fresh copy of the same version).
+    allowed = set(re.findall(r"--allow (\S+)", serve_env))
+    assert allowed == {"tokenmill", *exact_pins(PINS / f"{SERVE_OVERRIDE}.txt")}
+    check = serve_env.index("check_install.py /tmp/plan.json")
+    assert serve_env.index("--dry-run") < check < serve_env.index("pip install -c")
+    assert "entry_points.py /opt/serve-env/bin ray tokenmill" in serve_env
+    # The smoke test checks both sides as a Serve replica will pair them.
+    doctor = [args for op, args in steps if op == "RUN" and "doctor" in args][-1]
+    assert "/opt/serve-env/bin/tokenmill doctor" in doctor and "--engine-python" in doctor
+    # The Serve head beside it installs under the same override.
+    cpu = instructions(IMAGES / "cpu.Dockerfile")
+    assert arg_default(cpu, "OVERRIDE") == '""'
+    assert any(op == "RUN" and "images/constraints.py" in args for op, args in cpu)
+
+
 # --- the non-root user: run the step itself over prepared roots -------------------------------
 
 ETC_FIXTURES = Path(__file__).parent / "fixtures" / "etc"

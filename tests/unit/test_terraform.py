@@ -74,20 +74,33 @@ def block(body: dict[str, Any], *path: str) -> Any:
 
 
 _REF = re.compile(r"\$\{(local|var)\.([A-Za-z0-9_]+)\}")
+# `${local.map[var.key]}`: a map of literals indexed by a variable (its default, or `given`).
+_LOOKUP = re.compile(r"\$\{local\.(\w+)\[var\.(\w+)\]\}")
 _DEFAULT_OR = re.compile(r'\$\{var\.(\w+) != "" \? var\.\1 : "(.*)"\}')
 
 
-def resolve(module: dict[str, Any], text: str, module_dir: Path) -> str:
-    """Expand `${local.x}`, `${var.x}` (defaults) and `${path.module}` in a string."""
+def resolve(
+    module: dict[str, Any], text: str, module_dir: Path, given: dict[str, str] | None = None
+) -> str:
+    """Expand `${local.x}`, `${var.x}` (defaults, or `given`), `${local.map[var.x]}` and
+    `${path.module}` in a string."""
+    given = given or {}
+
+    def variable(name: str) -> Any:
+        return given[name] if name in given else module["variable"][name]["default"]
+
+    def lookup(match: re.Match[str]) -> str:
+        table, key = match.groups()
+        return module["locals"][table][variable(key)]
 
     def sub(match: re.Match[str]) -> str:
         kind, name = match.groups()
         if kind == "local":
             value = module["locals"][name]
         else:
-            value = module["variable"][name]["default"]
+            value = variable(name)
         assert isinstance(value, str), f"{kind}.{name} is not a plain string: {value!r}"
-        return resolve(module, value, module_dir)
+        return resolve(module, value, module_dir, given)
 
     # `var.x != "" ? var.x : "fallback"`: with the variable at its default "", the fallback.
     fallback = _DEFAULT_OR.fullmatch(text)
@@ -95,7 +108,9 @@ def resolve(module: dict[str, Any], text: str, module_dir: Path) -> str:
         text = fallback.group(2)
     previous = None
     while previous != text:
-        previous, text = text, _REF.sub(sub, text).replace("${path.module}", str(module_dir))
+        previous = text
+        text = _LOOKUP.sub(lookup, text)
+        text = _REF.sub(sub, text).replace("${path.module}", str(module_dir))
     return text
 
 
@@ -317,6 +332,45 @@ def test_ray_service_serves_the_serve_yaml(workloads: dict[str, Any]) -> None:
     env = workloads["locals"]["serve_keys_env"]
     assert env["name"] == "TOKENMILL_API_KEYS"
     assert env["valueFrom"]["secretKeyRef"]["name"] == "${var.serve_api_keys_secret}"
+
+
+def test_serve_engine_trtllm_serves_from_the_images_serve_environment(
+    workloads: dict[str, Any],
+) -> None:
+    """serve_engine picks the Serve file, and with "trtllm" Ray on the Serve pods starts under
+    the TensorRT-LLM image's Serve environment (images/trtllm.Dockerfile), the engine process
+    under the container's Python (the file's replicas.engine_python)."""
+    module_dir = TF_ROOT / "workloads"
+    file_of = {}
+    for engine in ("vllm", "trtllm"):
+        text = workloads["locals"]["serve_config_file"]
+        path = Path(resolve(workloads, text, module_dir, {"serve_engine": engine}))
+        file_of[engine] = path.resolve()
+        (model,) = load_serve_spec(path, env={}).models
+        assert model.engine.kind == engine
+    assert file_of["vllm"] == REPO / "jobs" / "serve-gpu.yaml"
+    assert file_of["trtllm"] == REPO / "jobs" / "serve-gpu-trtllm.yaml"
+    assert workloads["variable"]["serve_engine"]["default"] == "vllm"
+    (trtllm,) = load_serve_spec(file_of["trtllm"], env={}).models
+    assert trtllm.replicas.engine_python  # the container's Python runs the engine
+    # Our command in place of KubeRay's, on both groups, only for "trtllm".
+    local = workloads["locals"]
+    assert local["serve_annotations"].startswith('${var.serve_engine == "trtllm" ? ')
+    assert '"ray.io/overwrite-container-cmd" = "true"' in local["serve_annotations"]
+    command = local["serve_container_cmd"]
+    assert command.startswith('${var.serve_engine == "trtllm" ? ')
+    serve_env = re.search(
+        r"-m venv [^/]*(/opt/[\w-]+)", (REPO / "images/trtllm.Dockerfile").read_text()
+    )
+    assert serve_env, "images/trtllm.Dockerfile makes no Serve environment"
+    assert f"export PATH={serve_env.group(1)}/bin:$PATH" in command
+    assert "ulimit -n 65536" in command and command.index("PATH=") < command.index(
+        "$KUBERAY_GEN_RAY_START_CMD"
+    )
+    rayservice = (TF_ROOT / "workloads" / "rayservice.tf").read_text()
+    assert rayservice.count("merge(c, local.serve_container_cmd, {") == 2  # head and workers
+    manifest = workloads["resource"][("kubernetes_manifest", "serve")]["manifest"]
+    assert manifest["metadata"]["annotations"] == "${local.serve_annotations}"
 
 
 def test_serve_pods_mount_the_keys_file_secret_where_the_serve_yaml_points(

@@ -76,3 +76,23 @@ def test_quantize_spec_errors_name_the_field(tmp_path):
         load_quantize_spec(bad, [])
     message = str(info.value)
     assert "quantization.format" in message and "quantization.kv_cahce" in message
+
+
+def test_the_trtllm_serve_file_serves_the_nightlys_fp8_checkpoint_from_the_containers_python():
+    from pipeline.cli.quantize_cmds import load_quantize_spec
+    from pipeline.serve.spec import load_serve_spec
+    from pipeline.spec import load_job_spec
+
+    spec = load_serve_spec(JOBS / "serve-gpu-trtllm.yaml", env={})
+    (model,) = spec.models
+    assert model.engine.kind == "trtllm"
+    nightly = load_job_spec(JOBS / "nightly.yaml", date="2026-01-31", env={})
+    built = load_quantize_spec(JOBS / "quantize-fp8.yaml", [])
+    assert model.model.path == nightly.model.path == built.output
+    assert model.name == nightly.model.name  # one name for the model in batch and Serve
+    # The engine in a process under the TensorRT-LLM container's Python, overridable.
+    assert model.replicas.engine_python == "/usr/bin/python3"
+    assert model.replicas.runs_engine_process("trtllm")
+    other = load_serve_spec(JOBS / "serve-gpu-trtllm.yaml", env={"TOKENMILL_ENGINE_PYTHON": "/x"})
+    assert other.models[0].replicas.engine_python == "/x"
+    assert model.replicas.devices_per_replica == 1 and not spec.one_hop

@@ -1,8 +1,13 @@
 locals {
   repo_root         = "${path.module}/../../.."
   nightly_job_file  = var.nightly_job_file != "" ? var.nightly_job_file : "${local.repo_root}/jobs/nightly.yaml"
-  serve_config_file = var.serve_config_file != "" ? var.serve_config_file : "${local.repo_root}/jobs/serve-gpu.yaml"
-  submitter_image   = var.submitter_image != "" ? var.submitter_image : var.batch_head_image
+  serve_config_file = var.serve_config_file != "" ? var.serve_config_file : "${local.repo_root}/jobs/${local.serve_engine_file[var.serve_engine]}"
+  # The Serve file of each serve_engine, under jobs/.
+  serve_engine_file = {
+    vllm   = "serve-gpu.yaml"
+    trtllm = "serve-gpu-trtllm.yaml"
+  }
+  submitter_image = var.submitter_image != "" ? var.submitter_image : var.batch_head_image
 
   # Where the ConfigMap with the job and serve files is mounted in every pod.
   config_dir        = "/etc/tokenmill/jobs"

@@ -49,9 +49,20 @@ locals {
     mountPath = local.serve_keys_dir
     readOnly  = true
   }]
+  # serve_engine "trtllm": Ray on the Serve pods starts under the image's Serve environment
+  # (images/trtllm.Dockerfile's /opt/serve-env, whose `ray` runs its own interpreter, and Ray
+  # runs its workers under the interpreter that started it), never the container's Python,
+  # whose fastapi is older than Serve's floor. KubeRay then runs our command instead of its
+  # own and hands us its `ray start` line (KUBERAY_GEN_RAY_START_CMD); the ulimit is the one it
+  # would have set. The head's image has no /opt/serve-env: the PATH entry is inert there.
+  serve_annotations = var.serve_engine == "trtllm" ? { "ray.io/overwrite-container-cmd" = "true" } : {}
+  serve_container_cmd = var.serve_engine == "trtllm" ? {
+    command = ["/bin/bash", "-lc", "--"]
+    args    = ["ulimit -n 65536; export PATH=/opt/serve-env/bin:$PATH; $KUBERAY_GEN_RAY_START_CMD"]
+  } : {}
   serve_head_group = merge(local.head_group, {
     template = { spec = merge(local.head_group.template.spec, {
-      containers = [for c in local.head_group.template.spec.containers : merge(c, {
+      containers = [for c in local.head_group.template.spec.containers : merge(c, local.serve_container_cmd, {
         image        = var.serve_head_image
         env          = concat(c.env, [local.serve_keys_env])
         volumeMounts = concat(c.volumeMounts, local.serve_keys_file_mounts)
@@ -60,7 +71,7 @@ locals {
     }) }
   })
   serve_worker_template = { spec = merge(local.gpu_worker_template.spec, {
-    containers = [for c in local.gpu_worker_template.spec.containers : merge(c, {
+    containers = [for c in local.gpu_worker_template.spec.containers : merge(c, local.serve_container_cmd, {
       image        = var.serve_gpu_image
       env          = concat(c.env, [local.serve_keys_env])
       volumeMounts = concat(c.volumeMounts, local.serve_keys_file_mounts)
@@ -78,6 +89,8 @@ resource "kubernetes_manifest" "serve" {
     metadata = {
       name      = local.serve_name
       namespace = kubernetes_namespace_v1.tokenmill.metadata[0].name
+      # Copied by KubeRay onto the RayCluster it makes for this service.
+      annotations = local.serve_annotations
     }
     spec = {
       serveConfigV2 = local.serve_config_v2

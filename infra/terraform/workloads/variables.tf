@@ -37,12 +37,12 @@ variable "batch_gpu_image" {
 }
 
 variable "serve_head_image" {
-  description = "Image of the Serve cluster's head and autoscaler (Serve controller, HTTP ingress): images/cpu.Dockerfile with PINS=vllm-0.32-cuda, TORCH=2.13.0, EXTRAS=serve. Pin a tag or digest."
+  description = "Image of the Serve cluster's head and autoscaler (Serve controller, HTTP ingress): images/cpu.Dockerfile with PINS=vllm-0.32-cuda, TORCH=2.13.0, EXTRAS=serve for serve_engine \"vllm\"; with OVERRIDE=trtllm-1.2-serve, EXTRAS=serve for \"trtllm\". Pin a tag or digest."
   type        = string
 }
 
 variable "serve_gpu_image" {
-  description = "Image of the Serve cluster's GPU workers (engine replicas): images/vllm.Dockerfile (jobs/serve-gpu.yaml). Pin a tag or digest."
+  description = "Image of the Serve cluster's GPU workers (engine replicas): images/vllm.Dockerfile for serve_engine \"vllm\" (jobs/serve-gpu.yaml), images/trtllm.Dockerfile (the batch GPU image itself) for \"trtllm\" (jobs/serve-gpu-trtllm.yaml). Pin a tag or digest."
   type        = string
 }
 
@@ -148,8 +148,18 @@ variable "serve_enabled" {
   default     = true
 }
 
+variable "serve_engine" {
+  description = "Engine of the Serve cluster's GPU replicas. \"vllm\": vLLM's image, Serve in its own environment. \"trtllm\": TensorRT-LLM's image (the nightly's, serving its FP8 checkpoint): Ray's processes on the Serve pods run under the image's Serve environment (/opt/serve-env, first on PATH), each replica's engine process under the container's Python (replicas.engine_python); docs/deploy.md. Picks the default serve_config_file; set serve_head_image and serve_gpu_image to the matching builds."
+  type        = string
+  default     = "vllm"
+  validation {
+    condition     = contains(["vllm", "trtllm"], var.serve_engine)
+    error_message = "serve_engine must be \"vllm\" or \"trtllm\"."
+  }
+}
+
 variable "serve_config_file" {
-  description = "Serve YAML turned into the RayService's config. Empty: jobs/serve-gpu.yaml of this repository (vLLM on the GPU workers)."
+  description = "Serve YAML turned into the RayService's config. Empty: this repository's file for serve_engine, jobs/serve-gpu.yaml (vLLM) or jobs/serve-gpu-trtllm.yaml (TensorRT-LLM)."
   type        = string
   default     = ""
 }
