@@ -330,6 +330,9 @@ class GenerationRequest:
     # Set: embed the prompt (sampling is ignored; the result carries `embedding`, no tokens,
     # finish_reason "stop"). An engine that cannot embed answers a row error saying so.
     embed: EmbedParams | None = None
+    # The LoRA adapter to generate with, by the name the engine knows it by; None: the base
+    # model. An adapter the engine does not know (or cannot use) is this request's error.
+    adapter: str | None = None
 
 
 @dataclass

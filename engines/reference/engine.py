@@ -39,6 +39,7 @@ from engines.api import (
     StepRecord,
     StreamDelta,
 )
+from engines.reference.adapters import adapter_for, attach_adapters
 from engines.reference.model.config import ModelConfig, load_model_config
 from engines.reference.model.linear import fallback_note
 from engines.reference.model.pooling import embed_defaults
@@ -113,6 +114,11 @@ class ReferenceEngine:
             with the same dtype and device, and gets its own KV pool (the model's pool's
             tokens plus room for proposals). Requests with response_format or logprobs never
             speculate (see docs/speculative-decoding.md).
+        lora_adapters: LoRA adapters by name -> local PEFT folder; a request picks one by
+            name (GenerationRequest.adapter). Read and checked on first use. None: none.
+        max_loras: adapters usable in one step (the model's LoRA slots).
+        max_lora_rank: the highest adapter rank accepted (slots are sized for it).
+        max_cpu_loras: adapters kept read in memory (default: max(max_loras, 8)).
     """
 
     def __init__(
@@ -133,6 +139,10 @@ class ReferenceEngine:
         profile_dir: str | None = None,
         profile_steps: int = 20,
         speculative: Any = None,
+        lora_adapters: dict[str, str] | None = None,
+        max_loras: int = 4,
+        max_lora_rank: int = 64,
+        max_cpu_loras: int | None = None,
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -145,6 +155,8 @@ class ReferenceEngine:
             ("max_num_tokens", max_num_tokens),
             ("max_batch_size", max_batch_size),
             ("block_size", block_size),
+            ("max_loras", max_loras),
+            ("max_lora_rank", max_lora_rank),
         ):
             if not isinstance(value, int) or value < 1:
                 raise EngineError(f"{name} must be an integer >= 1, got {value!r}")
@@ -180,6 +192,7 @@ class ReferenceEngine:
             max_model_len=max_model_len,
             profile_dir=profile_dir,
             profile_steps=profile_steps,
+            lora=(lora_adapters or {}, max_loras, max_lora_rank, max_cpu_loras),
         )
         self._thread = threading.Thread(
             target=self._engine_thread, args=(load, loaded), name="reference-engine", daemon=True
@@ -216,9 +229,10 @@ class ReferenceEngine:
         max_model_len: int | None,
         profile_dir: str | None,
         profile_steps: int,
+        lora: tuple[dict[str, str], int, int, int | None],
     ) -> None:
-        """Model, tokenizer, KV pool, scheduler, runner, profiler and drafter (on the engine
-        thread)."""
+        """Model, tokenizer, KV pool, scheduler, runner, profiler, drafter and LoRA slots (on
+        the engine thread)."""
         import torch
 
         self._torch_device = resolve_device(device)
@@ -242,9 +256,11 @@ class ReferenceEngine:
             self._torch_device,
         )
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        self.adapters, slots, lora_state = attach_adapters(self.model, self.config, *lora)
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_tokens, max_batch_size, enable_chunked_prefill),
             self.block_manager,
+            slots,
         )
         self.runner = ModelRunner(
             self.model,
@@ -261,6 +277,7 @@ class ReferenceEngine:
             except (ValueError, OSError) as exc:
                 raise EngineError(f"profile_dir={profile_dir!r}: {exc}") from exc
         self.runner.profiler = self._profiler
+        self.runner.lora = lora_state
         # Method draft: the draft model with its own KV pool (speculative/draft.py).
         if self._speculative is not None and self._speculative.method == "draft":
             k = self._speculative.num_tokens
@@ -355,6 +372,9 @@ class ReferenceEngine:
             self._submit_embed(request, sink, is_stream, metrics)
             return
         error, max_tokens = self._check(request)
+        adapter = None
+        if error is None and request.adapter is not None:
+            adapter, error = adapter_for(self.adapters, request.adapter)
         grammar = None
         if error is None and request.sampling.response_format is not None:
             # Compiled on the caller's thread: a bad format is this row's error at once, and
@@ -362,7 +382,9 @@ class ReferenceEngine:
             grammar, error = self._compile(request.sampling.response_format)
         live = Live(
             request=request,
-            sched=Request(request.request_id, list(request.prompt_token_ids), max_tokens),
+            sched=Request(
+                request.request_id, list(request.prompt_token_ids), max_tokens, adapter=adapter
+            ),
             sink=sink,
             metrics=metrics,
             is_stream=is_stream,
@@ -375,6 +397,8 @@ class ReferenceEngine:
     ) -> None:
         """Queue an embed request for the step loop, or answer its row error now."""
         error = embed_error(request, self.config.vocab_size, self.max_model_len)
+        if error is None and request.adapter is not None:
+            error = "LoRA adapters apply to generation; embed with the base model (no adapter)"
         self._mailbox.put_embed(Embedding(request, sink, metrics, is_stream), error)
 
     def _check(self, request: GenerationRequest) -> tuple[str | None, int]:

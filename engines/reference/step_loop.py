@@ -386,6 +386,7 @@ class StepLoop:
         scheduled time)."""
 
         inputs = []
+        adapters = self.scheduler.adapters
         for chunk in output.chunks:
             live = self.live[chunk.request_id]
             if live.metrics.first_scheduled_time is None:
@@ -396,6 +397,7 @@ class StepLoop:
                     live.sched.token_ids,
                     self.block_manager.block_ids(chunk.request_id),
                     *prompt_rows(live, chunk),
+                    adapter_slot=-1 if adapters is None else adapters.slot(chunk.request_id),
                 )
             )
         return inputs

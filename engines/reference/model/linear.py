@@ -194,6 +194,9 @@ def linear_add(linear: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> to
     fp32, else as two ops. In bf16 the fused add skips the rounding of the product to bf16
     before the sum that transformers does, and greedy outputs drifted measurably further from
     fp32's (test_reference_bf16), so bf16 keeps the two roundings."""
+    add_after = getattr(linear, "add_after", None)
+    if add_after is not None:  # a wrapper adding terms of its own (LoRA: model/lora.py)
+        return add_after(x, residual)
     if type(linear) is OneDnnLinear and x.dtype == torch.float32:
         return linear.forward_add(x, residual)
     return residual + linear(x)

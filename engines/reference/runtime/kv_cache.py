@@ -18,6 +18,11 @@ from dataclasses import dataclass, field
 BlockHash = int
 
 
+def chain_root(salt: str | None) -> BlockHash | None:
+    """The parent of a sequence's first block: None for the base model, else one per salt."""
+    return None if salt is None else hash(("salt", salt))
+
+
 def hash_block(parent: BlockHash | None, tokens: Sequence[int]) -> BlockHash:
     """Chained hash of a full block: its tokens and everything before them (via the parent)."""
     return hash((parent, tuple(tokens)))
@@ -73,14 +78,16 @@ class BlockManager:
     def has_blocks(self, request_id: str) -> bool:
         return request_id in self._tables
 
-    def find_cached_prefix(self, token_ids: Sequence[int]) -> list[int]:
+    def find_cached_prefix(self, token_ids: Sequence[int], salt: str | None = None) -> list[int]:
         """Block ids holding the longest cached prefix of `token_ids`, in full blocks. At least
-        the last token is left out, because its logits must be computed."""
+        the last token is left out, because its logits must be computed. `salt` (a LoRA
+        adapter's name) roots the hash chain: the same tokens under another adapter (or the
+        base model) have other KV and never match."""
         if not self.enable_prefix_caching:
             return []
         max_blocks = (len(token_ids) - 1) // self.block_size
         found: list[int] = []
-        parent: BlockHash | None = None
+        parent = chain_root(salt)
         for i in range(max_blocks):
             parent = hash_block(parent, token_ids[i * self.block_size : (i + 1) * self.block_size])
             block_id = self._cached.get(parent)
@@ -123,14 +130,17 @@ class BlockManager:
             raise ValueError(f"not enough free blocks to grow {request_id!r} to {num_tokens}")
         self._grow(self._tables[request_id], num_tokens)
 
-    def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_computed: int):
+    def cache_full_blocks(
+        self, request_id: str, token_ids: Sequence[int], num_computed: int, salt: str | None = None
+    ):
         """Register the hashes of blocks that became full now that `num_computed` tokens of
-        `token_ids` have their KV written; later requests with the same prefix reuse them."""
+        `token_ids` have their KV written; later requests with the same prefix (and `salt`)
+        reuse them."""
         if not self.enable_prefix_caching:
             return
         table = self._tables[request_id]
         num_full = min(num_computed // self.block_size, len(table.block_ids))
-        parent = table.block_hashes[-1] if table.block_hashes else None
+        parent = table.block_hashes[-1] if table.block_hashes else chain_root(salt)
         for i in range(len(table.block_hashes), num_full):
             parent = hash_block(parent, token_ids[i * self.block_size : (i + 1) * self.block_size])
             table.block_hashes.append(parent)

@@ -14,6 +14,7 @@ import torch
 
 from engines.reference.model import cpu_kernels, hugepages
 from engines.reference.model.config import ModelConfig, rope_inv_freq, rope_scaling_factor
+from engines.reference.model.lora import LoraRows, LoraStepState
 from engines.reference.model.model import (
     AttentionBatch,
     CausalLM,
@@ -50,6 +51,7 @@ class StepInputs:
     batch: AttentionBatch
     logits_rows: torch.Tensor  # [S] int64
     layer_macs: int  # multiply-adds of one decoder layer (estimate): picks the thread count
+    lora: tuple[LoraRows, ...] = ()  # the rows of each LoRA slot in use this step
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,7 @@ class ChunkInput:
     # need their logits; they come after every chunk's sampling rows (ModelRunner.execute).
     prompt_rows: int = 0
     prompt_offset: int = 0
+    adapter_slot: int = -1  # the LoRA slot its rows use (runtime/adapters.py); -1: base model
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
@@ -123,6 +126,9 @@ class ModelRunner:
     ) -> None:
         self.model = model
         self.profiler: NoProfiler = NO_PROFILER  # the engine's, when it profiles
+        # What the model's LoRA projections read each step (set where the engine attached
+        # them: model/lora.py); None: no adapters.
+        self.lora: LoraStepState | None = None
         self.block_size = block_size
         self.device = device
         self._per_kv_head = cfg.num_heads // cfg.num_kv_heads  # G query heads per KV head
@@ -275,10 +281,18 @@ class ModelRunner:
     def forward(self, step: StepInputs) -> torch.Tensor:
         """The model over prepared inputs: logits [S, V] (float32)."""
         small = step.layer_macs < _PARALLEL_MIN_LAYER_MACS  # see _PARALLEL_MIN_LAYER_MACS
-        with intra_op_threads(1) if small else contextlib.nullcontext():
-            return self.model(
-                step.input_ids, step.cos, step.sin, step.batch, self.kv_caches, step.logits_rows
-            )
+        if step.lora and self.lora is None:
+            raise RuntimeError("a step with LoRA rows on a runner without LoRA slots")
+        if self.lora is not None:
+            self.lora.groups = step.lora
+        try:
+            with intra_op_threads(1) if small else contextlib.nullcontext():
+                return self.model(
+                    step.input_ids, step.cos, step.sin, step.batch, self.kv_caches, step.logits_rows
+                )
+        finally:
+            if self.lora is not None:
+                self.lora.groups = ()
 
     @torch.inference_mode()
     def embed_hidden(self, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
@@ -364,6 +378,7 @@ class ModelRunner:
         paged: list[tuple[int, int, int, Sequence[int]]] = []
         logits_rows: list[int] = []
         prompt_rows: list[int] = []  # after all sampling rows, so theirs keep their places
+        lora_rows: dict[int, list[int]] = {}  # LoRA slot -> its rows
         attended = 0  # (query, key) pairs over all chunks (causal ones counted whole)
         row = 0
         for item in inputs:
@@ -398,6 +413,8 @@ class ModelRunner:
             logits_rows.extend(range(row + n - chunk.num_logits, row + n))
             first = row + item.prompt_offset
             prompt_rows.extend(range(first, first + item.prompt_rows))
+            if item.adapter_slot >= 0:
+                lora_rows.setdefault(item.adapter_slot, []).extend(range(row, row + n))
             row += n
 
         groups = [g for n, members in short.items() for g in self._decode_groups(n, *members)]
@@ -415,4 +432,8 @@ class ModelRunner:
             batch=batch,
             logits_rows=self._upload(torch.tensor(logits_rows + prompt_rows, dtype=torch.int64)),
             layer_macs=row * self._linear_macs + attended * self._attention_macs,
+            lora=tuple(
+                LoraRows(slot, self._upload(torch.tensor(rows, dtype=torch.int64)))
+                for slot, rows in lora_rows.items()
+            ),
         )

@@ -26,6 +26,11 @@ Preemption by recompute: when a running request needs a block and none is free, 
 recently admitted running request is evicted (blocks freed, progress dropped) and requeued at
 the front of the waiting queue. A request that could not fit in the whole pool alone is
 refused at admission, so eviction always makes progress: no crash, no deadlock.
+
+LoRA adapters: a request with an adapter is admitted only with a slot for it (AdapterSlots:
+runtime/adapters.py); when every slot holds another adapter in use, it is passed over and
+keeps its place while others are admitted. Its prefix-cache hashes are rooted in the adapter's
+name, so KV computed under one adapter is never reused under another or the base model.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
 
+from engines.lora.peft import LoraAdapter
+from engines.reference.runtime.adapters import AdapterSlots
 from engines.reference.runtime.kv_cache import BlockManager
 
 
@@ -60,6 +67,12 @@ class Request:
     # False: compute the whole prompt even where the prefix cache holds it (prompt logprobs
     # need every position's logits, which cached blocks do not keep).
     use_prefix_cache: bool = True
+    # The LoRA adapter it runs with (read and checked already); None: the base model.
+    adapter: LoraAdapter | None = None
+
+    @property
+    def adapter_name(self) -> str | None:
+        return None if self.adapter is None else self.adapter.name
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -132,9 +145,16 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        adapters: AdapterSlots | None = None,
+    ) -> None:
         self.config = config
         self.block_manager = block_manager
+        # LoRA slots (None: the engine serves the base model only).
+        self.adapters = adapters
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order
         self.requests: dict[str, Request] = {}
@@ -199,7 +219,9 @@ class Scheduler:
             budget -= num_new
             i += 1
 
-        # Admitting new work while evicting would only evict it again.
+        # Admitting new work while evicting would only evict it again. A request whose
+        # adapter finds every LoRA slot in use is passed over, keeping its place in line.
+        passed: list[Request] = []
         while (
             not preempted
             and self.waiting
@@ -207,7 +229,11 @@ class Scheduler:
             and len(self.running) < self.config.max_batch_size
         ):
             req = self.waiting[0]
-            cached = bm.find_cached_prefix(req.token_ids) if req.use_prefix_cache else []
+            name = req.adapter_name
+            if name is not None and not self._adapters().can_acquire(name):
+                passed.append(self.waiting.popleft())
+                continue
+            cached = bm.find_cached_prefix(req.token_ids, name) if req.use_prefix_cache else []
             num_cached = len(cached) * bm.block_size
             num_new = req.num_tokens - num_cached
             if num_new > budget:
@@ -216,6 +242,8 @@ class Scheduler:
                 num_new = budget
             if not bm.can_allocate(num_cached + num_new, cached):
                 break
+            if req.adapter is not None:
+                self._adapters().acquire(req.request_id, req.adapter)
             bm.allocate(req.request_id, num_cached + num_new, cached)
             self.waiting.popleft()
             self.running.append(req)
@@ -226,8 +254,14 @@ class Scheduler:
                 req.num_cached_tokens = min(num_cached, req.num_prompt_tokens)
             chunks.append(self._chunk(req, num_new))
             budget -= num_new
+        self.waiting.extendleft(reversed(passed))
 
         return SchedulerOutput(chunks=chunks, preempted=preempted)
+
+    def _adapters(self) -> AdapterSlots:
+        if self.adapters is None:
+            raise RuntimeError("a request with a LoRA adapter reached an engine without slots")
+        return self.adapters
 
     def _chunk(self, req: Request, num_new: int) -> ScheduledChunk:
         start = req.num_computed_tokens
@@ -245,6 +279,8 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.block_manager.free(req.request_id)
+        if self.adapters is not None:
+            self.adapters.release(req.request_id)
         self.running.remove(req)
         req.status = RequestStatus.WAITING
         req.num_computed_tokens = 0
@@ -277,7 +313,7 @@ class Scheduler:
                 self.block_manager.truncate(req.request_id, req.num_computed_tokens)
             req.token_ids.extend(tokens)
             self.block_manager.cache_full_blocks(
-                req.request_id, req.token_ids, req.num_computed_tokens
+                req.request_id, req.token_ids, req.num_computed_tokens, req.adapter_name
             )
 
     def can_fork(self, parent: Request) -> bool:
@@ -296,6 +332,10 @@ class Scheduler:
         computed = parent.num_computed_tokens
         if computed > parent.num_prompt_tokens:
             raise ValueError(f"{parent.request_id!r} is past its prompt: too late to fork")
+        if child.adapter_name != parent.adapter_name:
+            raise ValueError(f"{child.request_id!r} does not share {parent.request_id!r}'s adapter")
+        if child.adapter is not None:  # resident: the parent holds its slot
+            self._adapters().acquire(child.request_id, child.adapter)
         copy = self.block_manager.fork(parent.request_id, child.request_id, computed)
         child.num_computed_tokens = computed
         child.num_cached_tokens = computed
@@ -314,5 +354,7 @@ class Scheduler:
         elif req.status is RequestStatus.WAITING:
             self.waiting.remove(req)
         self.block_manager.free(request_id)
+        if self.adapters is not None:
+            self.adapters.release(request_id)
         req.status = RequestStatus.FINISHED
         return req

@@ -1,0 +1,89 @@
+"""PEFT adapter folders read and checked (engines/lora/peft.py), and the slot bookkeeping
+(engines/reference/runtime/adapters.py), without a model."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from engines.lora.peft import TARGETS, AdapterError, LoraAdapter, LoraConfig, read_config
+from engines.reference.runtime.adapters import AdapterSlots
+
+
+def folder(tmp_path: Path, **config: object) -> Path:
+    out = tmp_path / "adapter"
+    out.mkdir(exist_ok=True)
+    (out / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", **config}))
+    return out
+
+
+def test_scale_rank_and_targets(tmp_path: Path) -> None:
+    plain = read_config("a", folder(tmp_path, r=8, lora_alpha=16, target_modules=["q_proj"]), 64)
+    assert plain == LoraConfig(8, 16.0, False, ("q_proj",)) and plain.scale == 2.0
+    rs = read_config(
+        "a", folder(tmp_path, r=16, lora_alpha=8, use_rslora=True, target_modules="all-linear"), 64
+    )
+    assert rs.scale == pytest.approx(8 / math.sqrt(16)) and set(rs.target_modules) == set(TARGETS)
+    # Full module paths and a missing alpha (PEFT's default is r's value in old saves).
+    dotted = read_config(
+        "a", folder(tmp_path, r=4, target_modules=["model.layers.0.mlp.down_proj"]), 64
+    )
+    assert dotted.target_modules == ("down_proj",) and dotted.scale == 1.0
+
+
+@pytest.mark.parametrize(
+    ("fields", "words"),
+    [
+        ({"peft_type": "PREFIX_TUNING"}, "peft_type"),
+        ({"use_dora": True}, "use_dora"),
+        ({"bias": "all"}, "bias"),
+        ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+        ({"rank_pattern": {"q_proj": 4}}, "rank_pattern"),
+        ({"layers_to_transform": [0]}, "layers_to_transform"),
+        ({"r": 0}, "positive integer"),
+        ({"r": "8"}, "positive integer"),
+        ({"r": 128}, "max_lora_rank 64"),
+        ({"lora_alpha": "x"}, "lora_alpha"),
+        ({"target_modules": []}, "target_modules"),
+        ({"target_modules": ["embed_tokens"]}, "embed_tokens"),
+    ],
+)
+def test_refused_configs_name_adapter_and_field(tmp_path: Path, fields: dict, words: str) -> None:
+    base = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]}
+    with pytest.raises(AdapterError) as caught:
+        read_config("mine", folder(tmp_path, **(base | fields)), 64)
+    assert "adapter 'mine'" in str(caught.value) and words in str(caught.value)
+
+
+def test_not_json_and_missing(tmp_path: Path) -> None:
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "adapter_config.json").write_text("{r: 8")
+    with pytest.raises(AdapterError, match="not JSON"):
+        read_config("b", broken, 64)
+    with pytest.raises(AdapterError, match=r"no adapter_config\.json"):
+        read_config("b", tmp_path / "nowhere", 64)
+
+
+def _adapter(name: str) -> LoraAdapter:
+    return LoraAdapter(name, "/x", LoraConfig(4, 4.0, False, ("q_proj",)), {})
+
+
+def test_slots_fill_least_recently_used_free_slot_and_never_one_in_use() -> None:
+    filled: list[tuple[int, str]] = []
+    slots = AdapterSlots(2, lambda slot, adapter: filled.append((slot, adapter.name)))
+    assert slots.acquire("r1", _adapter("a")) == 0
+    assert slots.acquire("r2", _adapter("b")) == 1
+    assert slots.acquire("r3", _adapter("a")) == 0  # resident: no fill
+    assert not slots.can_acquire("c") and slots.acquire("r4", _adapter("c")) is None
+    slots.release("r2")  # b's slot is free now, a's still in use by r1 and r3
+    assert slots.can_acquire("c") and slots.acquire("r4", _adapter("c")) == 1
+    slots.release("r1")
+    slots.release("r3")
+    slots.release("r4")
+    assert slots.acquire("r5", _adapter("d")) == 0  # a's slot was used longest ago
+    assert filled == [(0, "a"), (1, "b"), (1, "c"), (0, "d")] and slots.loads == 4
+    assert slots.slot("r5") == 0 and slots.slot("r1") == -1
