@@ -13,7 +13,7 @@ from engines.factory import accepted_settings
 from engines.process import ProcessEngine
 from engines.quantize.artifacts import MARKER, build_in_cache
 from pipeline.spec import EngineSpec, ModelSpec, StorageSpec
-from pipeline.storage import filesystem_for, join_uri, materialize_model
+from pipeline.storage import filesystem_for, is_s3, join_uri, materialize_model
 
 
 def engine_settings(engine: EngineSpec) -> dict[str, Any]:
@@ -53,11 +53,34 @@ def open_engine(
     if model.quantization is not None:
         local_path = quantized_model(local_path, model, storage)
     settings = {**placement_settings(engine, devices), **engine_settings(engine)}
+    if model.adapters:
+        settings["lora_adapters"] = adapter_folders(model, storage)
     if own_process:
         return ProcessEngine(
             engine.kind, model=str(local_path), interpreter=interpreter, **settings
         )
     return load_engine(engine.kind, model=str(local_path), **settings)
+
+
+def adapter_folders(model: ModelSpec, storage: StorageSpec) -> dict[str, str]:
+    """model.adapters as local folders: an s3:// prefix downloaded once per node into the
+    model's cache_dir (a prefix that cannot be read fails the engine's load, naming
+    model.adapters.<name>, as a bad model path does); a local folder as it is, checked by the
+    engine when a row first asks for it (a bad one fails that adapter's rows only)."""
+    return {
+        name: str(
+            materialize_model(
+                source,
+                model.cache_dir,
+                storage,
+                required_file="adapter_config.json",
+                field=f"model.adapters.{name}",
+            )
+        )
+        if is_s3(source)
+        else source
+        for name, source in model.adapters.items()
+    }
 
 
 def placement_settings(engine: EngineSpec, devices: float) -> dict[str, Any]:

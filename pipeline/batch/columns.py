@@ -11,6 +11,9 @@ PROMPT = "prompt"
 MESSAGES = "messages"
 ERROR = "error"
 CORE_COLUMNS = (ID, PROMPT, MESSAGES, ERROR)
+# Jobs with model.adapters: the LoRA adapter a row runs with (input.adapter_column, or an
+# openai_batch line's body.model); null: the model itself.
+ADAPTER = "adapter"
 # The row's own values of the shared table's parameters (pipeline.openai.params: penalties,
 # min_p, min_tokens, logit_bias, bad_words, stop, stop_token_ids), from an openai_batch body or
 # `sampling.overrides` columns, as canonical JSON text of SamplingParams values; null: none.

@@ -52,6 +52,11 @@ class DatasetColumns(StrictModel):
         None,
         description="Column with a chat as a list of {role, content} (or its JSON text).",
     )
+    adapter_column: str | None = Field(
+        None,
+        description="Column naming each row's LoRA adapter (one of model.adapters); null or "
+        "empty: the model itself.",
+    )
 
 
 class ProcessorConfig(StrictModel):

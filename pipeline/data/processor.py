@@ -271,11 +271,13 @@ def prepare_rows(batch: pa.Table, spec: JobSpec, prompts: Any) -> list[dict[str,
     sources) and the prompt stage's (token ids, sampling values, error)."""
     # lazy: importing pipeline.data loads no pyarrow or Ray (a Ray Data driver imports it at start)
     from pipeline.batch.interface.dataset import (
+        ADAPTER,
         ERROR,
         ID,
         MESSAGES,
         PROMPT,
         ROW,
+        adapter_cell,
         apply_overrides,
         columns_needed,
         messages_value,
@@ -307,6 +309,10 @@ def prepare_rows(batch: pa.Table, spec: JobSpec, prompts: Any) -> list[dict[str,
             text_prompt(row, inp.prompt_column, values[inp.prompt_column], where)
         if inp.messages_column and inp.messages_column in values:
             messages_value(row, inp.messages_column, values[inp.messages_column], where)
+        if spec.model.adapters:
+            row[ADAPTER] = None
+            if inp.adapter_column and inp.adapter_column in values:
+                adapter_cell(spec, row, values[inp.adapter_column], where)
         apply_overrides(spec, row, values, where)
         prepared.append(row)
     # The batch's prompts rendered and tokenized together, as a `tokenmill run` shard's are.
@@ -322,14 +328,15 @@ def output_table(
     import pyarrow as pa
 
     # lazy: importing pipeline.data loads no pyarrow or Ray (a Ray Data driver imports it at start)
-    from pipeline.batch.interface.dataset import ID, ROW, outcomes_to_table
+    from pipeline.batch.interface.dataset import ADAPTER, ID, ROW, outcomes_to_table
 
-    keys = pa.table(
-        {
-            ROW: pa.array([row[ROW] for row in prepared], pa.int64()),
-            ID: pa.array([row[ID] for row in prepared], pa.string()),
-        }
-    )
+    columns = {
+        ROW: pa.array([row[ROW] for row in prepared], pa.int64()),
+        ID: pa.array([row[ID] for row in prepared], pa.string()),
+    }
+    if stage.output.adapters:  # each row's adapter, for the `adapter` result column
+        columns[ADAPTER] = pa.array([row.get(ADAPTER) for row in prepared], pa.string())
+    keys = pa.table(columns)
     results = outcomes_to_table(
         keys, outcomes, stage.output, stage.actor_id, stage.engine.info.kind
     )

@@ -121,6 +121,40 @@ def render_markdown(s: ReportSummary, plots: list[str]) -> str:
             ["total paid", fmt(paid_s), "100%", usd(c.total_usd)],
         ],
     )
+    if s.by_adapter:
+        out += ["", "### By adapter", ""]
+        out.append(
+            "Rows by the LoRA adapter they ran with (model.adapters; `(model)`: the model "
+            "itself). Device-seconds and dollars are the rows' own share (idle, load and "
+            "pending time are the job's, above)."
+        )
+        out.append("")
+        body = [
+            [
+                name or "(model)",
+                fmt(a.rows),
+                fmt(a.errors),
+                fmt(a.prompt_tokens),
+                fmt(a.completion_tokens),
+                fmt(a.gpu_seconds),
+                usd(a.cost_usd),
+                usd(a.cost_usd / a.completion_tokens * 1e6) if a.completion_tokens else "-",
+            ]
+            for name, a in sorted(s.by_adapter.items())
+        ]
+        out += _table(
+            [
+                "adapter",
+                "rows",
+                "errors",
+                "prompt tokens",
+                "output tokens",
+                "device-seconds",
+                "USD",
+                "USD per 1M output",
+            ],
+            body,
+        )
     out += ["", "### Estimate vs actual", ""]
     if s.estimate is None:
         out.append(f"Estimate {s.estimate_source}.")

@@ -20,6 +20,7 @@ from pipeline.cost import (
     ActorAccount,
     CostEstimate,
     CostTotals,
+    RowSums,
     estimate_for_resources,
     job_totals,
 )
@@ -130,6 +131,8 @@ class ReportSummary:
     budget: dict[str, Any] | None = None  # the manifest's budget record, if any
     notes: list[str] = field(default_factory=list)  # caveats worth reading
     spec: SpecCounts | None = None  # speculative decoding, for jobs with engine.speculative
+    # Jobs with model.adapters: each adapter's rows' sums ("" for the model itself).
+    by_adapter: dict[str, RowSums] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         from dataclasses import asdict
@@ -283,6 +286,7 @@ def summarize(inputs: ReportInputs) -> ReportSummary:
         budget=manifest.get("budget") if isinstance(manifest.get("budget"), dict) else None,
         notes=notes,
         spec=stats.spec if speculative else None,
+        by_adapter=dict(stats.by_adapter),
     )
 
 

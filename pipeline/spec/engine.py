@@ -126,6 +126,24 @@ class EngineSpec(StrictModel):
     scheduler_policy: Literal["guaranteed_no_evict", "max_utilization"] = Field(
         common_default("scheduler_policy"), description=spec_description("scheduler_policy")
     )
+    max_loras: int = Field(
+        4,
+        ge=1,
+        description="reference engine with model.adapters: LoRA adapters usable in one engine "
+        "step (the model's adapter slots); rows of other adapters wait for a slot.",
+    )
+    max_lora_rank: int = Field(
+        64,
+        ge=1,
+        description="reference engine with model.adapters: the highest adapter rank accepted "
+        "(slots are sized for it); an adapter above it fails its rows.",
+    )
+    max_cpu_loras: int | None = Field(
+        None,
+        ge=1,
+        description="reference engine with model.adapters: adapters kept read in memory. "
+        "Null: max(max_loras, 8).",
+    )
     speculative: SpeculativeSpec | None = Field(
         None,
         description="Speculative decoding: {method: ngram | draft | eagle3 | mtp, num_tokens, "

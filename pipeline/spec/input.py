@@ -70,6 +70,12 @@ class InputSpec(StrictModel):
         description="Column with a chat as a list of {role, content} (or its JSON string). "
         "Set this or prompt_column.",
     )
+    adapter_column: str | None = Field(
+        None,
+        description="Column naming each row's LoRA adapter (one of model.adapters); a null or "
+        "empty cell runs the row on the model itself, an unknown name makes it an error row. "
+        "openai_batch ignores it: a line's body.model names its adapter there.",
+    )
     passthrough_columns: list[str] = Field(
         default_factory=list,
         description="Input columns copied unchanged into the output rows (e.g. a user id). "

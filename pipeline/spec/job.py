@@ -132,6 +132,35 @@ class JobSpec(StrictModel):
             )
         return self
 
+    @model_validator(mode="after")
+    def _adapters(self) -> JobSpec:
+        """LoRA adapters: an engine that runs them, a task that uses them, a way to pick one."""
+        if not self.model.adapters:
+            if self.input.adapter_column:
+                raise ValueError(
+                    "input.adapter_column names rows' LoRA adapters, but model.adapters is "
+                    "empty; list the adapters there or remove input.adapter_column"
+                )
+            return self
+        if self.engine.kind != "reference":
+            raise ValueError(
+                f"model.adapters: engine.kind {self.engine.kind} does not take LoRA adapters "
+                "yet; use engine.kind reference"
+            )
+        if self.task == "embed":
+            raise ValueError("model.adapters: adapters apply to task generate, not embed")
+        if self.model.display_name in self.model.adapters:
+            raise ValueError(
+                f"model.adapters: {self.model.display_name!r} is the model's own name; give "
+                "the adapter another"
+            )
+        if self.input.format != "openai_batch" and not self.input.adapter_column:
+            raise ValueError(
+                "model.adapters: set input.adapter_column, the column naming each row's "
+                "adapter (openai_batch lines name theirs in body.model)"
+            )
+        return self
+
     @property
     def embed_params(self) -> Any:
         """engines.api.EmbedParams for task embed; None for task generate."""

@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from engines.quantize.config import QuantizationSpec
 from engines.strict import StrictModel
+
+
+class FrozenMap(dict[str, str]):
+    """A dict that hashes by its items: a spec section is hashable (caches key on it), and a
+    map of names is what a user writes. Never mutated after validation."""
+
+    def __hash__(self) -> int:  # type: ignore[override]
+        return hash(tuple(sorted(self.items())))
 
 
 class ModelSpec(StrictModel):
@@ -24,6 +32,14 @@ class ModelSpec(StrictModel):
         None,
         description="Name reported in output rows and manifests; default: the path's last part.",
     )
+    adapters: dict[str, str] = Field(
+        default_factory=dict,
+        description="LoRA adapters of this model by name: a PEFT adapter folder (local path, "
+        "or an s3:// prefix downloaded once per node into cache_dir like the model). A row "
+        "picks one by input.adapter_column (openai_batch: by its body.model); rows naming "
+        "none run on the model itself. engine.kind reference (see docs/engine.md, LoRA "
+        "adapters).",
+    )
     quantization: QuantizationSpec | None = Field(
         None,
         description="Run a low-precision copy of the model: {format: fp8 | nvfp4, kv_cache, "
@@ -31,6 +47,16 @@ class ModelSpec(StrictModel):
         "built from the same inputs, else built there first (see docs/quantization.md). Null: "
         "load the model as it is.",
     )
+
+    @field_validator("adapters")
+    @classmethod
+    def _adapter_names(cls, adapters: dict[str, str]) -> dict[str, str]:
+        for name, source in adapters.items():
+            if not name.strip() or name != name.strip():
+                raise ValueError(f"model.adapters: {name!r} is not a usable adapter name")
+            if not source:
+                raise ValueError(f"model.adapters.{name}: give the adapter's folder")
+        return FrozenMap(adapters)
 
     @property
     def display_name(self) -> str:

@@ -9,6 +9,7 @@ RESERVED_COLUMNS: frozenset[str] = frozenset(
     {
         "_row",
         "actor_id",
+        "adapter",
         "cached_prompt_tokens",
         "completion_token_ids",
         "completion_tokens",

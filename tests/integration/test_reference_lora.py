@@ -95,15 +95,23 @@ def engine_with(model_dir: Path, adapters: dict[str, Path], **settings):
 
 @pytest.mark.parametrize(
     "variant",
-    ["plain", "chunked-preempting"],
+    ["plain", "chunked-preempting", "torch-ops"],
 )
 def test_mixed_adapters_equal_transformers_with_each_merged(
-    variant: str, model_dir: Path, adapters: dict[str, Path], merged: dict[str | None, Path]
+    variant: str,
+    model_dir: Path,
+    adapters: dict[str, Path],
+    merged: dict[str | None, Path],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """plain and chunked-preempting add the LoRA terms with the CPU kernel (kernels/lora.cpp);
+    torch-ops with the grouped torch ops CUDA runs."""
     names: list[str | None] = [None, "qv", "all", "mlp"]
     requests = mixed_requests(24, names)
     settings = {"max_loras": 3}
-    if variant == "chunked-preempting":
+    if variant == "torch-ops":
+        monkeypatch.setattr("engines.reference.model.cpu_kernels.use_kernels", lambda device: False)
+    if variant != "plain":
         # As the equality tests' variant: 16-token steps split prompts, a 112-token pool of
         # 8-token blocks evicts (and adapters give up their slots and take them again).
         settings |= {"max_num_tokens": 16, "kv_cache_tokens": 112, "block_size": 8}
@@ -134,7 +142,7 @@ def test_mixed_adapters_equal_transformers_with_each_merged(
     # Shared prefixes under other adapters never hit one another's KV: a hit needs the same
     # adapter (requests 1, 5, 9 ... share prefix and adapter "qv"; 3, 7 ... "mlp").
     assert stats.kv_blocks_used == 0
-    if variant == "chunked-preempting":
+    if variant != "plain":
         assert stats.num_preemptions > 0
 
 

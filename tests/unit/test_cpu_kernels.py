@@ -494,3 +494,46 @@ def test_each_torch_install_builds_into_its_own_directory() -> None:
     ).stdout.strip()
     assert theirs != str(_build_dir())
     assert Path(theirs).parent == _build_dir().parent  # the same cache, another directory
+
+
+@pytest.mark.parametrize(
+    ("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)], ids=["fp32", "bf16"]
+)
+@pytest.mark.parametrize("rows", [3, 200], ids=["decode", "prefill"])
+def test_lora_add_matches_each_rows_adapter_in_torch(dtype, tol, rows: int) -> None:
+    """Rows of three slots, a slot with width 0 and rows with no slot: each row gets its own
+    slot's B A x added, nothing else; the padding past a slot's width is never read."""
+    from engines.reference.model.cpu_kernels import lora_add
+
+    torch.manual_seed(rows)
+    fan_in, fan_out, num_slots, width = 96, 80, 4, 24
+    widths = torch.tensor([24, 8, 0, 16])
+    a = torch.randn(num_slots, width, fan_in).to(dtype)
+    b = torch.randn(num_slots, fan_out, width).to(dtype)
+    for s, k in enumerate(widths.tolist()):  # garbage past the width: must not count
+        a[s, k:] = 1e6
+        b[s, :, k:] = 1e6
+    x = torch.randn(rows, fan_in).to(dtype)
+    slots = torch.randint(-1, num_slots, (rows,))
+    y = torch.randn(rows, fan_out).to(dtype)
+    want = y.float().clone()
+    for t, s in enumerate(slots.tolist()):
+        k = int(widths[s]) if s >= 0 else 0
+        if k:
+            want[t] += b[s, :, :k].float() @ (a[s, :k].float() @ x[t].float())
+    lora_add(y, x, a, b, slots, widths)
+    scale = want.abs().max()
+    assert torch.allclose(y.float(), want, atol=tol * scale, rtol=tol)
+
+
+def test_lora_add_refuses_what_it_cannot_do() -> None:
+    from engines.reference.model.cpu_kernels import lora_add
+
+    y, x = torch.zeros(2, 8), torch.zeros(2, 4)
+    a, b = torch.zeros(2, 3, 4), torch.zeros(2, 8, 3)
+    with pytest.raises(RuntimeError, match="slot of row 1 out of range"):
+        lora_add(y, x, a, b, torch.tensor([0, 2]), torch.tensor([3, 3]))
+    with pytest.raises(RuntimeError, match="width of slot 0 out of range"):
+        lora_add(y, x, a, b, torch.tensor([0, 1]), torch.tensor([4, 3]))
+    with pytest.raises(RuntimeError, match="shapes do not agree"):
+        lora_add(y, torch.zeros(2, 5), a, b, torch.tensor([0, 1]), torch.tensor([3, 3]))

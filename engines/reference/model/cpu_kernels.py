@@ -53,6 +53,7 @@ _SOURCES = [
         "moe_experts.cpp",
         "moe_fused.cpp",
         "panel_linear.cpp",
+        "lora.cpp",
     )
 ]
 # Part of the build's key.
@@ -214,6 +215,18 @@ def rope_cache(
     return torch.ops.tokenmill.rope_cache(
         qkv, cos, sin, k_cache, v_cache, slots, heads, q_norm, k_norm, eps
     )
+
+
+def lora_add(
+    y: torch.Tensor,  # [T, out], added to in place
+    x: torch.Tensor,  # [T, in]
+    a: torch.Tensor,  # [S, W, in] each slot's A
+    b: torch.Tensor,  # [S, out, W] each slot's B (scaled)
+    slots: torch.Tensor,  # [T] int64 each row's slot, -1: none
+    widths: torch.Tensor,  # [S] int64 columns of W each slot uses
+) -> None:
+    """y[t] += B[s] A[s] x[t] for each row t of a slot s (kernels/lora.cpp)."""
+    torch.ops.tokenmill.lora_add(y, x, a, b, slots, widths)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,9 @@ import torch
 from torch import nn
 
 from engines.lora.peft import LoraAdapter
+from engines.reference.model import cpu_kernels
 from engines.reference.model.linear import linear_add
+from engines.reference.model.mlp import MLP
 
 
 @dataclass(frozen=True)
@@ -32,10 +34,12 @@ class LoraRows:
 
 
 class LoraStepState:
-    """What every wrapped projection reads during one forward: the step's row groups."""
+    """What every wrapped projection reads during one forward: the step's row groups, and
+    each row's slot (-1: the model itself) for the CPU kernel."""
 
     def __init__(self) -> None:
         self.groups: Sequence[LoraRows] = ()
+        self.slots: torch.Tensor | None = None  # [T] int64
 
 
 class LoraLinear(nn.Module):
@@ -70,12 +74,14 @@ class LoraLinear(nn.Module):
             torch.zeros(num_slots, self.out_features, width, dtype=dtype, device=device),
         )
         self.width = [0] * num_slots  # columns of slot s in use: parts x the adapter's rank
+        self.register_buffer("widths", torch.zeros(num_slots, dtype=torch.int64))
 
     def load(self, slot: int, adapter: LoraAdapter | None) -> None:
         """Put `adapter`'s terms for this projection into `slot` (None: clear it)."""
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
         self.width[slot] = 0
+        self.widths[slot] = 0
         if adapter is None:
             return
         rank, scale = adapter.config.rank, adapter.config.scale
@@ -93,8 +99,13 @@ class LoraLinear(nn.Module):
                 any_part = True
             row += size
         self.width[slot] = len(self.parts) * rank if any_part else 0
+        self.widths[slot] = self.width[slot]
 
     def _add_terms(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        slots = self.state.slots
+        if slots is not None and cpu_kernels.use_kernels(x.device):
+            cpu_kernels.lora_add(y, x.contiguous(), self.lora_a, self.lora_b, slots, self.widths)
+            return y
         for group in self.state.groups:
             k = self.width[group.slot]
             if k == 0:
@@ -127,8 +138,6 @@ def attach_lora(
 ) -> list[LoraLinear]:
     """Wrap every projection an adapter can target (after fuse_projections and any linear
     swap); MoE layers' experts are left alone. Returns the wrapped projections."""
-    from engines.reference.model.mlp import MLP
-
     cfg = model.config
     first = next(model.parameters())
     dtype, device = first.dtype, first.device

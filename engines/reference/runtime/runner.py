@@ -52,6 +52,7 @@ class StepInputs:
     logits_rows: torch.Tensor  # [S] int64
     layer_macs: int  # multiply-adds of one decoder layer (estimate): picks the thread count
     lora: tuple[LoraRows, ...] = ()  # the rows of each LoRA slot in use this step
+    lora_slots: torch.Tensor | None = None  # [T] int64 each row's LoRA slot (-1: none)
 
 
 @dataclass(frozen=True)
@@ -285,6 +286,7 @@ class ModelRunner:
             raise RuntimeError("a step with LoRA rows on a runner without LoRA slots")
         if self.lora is not None:
             self.lora.groups = step.lora
+            self.lora.slots = step.lora_slots
         try:
             with intra_op_threads(1) if small else contextlib.nullcontext():
                 return self.model(
@@ -293,6 +295,7 @@ class ModelRunner:
         finally:
             if self.lora is not None:
                 self.lora.groups = ()
+                self.lora.slots = None
 
     @torch.inference_mode()
     def embed_hidden(self, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
@@ -436,4 +439,11 @@ class ModelRunner:
                 LoraRows(slot, self._upload(torch.tensor(rows, dtype=torch.int64)))
                 for slot, rows in lora_rows.items()
             ),
+            lora_slots=self._row_slots(row, lora_rows) if lora_rows else None,
         )
+
+    def _row_slots(self, num_rows: int, lora_rows: dict[int, list[int]]) -> torch.Tensor:
+        slots = torch.full((num_rows,), -1, dtype=torch.int64)
+        for slot, rows in lora_rows.items():
+            slots[rows] = slot
+        return self._upload(slots)

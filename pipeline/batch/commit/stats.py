@@ -12,7 +12,9 @@ job, `tokenmill report` and the summary then read the manifest only, never the r
   (first token → finish), so throughput is drawn when tokens were made, not when rows ended;
 - per actor, the spans when it had rows in its engine;
 - speculative decoding: tokens proposed, accepted, and verification steps (jobs with
-  engine.speculative), whence the acceptance rate and accepted tokens per verification.
+  engine.speculative), whence the acceptance rate and accepted tokens per verification;
+- LoRA adapters: the sums of each adapter's rows (jobs with model.adapters), whence rows,
+  tokens, device-seconds and dollars per adapter.
 
 All of it merges by addition; histograms and counters also subtract (a row replaced by
 `--retry-errors` leaves the sums).
@@ -29,7 +31,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pipeline.cost import RowSums
+from pipeline.cost import RowSums, row_sums
 
 # Histogram buckets: BUCKETS_PER_DECADE per factor of 10, from MIN_VALUE up.
 BUCKETS_PER_DECADE = 40
@@ -290,10 +292,18 @@ class RowStats:
     tokens: Timeline = field(default_factory=Timeline)  # output tokens over wall time
     busy: dict[str, list[tuple[float, float]]] = field(default_factory=dict)  # actor -> spans
     spec: SpecCounts = field(default_factory=SpecCounts)
+    # Jobs with model.adapters: the sums of each adapter's rows (BASE: the model itself).
+    by_adapter: dict[str, RowSums] = field(default_factory=dict)
+
+    def _add_adapters(self, other: RowStats, sign: int) -> None:
+        for name, sums in other.by_adapter.items():
+            self.by_adapter.setdefault(name, RowSums()).add(sums, sign=sign)
+        self.by_adapter = {k: v for k, v in self.by_adapter.items() if v.rows != 0}
 
     def merge(self, other: RowStats) -> None:
         self.sums.add(other.sums)
         self.spec.add(other.spec)
+        self._add_adapters(other, 1)
         self.latency_s.merge(other.latency_s)
         self.ttft_s.merge(other.ttft_s)
         self.gpu_seconds.merge(other.gpu_seconds)
@@ -306,6 +316,7 @@ class RowStats:
         """Remove rows that were replaced (their tokens and busy time stay: they happened)."""
         self.sums.add(other.sums, sign=-1)
         self.spec.add(other.spec, sign=-1)
+        self._add_adapters(other, -1)
         self.latency_s.subtract(other.latency_s)
         self.ttft_s.subtract(other.ttft_s)
         self.gpu_seconds.subtract(other.gpu_seconds)
@@ -322,6 +333,11 @@ class RowStats:
             "tokens": self.tokens.to_json(),
             "busy": {a: [[round(s, 3), round(e, 3)] for s, e in v] for a, v in self.busy.items()},
             "spec": self.spec.to_json(),
+            **(
+                {"by_adapter": {k: v.to_json() for k, v in sorted(self.by_adapter.items())}}
+                if self.by_adapter
+                else {}
+            ),
         }
 
     @classmethod
@@ -336,6 +352,7 @@ class RowStats:
             tokens=Timeline.from_json(data.get("tokens")),
             busy={a: [(float(s), float(e)) for s, e in v] for a, v in data.get("busy", {}).items()},
             spec=SpecCounts.from_json(data.get("spec")),
+            by_adapter={k: RowSums.from_json(v) for k, v in data.get("by_adapter", {}).items()},
         )
 
     @classmethod
@@ -383,4 +400,21 @@ class RowStats:
             stats.errors_by_kind[error_kind(message)] += 1
         stats.busy = {a: merge_spans(s) for a, s in spans.items()}
         stats.spec = SpecCounts.of_table(table)
+        stats.by_adapter = sums_by_adapter(table)
         return stats
+
+
+# The by_adapter key of rows that ran on the model itself.
+BASE = ""
+
+
+def sums_by_adapter(table: pa.Table) -> dict[str, RowSums]:
+    """The sums of each adapter's rows of a job with model.adapters (an `adapter` column);
+    {} for other jobs."""
+    if "adapter" not in table.column_names:
+        return {}
+    names = [n or BASE for n in table.column("adapter").to_pylist()]
+    return {
+        key: row_sums(table.filter(pa.array([n == key for n in names], type=pa.bool_())))
+        for key in sorted(set(names))
+    }

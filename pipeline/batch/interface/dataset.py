@@ -1,16 +1,22 @@
 """What a Ray Data processor (pipeline.data) runs of batch: the prompt stage, the row
 stage and the output schema, with the column names they share."""
 
-from pipeline.batch.columns import ERROR, ID, MESSAGES, PROMPT, ROW
+from pipeline.batch.columns import ADAPTER, ERROR, ID, MESSAGES, PROMPT, ROW
 from pipeline.batch.driver.plan import check_reasoning
 from pipeline.batch.stages.generate import RowServer, current_actor_id, reasoning_parser
 from pipeline.batch.stages.prompts import PromptStage
-from pipeline.batch.stages.read.cells import apply_overrides, messages_value, text_prompt
+from pipeline.batch.stages.read.cells import (
+    adapter_cell,
+    apply_overrides,
+    messages_value,
+    text_prompt,
+)
 from pipeline.batch.stages.read.parquet import columns_needed
 from pipeline.batch.stages.rows import GenerateConfig, outcomes_to_table
 from pipeline.batch.stages.schema import job_output_schema
 
 __all__ = [
+    "ADAPTER",
     "ERROR",
     "ID",
     "MESSAGES",
@@ -19,6 +25,7 @@ __all__ = [
     "GenerateConfig",
     "PromptStage",
     "RowServer",
+    "adapter_cell",
     "apply_overrides",
     "check_reasoning",
     "columns_needed",

@@ -51,7 +51,7 @@ from engines.api import (
 )
 from engines.health import StallWatch
 from engines.samples import fan_out
-from pipeline.batch.columns import ROW
+from pipeline.batch.columns import ADAPTER, ROW
 from pipeline.batch.commit.lease import LeaseHolder
 from pipeline.batch.commit.parts import (
     LEASE_NAME,
@@ -169,6 +169,7 @@ class RowServer:
             sampling=sampling,
             request_id=f"{row['id']}#{self._request_prefix}.{next(self._request_seq)}",
             embed=self.embed,
+            adapter=row.get(ADAPTER) or None,
         )
         # n > 1: n requests of one group (the engine computes the prompt once for them).
         requests = fan_out(request, row_samples(row, self.sampling))

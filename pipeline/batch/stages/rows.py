@@ -19,9 +19,10 @@ from engines.api import (
     ResponseFormat,
     SamplingParams,
 )
-from pipeline.batch.columns import BODY_SAMPLING, ROW
+from pipeline.batch.columns import ADAPTER, BODY_SAMPLING, ROW
 from pipeline.batch.stages.prompts import derive_seed
 from pipeline.batch.stages.schema import (
+    ADAPTER_FIELD,
     EMBEDDING_FIELD,
     LOGPROBS_FIELD,
     PARSED_FIELD,
@@ -62,6 +63,7 @@ class GenerateConfig:
     prompt_logprobs: bool  # sampling.prompt_logprobs is set: emit `prompt_logprobs`
     reasoning: str  # prompt.reasoning: none, or the format to split outputs by (emit both)
     embed: EmbedParams | None  # task embed: how rows are embedded (emit `embedding`)
+    adapters: bool  # model.adapters: rows carry their LoRA adapter (emit `adapter`)
     max_in_flight: int  # requests in the engine at once, across shards
     batch_size: int  # rows taken from a shard at a time
     rows_per_file: int  # a part holds at most this many rows
@@ -94,6 +96,7 @@ class GenerateConfig:
             prompt_logprobs=spec.sampling.prompt_logprobs is not None,
             reasoning=spec.prompt.reasoning,
             embed=spec.embed_params,
+            adapters=bool(spec.model.adapters),
             max_in_flight=spec.resources.max_in_flight,
             batch_size=spec.resources.batch_size,
             rows_per_file=spec.output.rows_per_file,
@@ -445,6 +448,8 @@ def outcomes_to_table(
         columns[EMBEDDING_FIELD.name] = pa.array(
             [o.embedding for o in outcomes], type=EMBEDDING_FIELD.type
         )
+    if config.adapters:
+        columns[ADAPTER_FIELD.name] = batch.column(ADAPTER).cast(ADAPTER_FIELD.type)
     return pa.table(columns)
 
 

@@ -96,6 +96,9 @@ REASONING_FIELDS: tuple[pa.Field, ...] = (
 )
 
 
+# Jobs with model.adapters: the LoRA adapter the row ran with (null: the model itself).
+ADAPTER_FIELD = pa.field("adapter", pa.string())
+
 # Jobs with task embed: the prompt's pooled embedding (null on error rows).
 EMBEDDING_FIELD = pa.field("embedding", pa.list_(pa.float32()))
 
@@ -143,6 +146,7 @@ def output_schema(
     prompt_logprobs: bool = False,
     reasoning: bool = False,
     embedding: bool = False,
+    adapters: bool = False,
 ) -> pa.Schema:
     """The one schema of every part of a job: id, passthrough columns, results."""
     fields = [pa.field("id", pa.string()), *passthrough, *RESULT_FIELDS]
@@ -162,6 +166,8 @@ def output_schema(
         fields.extend(REASONING_FIELDS)
     if embedding:
         fields.append(EMBEDDING_FIELD)
+    if adapters:
+        fields.append(ADAPTER_FIELD)
     return pa.schema(fields)
 
 
@@ -183,6 +189,7 @@ RESERVED_COLUMNS: frozenset[str] = frozenset(
             prompt_logprobs=True,
             reasoning=True,
             embedding=True,
+            adapters=True,
         ).names,
     }
 )
@@ -200,6 +207,7 @@ def job_output_schema(spec: JobSpec, passthrough: Iterable[pa.Field] = ()) -> pa
         prompt_logprobs=spec.sampling.prompt_logprobs is not None,
         reasoning=spec.prompt.reasoning != "none",
         embedding=spec.task == "embed",
+        adapters=bool(spec.model.adapters),
     )
 
 

@@ -36,6 +36,7 @@ from typing import Any
 import pyarrow as pa
 
 from pipeline.batch.columns import (
+    ADAPTER,
     BATCH_OVERRIDE_COLUMNS,
     BODY_SAMPLING,
     CORE_COLUMNS,
@@ -54,6 +55,42 @@ def has_row_sampling(spec: JobSpec) -> bool:
     """Whether rows carry BODY_SAMPLING: openai_batch input, or an override of a table field."""
     return spec.input.format == "openai_batch" or any(
         field in params.BATCH_SAMPLING for field in spec.sampling.overrides
+    )
+
+
+def has_adapters(spec: JobSpec) -> bool:
+    """Whether rows carry ADAPTER: the job lists LoRA adapters (model.adapters)."""
+    return bool(spec.model.adapters)
+
+
+def adapter_cell(spec: JobSpec, row: dict[str, Any], value: Any, where: str) -> None:
+    """A row's adapter from its input.adapter_column cell: null, empty or the model's own
+    name run on the model itself; a name not among model.adapters is left for the engine to
+    refuse (an error row naming it and the adapters there are)."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        row[ADAPTER] = None
+    elif isinstance(value, str):
+        name = value.strip()
+        row[ADAPTER] = None if name in ("", spec.model.display_name) else name
+    else:
+        row[ERROR] = (
+            f"{where}: column {spec.input.adapter_column!r} (input.adapter_column) holds "
+            f"{type(value).__name__}, expected an adapter's name"
+        )
+
+
+def model_adapter(spec: JobSpec, model: Any) -> tuple[str | None, str | None]:
+    """(adapter, None) or (None, error) for an openai_batch line's body.model: the job's
+    model (or none named) runs on it, an adapter's name on that adapter; with adapters listed,
+    any other name is the line's error (as OpenAI answers a model it does not have)."""
+    if not has_adapters(spec) or model in (None, "", "-", spec.model.display_name):
+        return None, None
+    if isinstance(model, str) and model in spec.model.adapters:
+        return model, None
+    names = ", ".join(sorted(spec.model.adapters))
+    return None, (
+        f"body.model {model!r} is neither this job's model {spec.model.display_name!r} nor "
+        f"one of its adapters ({names})"
     )
 
 
@@ -193,6 +230,8 @@ def column_types(spec: JobSpec, passthrough: list[pa.Field]) -> dict[str, pa.Dat
         types[column] = pa.int64() if kind is int else pa.string() if kind is str else pa.float64()
     if has_row_sampling(spec):
         types[BODY_SAMPLING] = pa.string()
+    if has_adapters(spec):
+        types[ADAPTER] = pa.string()
     return types
 
 
@@ -204,6 +243,8 @@ def output_names(spec: JobSpec) -> list[str]:
             names.append(name)
     if has_row_sampling(spec):
         names.append(BODY_SAMPLING)
+    if has_adapters(spec):
+        names.append(ADAPTER)
     return names
 
 

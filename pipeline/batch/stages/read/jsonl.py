@@ -20,6 +20,7 @@ from typing import Any
 from pipeline.batch.columns import ERROR, ID, ROW
 from pipeline.batch.stages.read.cells import (
     RowBuffer,
+    adapter_cell,
     apply_overrides,
     derived_id,
     extra_columns,
@@ -86,6 +87,8 @@ def jsonl_row(spec: JobSpec, obj: dict[str, Any], row: dict[str, Any], where: st
         text_prompt(row, inp.prompt_column, obj[inp.prompt_column], where)
     if inp.messages_column:
         messages_value(row, inp.messages_column, obj[inp.messages_column], where)
+    if inp.adapter_column:  # a line without the key runs on the model itself
+        adapter_cell(spec, row, obj.get(inp.adapter_column), where)
     for name in extra_columns(spec):
         row[name] = json_cell(obj.get(name))
     apply_overrides(spec, row, obj, where)

@@ -11,6 +11,7 @@ import json
 from typing import Any
 
 from pipeline.batch.columns import (
+    ADAPTER,
     BATCH_OVERRIDE_COLUMNS,
     BODY_SAMPLING,
     ERROR,
@@ -18,7 +19,13 @@ from pipeline.batch.columns import (
     MESSAGES,
     PROMPT,
 )
-from pipeline.batch.stages.read.cells import apply_overrides, coerce_override, json_cell
+from pipeline.batch.stages.read.cells import (
+    apply_overrides,
+    coerce_override,
+    has_adapters,
+    json_cell,
+    model_adapter,
+)
 from pipeline.openai.errors import ApiError
 from pipeline.openai.models import (
     ChatCompletionRequest,
@@ -190,3 +197,11 @@ def batch_row(spec: JobSpec, obj: dict[str, Any], row: dict[str, Any], where: st
         )
     elif parsed[ERROR]:
         row[ERROR] = f"{where}: {parsed[ERROR]}"
+    body = obj.get("body")
+    if has_adapters(spec):
+        adapter, problem = model_adapter(
+            spec, body.get("model") if isinstance(body, dict) else None
+        )
+        row[ADAPTER] = adapter
+        if problem and not row.get(ERROR):
+            row[ERROR] = f"{where}: {problem}"

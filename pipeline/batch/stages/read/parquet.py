@@ -13,8 +13,9 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pipeline.batch.columns import BODY_SAMPLING, ERROR, ID, MESSAGES, PROMPT, ROW
+from pipeline.batch.columns import ADAPTER, BODY_SAMPLING, ERROR, ID, MESSAGES, PROMPT, ROW
 from pipeline.batch.stages.read.cells import (
+    adapter_cell,
     apply_overrides,
     column_types,
     derived_id,
@@ -34,6 +35,7 @@ def columns_needed(spec: JobSpec) -> dict[str, str]:
     needed = {c: "input.id_column" for c in [inp.id_column] if c}
     needed.update({c: "input.prompt_column" for c in [inp.prompt_column] if c})
     needed.update({c: "input.messages_column" for c in [inp.messages_column] if c})
+    needed.update({c: "input.adapter_column" for c in [inp.adapter_column] if c})
     for c in inp.passthrough_columns:
         needed.setdefault(c, "input.passthrough_columns")
     for c in spec.template_columns():
@@ -83,15 +85,17 @@ def read_parquet_shard(
     def values(name: str | None) -> list[Any] | None:
         return table.column(name).to_pylist() if name and name in present else None
 
-    ids, prompts, chats = (
+    ids, prompts, chats, adapters = (
         values(inp.id_column),
         values(inp.prompt_column),
         values(inp.messages_column),
+        values(inp.adapter_column),
     )
     overrides = {c: values(c) for c in spec.sampling.overrides.values() if c in present}
     core: dict[str, list[Any]] = {ID: [], PROMPT: [], MESSAGES: [], ERROR: []}
     coerced: dict[str, list[Any]] = {c: [] for c in overrides}
     row_sampling: list[Any] = []  # BODY_SAMPLING, when overrides set shared-table fields
+    row_adapters: list[Any] = []  # ADAPTER, when the job lists adapters
     where: list[str] = []
     for i, index in enumerate(keep):
         place = f"{shard.uri} row {shard.start + index}"
@@ -105,12 +109,15 @@ def read_parquet_shard(
             text_prompt(row, inp.prompt_column or "", prompts[i], place)
         if chats is not None:
             messages_value(row, inp.messages_column or "", chats[i], place)
+        if adapters is not None:
+            adapter_cell(spec, row, adapters[i], place)
         apply_overrides(spec, row, {c: v[i] for c, v in overrides.items()}, place)  # type: ignore[index]
         for name in core:
             core[name].append(row.get(name))
         for name in coerced:
             coerced[name].append(row.get(name))
         row_sampling.append(row.get(BODY_SAMPLING))
+        row_adapters.append(row.get(ADAPTER))
         where.append(place)
 
     types = column_types(spec, passthrough)
@@ -124,6 +131,8 @@ def read_parquet_shard(
             arrays[name] = pa.array(coerced[name], type=types[name])
         elif name == BODY_SAMPLING:
             arrays[name] = pa.array(row_sampling, type=pa.string())
+        elif name == ADAPTER:
+            arrays[name] = pa.array(row_adapters, type=pa.string())
         elif name in present and name in fixed:
             column = table.column(name)
             try:
