@@ -45,8 +45,22 @@ EMBED_UNSUPPORTED = (
 )
 
 
-def admit(request: GenerationRequest, *, vocab_size: int, max_model_len: int) -> Admission:
-    """Check `request` against the model's vocabulary and context; clip its max_tokens."""
+def admit(
+    request: GenerationRequest,
+    *,
+    vocab_size: int,
+    max_model_len: int,
+    takes_adapters: bool = False,
+) -> Admission:
+    """Check `request` against the model's vocabulary and context; clip its max_tokens.
+    `takes_adapters`: the engine runs LoRA adapters (it checks the name itself); an engine
+    that does not must never answer an adapter's request with its base model."""
+    if request.adapter is not None and not takes_adapters:
+        return Admission(
+            f"LoRA adapter {request.adapter!r}: this engine kind does not run adapters yet "
+            "(engine.kind reference does)",
+            0,
+        )
     if request.embed is not None:
         # The production kinds run one engine per replica for generation; their embedding
         # runners (vLLM's pooling runner) are separate engines that cannot generate.

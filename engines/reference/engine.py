@@ -404,7 +404,10 @@ class ReferenceEngine:
     def _check(self, request: GenerationRequest) -> tuple[str | None, int]:
         """A per-request problem (as an error text) and the request's allowed output tokens."""
         admission = admit(
-            request, vocab_size=self.config.vocab_size, max_model_len=self.max_model_len
+            request,
+            vocab_size=self.config.vocab_size,
+            max_model_len=self.max_model_len,
+            takes_adapters=True,
         )
         if not admission.ok:
             return admission.error, 0

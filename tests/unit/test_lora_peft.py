@@ -87,3 +87,15 @@ def test_slots_fill_least_recently_used_free_slot_and_never_one_in_use() -> None
     assert slots.acquire("r5", _adapter("d")) == 0  # a's slot was used longest ago
     assert filled == [(0, "a"), (1, "b"), (1, "c"), (0, "d")] and slots.loads == 4
     assert slots.slot("r5") == 0 and slots.slot("r1") == -1
+
+
+def test_engines_without_adapters_refuse_an_adapters_request() -> None:
+    """vLLM, TensorRT-LLM and the synthetic engine admit through engines.requests.admit: a
+    request naming an adapter is an error there, never an answer from the base model."""
+    from engines.api import GenerationRequest, SamplingParams
+    from engines.requests import admit
+
+    request = GenerationRequest([1, 2], SamplingParams(max_tokens=2), adapter="sql")
+    refused = admit(request, vocab_size=10, max_model_len=16)
+    assert not refused.ok and "'sql'" in refused.error and "does not run adapters" in refused.error
+    assert admit(request, vocab_size=10, max_model_len=16, takes_adapters=True).ok
