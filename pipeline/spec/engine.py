@@ -126,17 +126,17 @@ class EngineSpec(StrictModel):
     scheduler_policy: Literal["guaranteed_no_evict", "max_utilization"] = Field(
         common_default("scheduler_policy"), description=spec_description("scheduler_policy")
     )
-    max_loras: int = Field(
-        4,
+    max_loras: int | None = Field(
+        None,
         ge=1,
         description="reference engine with model.adapters: LoRA adapters usable in one engine "
-        "step (the model's adapter slots); rows of other adapters wait for a slot.",
+        "step (the model's adapter slots); rows of other adapters wait for a slot. Null: 4.",
     )
-    max_lora_rank: int = Field(
-        64,
+    max_lora_rank: int | None = Field(
+        None,
         ge=1,
         description="reference engine with model.adapters: the highest adapter rank accepted "
-        "(slots are sized for it); an adapter above it fails its rows.",
+        "(slots are sized for it); an adapter above it fails its rows. Null: 64.",
     )
     max_cpu_loras: int | None = Field(
         None,

@@ -29,24 +29,16 @@ REPO = Path(__file__).resolve().parents[2]
 PINS = REPO / "images" / "pins"
 
 
-def _load_check_install():
-    spec = importlib.util.spec_from_file_location("check_install", REPO / "images/check_install.py")
+def _images_script(name: str):
+    """A stdlib script of images/ (not a package: the image builds run it before any install)."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "images" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-check_install = _load_check_install()
-
-
-def _load_constraints():
-    spec = importlib.util.spec_from_file_location("constraints", REPO / "images/constraints.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-constraints = _load_constraints()
+check_install = _images_script("check_install")
+constraints = _images_script("constraints")
 
 
 @dataclass(frozen=True)

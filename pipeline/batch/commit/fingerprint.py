@@ -4,7 +4,8 @@ A resumed run appends rows to the ones already committed, so both runs must have
 their rows the same way. The fingerprint hashes, per component:
 
 - model:    the path, plus a cheap content fingerprint (config.json's bytes and every file's
-            name and size; hashing multi-GB weights on every run would cost minutes),
+            name and size; hashing multi-GB weights on every run would cost minutes), and
+            with model.adapters each adapter's source and the same fingerprint of its folder,
 - engine:   the engine kind and the settings passed to the engine,
 - sampling: the whole sampling section (defaults, stops, per-row override columns),
 - prompt:   template, system prompt, chat-template flag, and the input columns read,
@@ -100,6 +101,23 @@ def model_content(path: str, storage: StorageSpec) -> dict[str, Any]:
     return {"config_sha256": config_hash, "files": sizes}
 
 
+def adapter_content(source: str, storage: StorageSpec) -> dict[str, Any]:
+    """adapter_config.json's hash and (name, size) of every file of an adapter folder. One
+    that cannot be read is recorded as such: its rows fail, the job does not."""
+    fs, root = filesystem_for(source, storage)
+    root = root.rstrip("/")
+    try:
+        entries = fs.find(root, detail=True)
+        sizes = {
+            name[len(root) + 1 :]: int(info.get("size") or 0) for name, info in entries.items()
+        }
+        config = f"{root}/adapter_config.json"
+        digest = hashlib.sha256(fs.cat_file(config)).hexdigest() if config in entries else None
+    except OSError as exc:
+        return {"unreadable": f"{type(exc).__name__}"}
+    return {"config_sha256": digest, "files": dict(sorted(sizes.items()))}
+
+
 def _sampling_part(spec: JobSpec) -> dict[str, Any]:
     sampling = spec.sampling.model_dump(mode="json")
     # Fields added later count only when set, so outputs written before they existed keep
@@ -141,6 +159,11 @@ def job_fingerprint(
         "tokenizer": spec.model.tokenizer,
         **model_info,
     }
+    if spec.model.adapters:  # only when set: other jobs keep the fingerprint they had
+        model_part["adapters"] = {
+            name: {"source": source, **adapter_content(source, spec.storage)}
+            for name, source in sorted(spec.model.adapters.items())
+        }
     if spec.model.quantization is not None:
         # Added only when set, so fingerprints of unquantized jobs stay what they were; an fp8
         # job and an nvfp4 job on the same source model must never share output.
@@ -155,6 +178,7 @@ def job_fingerprint(
             "id_column": spec.input.id_column,
             "prompt_column": spec.input.prompt_column,
             "messages_column": spec.input.messages_column,
+            **({"adapter_column": spec.input.adapter_column} if spec.input.adapter_column else {}),
         },
         "input": {
             "files": input_listing(files),
