@@ -537,3 +537,28 @@ def test_lora_add_refuses_what_it_cannot_do() -> None:
         lora_add(y, x, a, b, torch.tensor([0, 1]), torch.tensor([4, 3]))
     with pytest.raises(RuntimeError, match="shapes do not agree"):
         lora_add(y, torch.zeros(2, 5), a, b, torch.tensor([0, 1]), torch.tensor([3, 3]))
+
+
+def test_a_copy_of_the_package_elsewhere_compiles_the_same_staged_sources(
+    tmp_path, monkeypatch
+) -> None:
+    """A Ray job's working_dir holds another copy of the package: its sources are staged to the
+    same paths in the build directory, untouched, so torch's build file does not change and
+    nothing is rebuilt (it rebuilds whenever the source paths in that file change)."""
+    import shutil
+    from pathlib import Path
+
+    from engines.reference.model import cpu_kernels
+
+    build = tmp_path / "build"
+    build.mkdir()
+    here = cpu_kernels._staged_sources(build)
+    stamps = {p: p.stat().st_mtime_ns for p in (build / "src").iterdir()}
+    copy = tmp_path / "working_dir" / "kernels"
+    shutil.copytree(Path(cpu_kernels.__file__).parents[1] / "kernels", copy)
+    monkeypatch.setattr(cpu_kernels, "_SOURCES", [copy / s.name for s in cpu_kernels._SOURCES])
+    monkeypatch.setattr(cpu_kernels, "_HEADERS", [copy / h.name for h in cpu_kernels._HEADERS])
+    assert cpu_kernels._staged_sources(build) == here
+    assert {p: p.stat().st_mtime_ns for p in (build / "src").iterdir()} == stamps
+    assert all(p.parent == build / "src" for p in here)
+    assert {p.name for p in (build / "src").iterdir()} >= {"fast_exp.h", "panel.h", "lora.cpp"}

@@ -19,7 +19,8 @@ copy per layer before SDPA; for a step of 64 requests with ~330 tokens of contex
 reads each K/V row where it lies, once for all query heads sharing it, and also beats SDPA on
 prefill chunks (see paged_attention.cpp). It is compiled once per machine with the compiler torch
 itself uses (about ten seconds) into ~/.cache/tokenmill/kernels/<key> (TOKENMILL_KERNEL_CACHE
-overrides), keyed by the source, the torch version, the CPU's instruction-set flags (it is
+overrides; the sources are compiled from a copy there, so wherever the package lives the
+build is reused), keyed by the source, the torch version, the CPU's instruction-set flags (it is
 built for the host CPU) and the torch install it links against (two environments on one node,
 Serve's and the engine's, would otherwise take turns rebuilding one directory: the build files
 name each one's include paths, and torch rebuilds when they change), and loaded from there
@@ -118,7 +119,7 @@ def kernels_available() -> bool:
         _remove_stale_lock(build / "lock")
         load(
             name="tokenmill_cpu_kernels",
-            sources=[str(src) for src in _SOURCES],
+            sources=[str(src) for src in _staged_sources(build)],
             build_directory=str(build),
             extra_cflags=_CFLAGS,
             extra_ldflags=["-fopenmp"],
@@ -133,6 +134,25 @@ def kernels_available() -> bool:
         )
         return False
     return True
+
+
+def _staged_sources(build: Path) -> list[Path]:
+    """The sources (and the headers they include) copied into the build directory, compiled
+    from there: the build files then name the same paths wherever the package lives, so a copy
+    of it elsewhere (a Ray job's working_dir, another checkout) reuses the build instead of
+    rebuilding it, as torch does whenever the source paths in its build file change. The
+    directory is keyed by the sources' content, so a file there is written once."""
+    staged = build / "src"
+    staged.mkdir(exist_ok=True)
+    for src in _SOURCES + _HEADERS:
+        target = staged / src.name
+        content = src.read_bytes()
+        if target.is_file() and target.read_bytes() == content:
+            continue
+        partial = staged / f".{src.name}.{os.getpid()}"
+        partial.write_bytes(content)
+        os.replace(partial, target)  # atomic: a concurrent build reads the old or the new
+    return [staged / src.name for src in _SOURCES]
 
 
 def _remove_stale_lock(lock: Path) -> None:
