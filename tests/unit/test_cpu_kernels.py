@@ -562,3 +562,25 @@ def test_a_copy_of_the_package_elsewhere_compiles_the_same_staged_sources(
     assert {p: p.stat().st_mtime_ns for p in (build / "src").iterdir()} == stamps
     assert all(p.parent == build / "src" for p in here)
     assert {p.name for p in (build / "src").iterdir()} >= {"fast_exp.h", "panel.h", "lora.cpp"}
+
+
+def test_a_process_with_another_ninja_on_its_path_reuses_the_build() -> None:
+    """A process whose PATH lacks the environment's bin (a Ray worker, `.venv/bin/pytest` run
+    without activating) would find the system's ninja, whose build log the package's ninja
+    does not read, and each would rebuild after the other. Both build with the package's."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from engines.reference.model.cpu_kernels import _build_dir
+
+    library = _build_dir() / "tokenmill_cpu_kernels.so"
+    code = "from engines.reference.model.cpu_kernels import kernels_available as k; print(k())"
+    stamps = []
+    for path in (f"{Path(sys.executable).parent}:/usr/bin:/bin", "/usr/bin:/bin"):
+        env = {**os.environ, "PATH": path}
+        proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        assert proc.stdout.strip() == "True", proc.stderr[-2000:]
+        stamps.append(library.stat().st_mtime_ns)
+    assert stamps[0] == stamps[1], "a process with the other ninja on its PATH rebuilt"

@@ -33,6 +33,7 @@ those on CPU too).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -40,6 +41,7 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -117,15 +119,16 @@ def kernels_available() -> bool:
         build = _build_dir()
         build.mkdir(parents=True, exist_ok=True)
         _remove_stale_lock(build / "lock")
-        load(
-            name="tokenmill_cpu_kernels",
-            sources=[str(src) for src in _staged_sources(build)],
-            build_directory=str(build),
-            extra_cflags=_CFLAGS,
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-            verbose=False,
-        )
+        with _environment_ninja():
+            load(
+                name="tokenmill_cpu_kernels",
+                sources=[str(src) for src in _staged_sources(build)],
+                build_directory=str(build),
+                extra_cflags=_CFLAGS,
+                extra_ldflags=["-fopenmp"],
+                is_python_module=False,
+                verbose=False,
+            )
     except Exception as exc:  # no compiler, a failed build: the torch path still works
         logger.warning(
             "CPU kernels unavailable (%s: %s); the reference engine uses plain torch ops",
@@ -134,6 +137,25 @@ def kernels_available() -> bool:
         )
         return False
     return True
+
+
+@contextlib.contextmanager
+def _environment_ninja() -> Iterator[None]:
+    """This environment's ninja (the `ninja` package) first on PATH while torch builds: which
+    ninja a process finds otherwise depends on its PATH, and two ninja versions (a system
+    1.11 and the package's 1.13 write different build logs) each take the other's objects for
+    stale and rebuild everything, every time the other has built."""
+    try:
+        import ninja  # optional: without the package, the system's ninja builds
+    except ImportError:
+        yield
+        return
+    old = os.environ.get("PATH", "")
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + old
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = old
 
 
 def _staged_sources(build: Path) -> list[Path]:
