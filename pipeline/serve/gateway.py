@@ -267,26 +267,55 @@ class Gateway:
     def served(
         self, name: str, param: str | None = "model", key: ApiKey | None = None
     ) -> ServedModelSpec:
-        served = self.spec.model_named(name)
-        # A model the key may not use looks like one that does not exist (404, as OpenAI
-        # answers for a model a key cannot see): no listing of what other keys get.
-        if key is not None and key.models is not None and (served is None or not key.allows(name)):
-            available = ", ".join(n for n in sorted(self.engines) if key.allows(n))
+        """The served model `name` names (404 for one the key may not use); an adapter's name
+        is refused here: the route asking runs base models only (embeddings, ops)."""
+        served, adapter = self.route(name, param, key)
+        if adapter is not None:
             raise ApiError(
-                404,
-                f"The model '{name}' does not exist or this key may not use it; available to "
-                f"this key: {available or 'none'}",
+                400,
+                f"'{name}' is a LoRA adapter of model '{served.name}'; this route runs base "
+                f"models only: send model '{served.name}'",
                 param=param,
-                code="model_not_found",
-            )
-        if served is None:
-            raise ApiError(
-                404,
-                f"The model '{name}' does not exist; available: {', '.join(sorted(self.engines))}",
-                param=param,
-                code="model_not_found",
+                code="unsupported_model",
             )
         return served
+
+    def route(
+        self, name: str, param: str | None = "model", key: ApiKey | None = None
+    ) -> tuple[ServedModelSpec, str | None]:
+        """The served model and LoRA adapter (None: the model itself) a request's `model`
+        names. A key allowed a model may use its adapters; a key may also be allowed one
+        adapter alone. One it may not use looks like one that does not exist (404, as OpenAI
+        answers for a model a key cannot see): no listing of what other keys get."""
+        found = self.spec.route(name)
+        if key is not None and key.models is not None:
+            allowed = found is not None and (key.allows(name) or key.allows(found[0].name))
+            if not allowed:
+                available = ", ".join(n for n in self.names if self.may_use(key, n))
+                raise ApiError(
+                    404,
+                    f"The model '{name}' does not exist or this key may not use it; available "
+                    f"to this key: {available or 'none'}",
+                    param=param,
+                    code="model_not_found",
+                )
+        if found is None:
+            raise ApiError(
+                404,
+                f"The model '{name}' does not exist; available: {', '.join(self.names)}",
+                param=param,
+                code="model_not_found",
+            )
+        return found
+
+    @property
+    def names(self) -> list[str]:
+        """What a request may name, sorted: the served models and their adapters."""
+        return sorted(self.spec.served_names())
+
+    def may_use(self, key: ApiKey, name: str) -> bool:
+        found = self.spec.route(name)
+        return found is not None and (key.allows(name) or key.allows(found[0].name))
 
     async def engine_stats(self) -> dict[str, EngineStats]:
         try:
@@ -313,7 +342,7 @@ class Gateway:
         self, data: dict[str, Any], endpoint: Endpoint, strict: bool, key: ApiKey
     ) -> Prepared:
         request = parse_request(data, endpoint, strict=strict)
-        served = self.served(request.model, key=key)
+        served, adapter = self.route(request.model, key=key)
         info = await self.info(served.name)
         tokenizer = self.tokenizers[served.name]
         # A prompt whose bytes alone prove it too long never reaches the tokenizer.
@@ -336,6 +365,7 @@ class Gateway:
                 served,
                 tokenizer,
                 info,
+                adapter,
             )
         finally:
             self.tokenize_slots.give()
@@ -388,6 +418,7 @@ class Gateway:
             stream=prepared.stream,
             usage=usage,
             latency_s=time.monotonic() - call.started,
+            adapter=prepared.adapter,
         )
 
     def refunded(self, call: Call, error: ApiError) -> ApiError:

@@ -64,6 +64,9 @@ class UsageRecord:
     cost_usd: float
     list_price_usd: float | None
     latency_s: float
+    # The LoRA adapter the request ran with (`model` is then its served model); None: none.
+    # Last, with a default, so readers of older logs (no such field) still build records.
+    adapter: str | None = None
 
     @classmethod
     def of(
@@ -78,6 +81,7 @@ class UsageRecord:
         usage: Usage | None,
         latency_s: float,
         now: float | None = None,
+        adapter: str | None = None,
     ) -> UsageRecord:
         return cls(
             time=utc_iso(time.time() if now is None else now),
@@ -94,6 +98,7 @@ class UsageRecord:
             cost_usd=usage.cost_usd if usage else 0.0,
             list_price_usd=usage.list_price_usd if usage else None,
             latency_s=round(latency_s, 6),
+            adapter=adapter,
         )
 
     def line(self) -> str:
@@ -244,8 +249,10 @@ class UsageAccounting:
         stream: bool,
         usage: Usage | None,
         latency_s: float,
+        adapter: str | None = None,
     ) -> None:
-        """A request that reached an engine: usage counted by key and logged."""
+        """A request that reached an engine: usage counted by key and logged (`adapter`: the
+        LoRA adapter it ran with, in the record; the metrics stay per served model)."""
         m = self._metrics
         m.key_requests.labels(key, model, str(status)).inc()
         if usage is not None:
@@ -264,6 +271,7 @@ class UsageAccounting:
             stream=stream,
             usage=usage,
             latency_s=latency_s,
+            adapter=adapter,
         )
         if not self.log.add(record):
             m.usage_dropped.inc()

@@ -37,8 +37,8 @@ class ModelSpec(StrictModel):
         description="LoRA adapters of this model by name: a PEFT adapter folder (local path, "
         "or an s3:// prefix downloaded once per node into cache_dir like the model). A row "
         "picks one by input.adapter_column (openai_batch: by its body.model); rows naming "
-        "none run on the model itself. engine.kind reference (see docs/engine.md, LoRA "
-        "adapters).",
+        "none run on the model itself. In a serve file a request's model field names the "
+        "adapter. engine.kind reference (see docs/engine.md, LoRA adapters).",
     )
     quantization: QuantizationSpec | None = Field(
         None,

@@ -40,7 +40,8 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def serve_config(model_dir: Path) -> dict:
+def serve_config(model_dir: Path, adapters: dict[str, Path] | None = None) -> dict:
+    """`adapters`: LoRA adapters of `tiny` (name -> folder), answered under their names."""
     engine = {
         "kind": "reference",
         "device": "cpu",
@@ -57,7 +58,10 @@ def serve_config(model_dir: Path) -> dict:
         "models": [
             {
                 "name": "tiny",
-                "model": {"path": str(model_dir)},
+                "model": {
+                    "path": str(model_dir),
+                    "adapters": {n: str(p) for n, p in (adapters or {}).items()},
+                },
                 "engine": engine,
                 "cost": cost,
                 "limits": limits,
@@ -182,14 +186,49 @@ def serve_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("serve-model") / "tiny", arch="llama")
 
 
-# One server for the session: the modules that use it (test_serve_openai, test_serve_embeddings)
-# agree on its configuration and leave it as they found it, and a start costs about a minute.
+# Two LoRA adapters of `tiny` on the shared server: the attention only, and every projection
+# with rsLoRA (name -> rank, alpha, targets, rslora).
+SERVE_ADAPTERS = {
+    "tiny-qv": (8, 16, ("q_proj", "v_proj"), False),
+    "tiny-all": (
+        4,
+        8,
+        ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+        True,
+    ),
+}
+
+
+@pytest.fixture(scope="session")
+def serve_adapters(serve_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    from engines.dev.lora import make_lora_adapter
+
+    root = tmp_path_factory.mktemp("serve-adapters")
+    return {
+        name: make_lora_adapter(
+            root / name, serve_model_dir, rank=r, alpha=a, targets=t, use_rslora=rs, seed=20 + i
+        )
+        for i, (name, (r, a, t, rs)) in enumerate(SERVE_ADAPTERS.items())
+    }
+
+
+# One server for the session: the modules that use it (test_serve_openai, test_serve_embeddings,
+# test_serve_lora) agree on its configuration and leave it as they found it, and a start costs
+# about a minute.
+@pytest.fixture(scope="session")
+def serve_workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The shared server's files: serve.yaml, usage.jsonl (its usage log), server.log."""
+    return tmp_path_factory.mktemp("serve-config")
+
+
 @pytest.fixture(scope="session")
 def server(
-    serve_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    serve_model_dir: Path, serve_adapters: dict[str, Path], serve_workdir: Path
 ) -> Iterator[ServerProcess]:
-    config = tmp_path_factory.mktemp("serve-config") / "serve.yaml"
-    config.write_text(yaml.safe_dump(serve_config(serve_model_dir)))
+    config = serve_workdir / "serve.yaml"
+    data = serve_config(serve_model_dir, serve_adapters)
+    data["usage_log"] = {"uri": str(serve_workdir / "usage.jsonl"), "flush_interval_s": 0.2}
+    config.write_text(yaml.safe_dump(data))
     proc = start_server(config, {"TOKENMILL_API_KEYS": f"{API_KEY},{OTHER_KEY}"}, [])
     yield proc
     proc.stop()

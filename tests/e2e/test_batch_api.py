@@ -22,12 +22,10 @@ from openai.types import Batch
 
 from engines import faults
 from pipeline.serve.batch_api.batches import RESUME_KEY
-from tests.e2e import serve_fixtures
 from tests.e2e.serve_fixtures import API_KEY, OTHER_KEY, ServerProcess, serve_config, start_server
 from tests.e2e.test_submit import RayHead, ray_head
 
-serve_model_dir = serve_fixtures.serve_model_dir
-__all__ = ["ray_head", "serve_model_dir"]  # fixtures used from the other modules
+__all__ = ["ray_head"]  # fixtures used from the other modules
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -41,11 +39,16 @@ FORWARD = ["validating", "in_progress", "finalizing", "completed"]
 
 
 def start_batch_server(
-    ray_head: RayHead, model_dir: Path, root: Path, batch_api: dict, extra: dict | None = None
+    ray_head: RayHead,
+    model_dir: Path,
+    root: Path,
+    batch_api: dict,
+    extra: dict | None = None,
+    adapters: dict[str, Path] | None = None,
 ) -> ServerProcess:
     """`tokenmill serve` joined to the head, one model with a batch section, and `batch_api`
-    (plus `extra` top-level sections of the serve file)."""
-    config = serve_config(model_dir)
+    (plus `extra` top-level sections of the serve file, and the model's LoRA `adapters`)."""
+    config = serve_config(model_dir, adapters)
     tiny = config["models"][0]
     tiny["replicas"] = {"cpus_per_replica": 0.25, "max_ongoing_requests": 16}
     tiny["batch"] = {
@@ -96,11 +99,14 @@ def engine_step_delay(seconds: float) -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def server(
-    ray_head: RayHead, serve_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    ray_head: RayHead,
+    serve_model_dir: Path,
+    serve_adapters: dict[str, Path],
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[ServerProcess]:
     root = tmp_path_factory.mktemp("batch-api")
     batch_api = {"uri": str(root / "store"), "max_file_bytes": MAX_FILE_BYTES}
-    proc = start_batch_server(ray_head, serve_model_dir, root, batch_api)
+    proc = start_batch_server(ray_head, serve_model_dir, root, batch_api, adapters=serve_adapters)
     yield proc
     proc.stop()
     (root / "server.log").write_text("".join(proc.lines))
@@ -163,6 +169,10 @@ def test_batch_end_to_end(server: ServerProcess) -> None:
     requests = [request_line(i, f"Tell me about river number {i}.") for i in range(5)]
     # Valid as a request, too long for the model's context: an error line, not a failed batch.
     requests.append(request_line(5, "word " * 5000))
+    # Two lines for a LoRA adapter of the model: one batch runs the model and its adapters.
+    for i in (6, 7):
+        requests.append(request_line(i, f"Tell me about river number {i}."))
+        requests[-1]["body"]["model"] = "tiny-qv"
     data = "".join(json.dumps(r) + "\n" for r in requests).encode()
     uploaded = client.files.create(file=("requests.jsonl", data), purpose="batch")
     batch = client.batches.create(
@@ -175,7 +185,7 @@ def test_batch_end_to_end(server: ServerProcess) -> None:
     assert batch.status == "completed", (batch.errors, "".join(server.lines[-40:]))
     assert "in_progress" in seen
     counts = batch.request_counts
-    assert counts is not None and (counts.total, counts.completed, counts.failed) == (6, 5, 1)
+    assert counts is not None and (counts.total, counts.completed, counts.failed) == (8, 7, 1)
     assert batch.metadata is not None and batch.metadata["suite"] == "e2e"
     assert float(batch.metadata["tokenmill_cost_usd"]) > 0
 
@@ -189,7 +199,8 @@ def test_batch_end_to_end(server: ServerProcess) -> None:
     for line in output:
         body = line["response"]["body"]
         usage = body["usage"]
-        assert body["object"] == "chat.completion" and body["model"] == "tiny"
+        model = "tiny-qv" if line["custom_id"] in ("req-6", "req-7") else "tiny"
+        assert body["object"] == "chat.completion" and body["model"] == model
         assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
         assert 0 < usage["completion_tokens"] <= MAX_TOKENS
         assert usage["cost_usd"] > 0 and "cached_tokens" in usage["prompt_tokens_details"]
@@ -200,6 +211,11 @@ def test_batch_end_to_end(server: ServerProcess) -> None:
     by_id = {x["custom_id"]: x["response"]["body"] for x in output}
     assert by_id["req-0"]["choices"][0]["message"]["content"] == direct.choices[0].message.content
     assert by_id["req-0"]["usage"]["prompt_tokens"] == direct.usage.prompt_tokens  # type: ignore[union-attr]
+    # And an adapter's line is the endpoint's answer with that adapter (not the model's).
+    adapted = client.chat.completions.create(**requests[6]["body"])
+    assert by_id["req-6"]["choices"][0]["message"]["content"] == adapted.choices[0].message.content
+    plain = client.chat.completions.create(**{**requests[6]["body"], "model": "tiny"})
+    assert adapted.choices[0].message.content != plain.choices[0].message.content
 
     # Another key sees none of it.
     other = openai.OpenAI(api_key=OTHER_KEY, base_url=server.api_url, max_retries=0)

@@ -10,9 +10,9 @@ import openai
 import pytest
 
 from tests.e2e.serve_fixtures import API_KEY, ServerProcess
-from tests.e2e.test_batch_api import content_of, ray_head, serve_model_dir, server, wait_for
+from tests.e2e.test_batch_api import content_of, ray_head, server, wait_for
 
-__all__ = ["ray_head", "serve_model_dir", "server"]  # fixtures used from the other modules
+__all__ = ["ray_head", "server"]  # fixtures used from the other modules
 
 pytestmark = pytest.mark.timeout(600)
 

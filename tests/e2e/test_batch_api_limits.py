@@ -25,10 +25,7 @@ import psutil
 import pytest
 import yaml
 
-from tests.e2e import serve_fixtures
 from tests.e2e.serve_fixtures import API_KEY, ServerProcess, serve_config, start_server
-
-serve_model_dir = serve_fixtures.serve_model_dir
 
 pytestmark = pytest.mark.timeout(600)
 

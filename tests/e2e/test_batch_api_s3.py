@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e import serve_fixtures
 from tests.e2e.serve_fixtures import ServerProcess
 from tests.e2e.test_batch_api import (
     TERMINAL,
@@ -28,8 +27,7 @@ from tests.e2e.test_batch_api import (
 from tests.e2e.test_submit import RayHead, ray_head
 from tests.integration.s3_server import S3Server, running_s3_server
 
-serve_model_dir = serve_fixtures.serve_model_dir
-__all__ = ["ray_head", "serve_model_dir"]  # fixtures used from the other modules
+__all__ = ["ray_head"]  # fixtures used from the other modules
 
 # In the slow set (its own head and server: two minutes and more on a slow machine): the Batch
 # API's flow runs in the default suite on local storage (test_batch_api.py), uploads to the S3

@@ -11,11 +11,7 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e import serve_fixtures
 from tests.e2e.serve_fixtures import API_KEY, ServerProcess, local_engine, serve_config
-
-serve_model_dir = serve_fixtures.serve_model_dir
-server = serve_fixtures.server
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -36,8 +36,6 @@ import yaml
 from tests.e2e import serve_fixtures
 from tests.e2e.serve_fixtures import API_KEY, ServerProcess, serve_config, start_server
 
-serve_model_dir = serve_fixtures.serve_model_dir
-
 pytestmark = pytest.mark.timeout(900)
 
 CHECK_PERIOD_S = 1.0

@@ -17,7 +17,6 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.e2e import serve_fixtures
 from tests.e2e.serve_fixtures import (
     API_KEY,
     DEVICE_HOUR_USD,
@@ -33,8 +32,6 @@ from tests.e2e.serve_fixtures import (
 )
 
 # Fixtures shared with the other serve test modules.
-serve_model_dir = serve_fixtures.serve_model_dir
-server = serve_fixtures.server
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -111,7 +108,8 @@ def check_usage_cost(usage, expect_prompt: int, expect_completion: int) -> None:
 
 
 def test_models_and_health(server: ServerProcess, client: openai.OpenAI) -> None:
-    assert sorted(m.id for m in client.models.list()) == ["narrow", "tiny"]
+    # The served models, and tiny's LoRA adapters (tests/e2e/test_serve_lora.py).
+    assert sorted(m.id for m in client.models.list()) == ["narrow", "tiny", "tiny-all", "tiny-qv"]
     assert client.models.retrieve("tiny").id == "tiny"
     health = httpx.get(server.base_url + "/health", timeout=30)
     assert health.status_code == 200 and health.json() == {"status": "ok"}
@@ -126,7 +124,7 @@ def test_models_and_health(server: ServerProcess, client: openai.OpenAI) -> None
     assert "tiny" not in ready.text and "narrow" not in ready.text
     # Either configured key works.
     other = openai.OpenAI(base_url=server.api_url, api_key=OTHER_KEY, max_retries=0)
-    assert len(other.models.list().data) == 2
+    assert len(other.models.list().data) == 4
 
 
 def test_chat_greedy_equals_engine(client: openai.OpenAI, engine, tokenizer) -> None:

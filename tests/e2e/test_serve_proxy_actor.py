@@ -14,7 +14,6 @@ import openai
 import pytest
 import yaml
 
-from tests.e2e import serve_fixtures
 from tests.e2e.serve_fixtures import (
     API_KEY,
     ServerProcess,
@@ -25,8 +24,6 @@ from tests.e2e.serve_fixtures import (
     start_server,
 )
 from tests.e2e.test_serve_openai import READY_WITHIN_S, check_whole_response_disconnect_cancels
-
-serve_model_dir = serve_fixtures.serve_model_dir
 
 pytestmark = pytest.mark.timeout(600)
 

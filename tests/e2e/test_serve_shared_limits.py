@@ -14,10 +14,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.e2e import serve_fixtures
 from tests.e2e.serve_fixtures import ServerProcess, serve_config, start_server
-
-serve_model_dir = serve_fixtures.serve_model_dir
 
 # In the slow set (a server with two ingress replicas: about a minute and a half): the shared
 # ledger and its coordinator are checked in tests/unit/test_serve_shared_limits.py, one

@@ -19,7 +19,6 @@ import pydantic
 import pytest
 import yaml
 
-from tests.e2e import serve_fixtures
 from tests.e2e.serve_fixtures import (
     API_KEY,
     MAX_MODEL_LEN,
@@ -31,8 +30,6 @@ from tests.e2e.serve_fixtures import (
     serve_config,
     start_server,
 )
-
-serve_model_dir = serve_fixtures.serve_model_dir
 
 pytestmark = pytest.mark.timeout(600)
 

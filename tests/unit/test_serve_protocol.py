@@ -61,6 +61,24 @@ def test_spec_rejects_duplicates_bad_bounds_and_row_templates() -> None:
         parse_serve_spec({"models": [{**model, "prompt": {"template": "{{ x }}"}}]})
 
 
+def test_adapters_share_one_namespace_with_the_models_and_route_to_theirs() -> None:
+    base = {"name": "base", "model": {"path": "/x", "adapters": {"ft-a": "/a", "ft-b": "/b"}}}
+    other = {"name": "other", "model": {"path": "/y", "adapters": {"ft-c": "/c"}}}
+    spec = parse_serve_spec({"models": [base, other]})
+    assert spec.served_names() == ["base", "other", "ft-a", "ft-b", "ft-c"]
+    assert [(m.name, a) for m, a in [spec.route("base"), spec.route("ft-b"), spec.route("ft-c")]]
+    assert spec.route("ft-b")[0].name == "base" and spec.route("ft-b")[1] == "ft-b"
+    assert spec.route("other")[1] is None and spec.route("ft-c")[0].name == "other"
+    assert spec.route("nope") is None
+    # An adapter named like a model, or like another model's adapter: refused, naming both.
+    clash = {"name": "other", "model": {"path": "/y", "adapters": {"base": "/c"}}}
+    with pytest.raises(SpecError, match=r"models\[other\].model.adapters.base.*model 'base'"):
+        parse_serve_spec({"models": [base, clash]})
+    twice = {"name": "other", "model": {"path": "/y", "adapters": {"ft-a": "/c"}}}
+    with pytest.raises(SpecError, match=r"adapters.ft-a.*an adapter of 'base'"):
+        parse_serve_spec({"models": [base, twice]})
+
+
 @pytest.mark.parametrize(
     "data",
     [

@@ -68,6 +68,7 @@ def test_a_record_is_one_json_line_with_usage_and_cost() -> None:
         "cost_usd": 0.0035,
         "list_price_usd": 0.0001,
         "latency_s": 0.5,
+        "adapter": None,
     }
     abandoned = json.loads(record(usage=None, status=499).line())
     assert abandoned["completion_tokens"] == 0 and abandoned["cost_usd"] == 0.0

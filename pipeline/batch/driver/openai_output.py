@@ -33,6 +33,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from pipeline.batch.columns import ADAPTER  # jobs with model.adapters: a line's adapter
 from pipeline.batch.commit.parts import PART_RE, PartName, PartRecord, read_part
 from pipeline.openai.embeddings import embeddings_body
 from pipeline.openai.responses import Choice, ResponseIds, Usage, choices_body
@@ -133,8 +134,10 @@ def output_line(row: dict[str, Any], ctx: LineContext, part_name: str, index: in
             "error": None,
         }
     endpoint = "chat" if row.get("url") == CHAT_URL else "completions"
+    # The body names what the line asked for, as OpenAI's does: its adapter, else the model.
+    model = row.get(ADAPTER) or row.get("model") or ""
     ids = dataclasses.replace(
-        ResponseIds.new(endpoint, digest[32:], row.get("model") or ""),
+        ResponseIds.new(endpoint, digest[32:], model),
         created=_created(row.get("finished_at")),
     )
     usage = Usage(
@@ -206,7 +209,7 @@ def _join(lines: list[str]) -> bytes:
 
 def export_part(out: OutputDir, part_name: str, ctx: LineContext) -> list[str]:
     """Write a committed part's export files; returns their names."""
-    optional = (SAMPLES, *REASONING, EMBEDDING)
+    optional = (SAMPLES, *REASONING, EMBEDDING, ADAPTER)
     table = read_part(out, part_name, columns=list(COLUMNS), optional=optional)
     output, errors = part_lines(table.to_pylist(), ctx, part_name)
     output_name, errors_name = export_names(part_name)

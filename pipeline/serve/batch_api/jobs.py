@@ -138,10 +138,10 @@ def input_errors(
             errors += [InputError("model_not_found", served, n, "body.model") for n in lines]
         elif chosen is None:
             chosen = served
-        else:
+        elif served.name != chosen.name:
             message = (
                 f"This request names the model {name!r}, an earlier one {chosen.name!r}; a "
-                "batch runs one model: split the file by body.model."
+                "batch runs one model (and its adapters): split the file by body.model."
             )
             errors += [InputError("model_mismatch", message, n, "body.model") for n in lines]
     if chosen is None and not errors:  # a file stored before lines were kept
@@ -155,10 +155,12 @@ def input_errors(
 def served_for_batches(
     spec: ServeSpec, name: str, allows: Callable[[str], bool]
 ) -> ServedModelSpec | str:
-    """The served model batches naming `name` run on, or why there is none."""
-    served = spec.model_named(name)
-    if served is None or not allows(name):
+    """The served model batches naming `name` run on (an adapter's: its served model, whose
+    job runs the adapter for that line), or why there is none."""
+    found = spec.route(name)
+    if found is None or not (allows(name) or allows(found[0].name)):
         return f"The model '{name}' does not exist or this key may not use it."
+    served = found[0]
     if served.batch is None:
         return (
             f"The model '{name}' does not take batches on this server (its serve file "

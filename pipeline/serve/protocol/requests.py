@@ -49,8 +49,18 @@ class Prepared:
     ids: ResponseIds = field(init=False)
 
     def __post_init__(self) -> None:
-        ids = ResponseIds.new(self.endpoint, self.engine_request.request_id, self.served.name)
+        ids = ResponseIds.new(self.endpoint, self.engine_request.request_id, self.model)
         object.__setattr__(self, "ids", ids)
+
+    @property
+    def adapter(self) -> str | None:
+        """The LoRA adapter the request runs with (None: the served model itself)."""
+        return self.engine_request.adapter
+
+    @property
+    def model(self) -> str:
+        """The name the request gave and its response echoes: the adapter's, else the model's."""
+        return self.adapter or self.served.name
 
     @property
     def headers(self) -> dict[str, str]:
@@ -80,8 +90,11 @@ def to_engine_request(
     served: ServedModelSpec,
     tokenizer: PromptTokenizer,
     info: EngineInfo,
+    adapter: str | None = None,
 ) -> Prepared:
-    """Tokenize, apply the caps and OpenAI's defaults; ApiError (400) names what to change."""
+    """Tokenize, apply the caps and OpenAI's defaults; ApiError (400) names what to change.
+    `adapter`: the LoRA adapter of `served` the request named (an adapter shares its base
+    model's tokenizer and chat template)."""
     echo: str | None = None
     if isinstance(request, ChatCompletionRequest):
         if not served.prompt.chat_template or not tokenizer.has_chat_template:
@@ -152,7 +165,7 @@ def to_engine_request(
     return Prepared(
         endpoint,
         served,
-        GenerationRequest(prompt_token_ids=prompt_ids, sampling=sampling),
+        GenerationRequest(prompt_token_ids=prompt_ids, sampling=sampling, adapter=adapter),
         stream=request.stream,
         include_usage=request.include_usage,
         warnings=tuple(warnings),

@@ -74,6 +74,18 @@ class ServeSpec(StrictModel):
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise ValueError(f"models: duplicate name(s) {duplicates}; each needs its own name")
+        # A request's `model` names a served model or one of its adapters: one namespace.
+        owners: dict[str, str] = {}
+        for served in self.models:
+            for adapter in served.model.adapters:
+                if adapter in names or adapter in owners:
+                    other = owners.get(adapter, adapter)
+                    raise ValueError(
+                        f"models[{served.name}].model.adapters.{adapter}: the name is already "
+                        f"taken by {'model' if adapter in names else 'an adapter of'} {other!r}; "
+                        "a request's model field must name one thing, so rename one of them"
+                    )
+                owners[adapter] = served.name
         if self.http.one_hop is True and len(self.models) != 1:
             raise ValueError(
                 f"http.one_hop needs exactly one model (this file serves {len(self.models)}): "
@@ -93,6 +105,19 @@ class ServeSpec(StrictModel):
 
     def model_named(self, name: str) -> ServedModelSpec | None:
         return next((m for m in self.models if m.name == name), None)
+
+    def route(self, name: str) -> tuple[ServedModelSpec, str | None] | None:
+        """What a request's `model` names: a served model (adapter None) or a LoRA adapter of
+        one (its served model and the adapter's name); None: neither."""
+        served = self.model_named(name)
+        if served is not None:
+            return served, None
+        owner = next((m for m in self.models if name in m.model.adapters), None)
+        return (owner, name) if owner is not None else None
+
+    def served_names(self) -> list[str]:
+        """Every name a request's `model` may give: the models, then their adapters."""
+        return [m.name for m in self.models] + [a for m in self.models for a in m.model.adapters]
 
 
 # --- Serve options ---------------------------------------------------------------------------

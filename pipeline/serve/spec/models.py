@@ -258,10 +258,4 @@ class ServedModelSpec(StrictModel):
                 f"models[{self.name}].prompt.template renders batch rows and has no meaning for "
                 "requests; remove it"
             )
-        if self.model.adapters:
-            # The engine would load them, but no route reaches them yet: say so up front.
-            raise ValueError(
-                f"models[{self.name}].model.adapters: Serve does not route requests to LoRA "
-                "adapters yet (batch jobs do: docs/engine.md); remove model.adapters here"
-            )
         return self
