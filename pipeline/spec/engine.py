@@ -129,20 +129,21 @@ class EngineSpec(StrictModel):
     max_loras: int | None = Field(
         None,
         ge=1,
-        description="reference engine with model.adapters: LoRA adapters usable in one engine "
-        "step (the model's adapter slots); rows of other adapters wait for a slot. Null: 4.",
+        description="with model.adapters: LoRA adapters usable in one engine step (the "
+        "model's adapter slots; vLLM's and TensorRT-LLM's max_loras); rows of other adapters "
+        "wait for a slot. Null: 4.",
     )
     max_lora_rank: int | None = Field(
         None,
         ge=1,
-        description="reference engine with model.adapters: the highest adapter rank accepted "
-        "(slots are sized for it); an adapter above it fails its rows. Null: 64.",
+        description="with model.adapters: the highest adapter rank accepted (slots are sized "
+        "for it; vLLM rounds its slots up to 8, 16, 32, 64, ...); an adapter above it fails "
+        "its rows. Null: 64.",
     )
     max_cpu_loras: int | None = Field(
         None,
         ge=1,
-        description="reference engine with model.adapters: adapters kept read in memory. "
-        "Null: max(max_loras, 8).",
+        description="with model.adapters: adapters kept read in memory. Null: max(max_loras, 8).",
     )
     speculative: SpeculativeSpec | None = Field(
         None,

@@ -8,6 +8,7 @@ from pydantic import Field, model_validator
 
 from engines.api import EmbedParams, EngineError
 from engines.parallel import DEVICE_FACTORS, engine_devices
+from engines.settings import MODEL_KINDS
 from engines.strict import StrictModel
 from pipeline.spec.cost import CostSpec, LimitsSpec
 from pipeline.spec.engine import EngineSpec
@@ -142,10 +143,10 @@ class JobSpec(StrictModel):
                     "empty; list the adapters there or remove input.adapter_column"
                 )
             return self
-        if self.engine.kind != "reference":
+        if self.engine.kind not in MODEL_KINDS:
             raise ValueError(
-                f"model.adapters: engine.kind {self.engine.kind} does not take LoRA adapters "
-                "yet; use engine.kind reference"
+                f"model.adapters: engine.kind {self.engine.kind} runs no model, so no LoRA "
+                f"adapters; use one of {', '.join(MODEL_KINDS)}"
             )
         if self.task == "embed":
             raise ValueError("model.adapters: adapters apply to task generate, not embed")

@@ -198,10 +198,19 @@ def test_adapters_need_an_engine_and_a_column_that_take_them(tiny_model_dir: Pat
     }
     with pytest.raises(ValueError, match=r"input\.adapter_column"):
         parse_job_spec(base)
-    with pytest.raises(ValueError, match=r"engine\.kind vllm does not take LoRA adapters"):
+    with pytest.raises(ValueError, match=r"engine\.kind synthetic runs no model"):
         parse_job_spec(
-            {**base, "engine": {"kind": "vllm"}, "input": {**base["input"], "adapter_column": "a"}}
+            {
+                **base,
+                "engine": {"kind": "synthetic"},
+                "input": {**base["input"], "adapter_column": "a"},
+            }
         )
+    for kind in ("vllm", "trtllm"):  # they pass adapters to their own LoRA APIs
+        spec = parse_job_spec(
+            {**base, "engine": {"kind": kind}, "input": {**base["input"], "adapter_column": "a"}}
+        )
+        assert spec.model.adapters == {"a": "/x"}
     with pytest.raises(ValueError, match="model's own name"):
         parse_job_spec(
             {

@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from engines.settings import MODEL_KINDS
 from engines.strict import StrictModel
 from pipeline.spec import (
     CostSpec,
@@ -257,5 +258,10 @@ class ServedModelSpec(StrictModel):
             raise ValueError(
                 f"models[{self.name}].prompt.template renders batch rows and has no meaning for "
                 "requests; remove it"
+            )
+        if self.model.adapters and self.engine.kind not in MODEL_KINDS:
+            raise ValueError(
+                f"models[{self.name}].model.adapters: engine.kind {self.engine.kind} runs no "
+                f"model, so no LoRA adapters; use one of {', '.join(MODEL_KINDS)}"
             )
         return self

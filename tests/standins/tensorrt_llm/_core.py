@@ -178,8 +178,11 @@ class RequestOutput:
     """What generate_async returns: await it for the final output, or `async for` it when
     streaming=True; `abort()` cancels."""
 
-    def __init__(self, llm: Any, request_id: int, prompt_token_ids: list[int], params, streaming):
+    def __init__(
+        self, llm: Any, request_id: int, prompt_token_ids: list[int], params, streaming, lora=None
+    ):
         self._llm = llm
+        self.lora_request = lora
         self.request_id = request_id
         self.prompt = None
         self.prompt_token_ids = prompt_token_ids
@@ -227,7 +230,8 @@ class RequestOutput:
                 return FinishReason.CANCELLED
             if self._fail_after is not None and len(ids) >= self._fail_after[1]:
                 raise RequestError(self._fail_after[0])
-            token = self._llm._next_token(self.prompt_token_ids, len(ids), p, self._rng)
+            adapter = 0 if self.lora_request is None else self.lora_request.lora_int_id
+            token = self._llm._next_token(self.prompt_token_ids, len(ids), p, self._rng, adapter)
             if p.logits_processor is not None:
                 token = self._llm._processed_token(self, ids, token)
             if self._matcher is not None:
@@ -371,6 +375,11 @@ class LlmCore:
         if not isinstance(sched, SchedulerConfig):
             raise ValueError("scheduler_config must be a SchedulerConfig")
         self.kv_cache_config = kv
+        from tensorrt_llm.lora_helper import LoraConfig
+
+        lora = self.args["lora_config"]
+        if lora is not None and not isinstance(lora, LoraConfig):
+            raise ValueError("lora_config must be a LoraConfig")
         guide_backend = self.args["guided_decoding_backend"]
         if guide_backend not in (None, "xgrammar", "llguidance") or (
             guide_backend == "llguidance" and self.backend == "tensorrt"
@@ -391,6 +400,7 @@ class LlmCore:
         self.is_shutdown = False
         self.shutdown_calls = 0
         self.submitted: list[tuple[list[int], Any, bool]] = []
+        self.lora_requests: list[Any] = []  # each submitted request's lora_request (or None)
         self.live: dict[int, RequestOutput] = {}
         self.tokenizer = ToyTokenizer(model)
         self._seen_prompts: list[list[int]] = []
@@ -438,11 +448,14 @@ class LlmCore:
             return self._shared_rng  # SamplingParams.seed is not read
         return random.Random(0 if p.seed is None else p.seed)  # C++ default seed is 0
 
-    def _next_token(self, prompt: list[int], i: int, p: Any, rng: random.Random) -> int:
+    def _next_token(
+        self, prompt: list[int], i: int, p: Any, rng: random.Random, adapter: int = 0
+    ) -> int:
         """The greedy toy token; sampled with top_k > 1, one of the top_k most likely (as a
         sampler keeps them); sampled without, 1..4 steps along the toy sequence, which can
-        land far down the toy distribution (its tail)."""
-        greedy = (sum(prompt) + 7 * i) % 50 + 10
+        land far down the toy distribution (its tail). A LoRA adapter (its lora_int_id)
+        shifts the toy sequence by 13 per id, so each adapter answers differently."""
+        greedy = (sum(prompt) + 7 * i + 13 * adapter) % 50 + 10
         if self._is_greedy(p):
             return greedy
         top_k = p.top_k or 0
@@ -507,13 +520,22 @@ class LlmCore:
                 return FinishReason.STOP_WORDS
         return None
 
-    def generate_async(self, inputs, sampling_params=None, streaming: bool = False, **kwargs):
+    def generate_async(
+        self, inputs, sampling_params=None, streaming: bool = False, lora_request=None, **kwargs
+    ):
         from tensorrt_llm import SamplingParams
+        from tensorrt_llm.executor import LoRARequest
 
         if self.is_shutdown:
             raise self.executor_error or RuntimeError("LLM is shutting down")
         if kwargs:
             raise TypeError(f"unexpected arguments {sorted(kwargs)}")
+        if lora_request is not None:
+            # The worker's LoRA manager: an LLM built without lora_config has none.
+            if self.args.get("lora_config") is None:
+                raise ValueError("a lora_request needs an LLM built with lora_config")
+            if not isinstance(lora_request, LoRARequest):
+                raise TypeError("lora_request must be a LoRARequest")
         params = sampling_params or SamplingParams()
         if params.end_id is None:
             # LLM._prepare_sampling_params: end_id from the tokenizer, stop strings tokenized.
@@ -538,8 +560,9 @@ class LlmCore:
                 raise ValueError(f"the prompt ({len(prompt)} tokens) fills max_seq_len")
             params.max_tokens = room
         self.submitted.append((prompt, params, streaming))
+        self.lora_requests.append(lora_request)
         self._next_id += 1
-        out = RequestOutput(self, self._next_id, prompt, params, streaming)
+        out = RequestOutput(self, self._next_id, prompt, params, streaming, lora_request)
         self.live[out.request_id] = out
         return out
 
