@@ -179,7 +179,7 @@ def start_server(config_path: Path, env: dict[str, str], extra_args: list[str]) 
     return server
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def serve_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from engines.dev.tiny import make_tiny_model
 
@@ -199,7 +199,7 @@ SERVE_ADAPTERS = {
 }
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def serve_adapters(serve_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     from engines.dev.lora import make_lora_adapter
 
@@ -212,16 +212,16 @@ def serve_adapters(serve_model_dir: Path, tmp_path_factory: pytest.TempPathFacto
     }
 
 
-# One server for the session: the modules that use it (test_serve_openai, test_serve_embeddings,
-# test_serve_lora) agree on its configuration and leave it as they found it, and a start costs
-# about a minute.
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def serve_workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The shared server's files: serve.yaml, usage.jsonl (its usage log), server.log."""
     return tmp_path_factory.mktemp("serve-config")
 
 
-@pytest.fixture(scope="session")
+# One server for the e2e tests (registered in tests/e2e/conftest.py): the modules that use it
+# (test_serve_openai, test_serve_embeddings, test_serve_lora) agree on its configuration and
+# leave it as they found it, and a start costs about a minute.
+@pytest.fixture(scope="package")
 def server(
     serve_model_dir: Path, serve_adapters: dict[str, Path], serve_workdir: Path
 ) -> Iterator[ServerProcess]:

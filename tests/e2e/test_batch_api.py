@@ -1,7 +1,9 @@
-"""The Batch API end to end: a `ray start --head` with the Jobs API (tests/e2e/test_submit.py's
-head), `tokenmill serve` joined to it with a batch_api section, and the official `openai`
-client uploading a file, creating a batch, polling it to completion and downloading the output
-and error files. The batch runs as a real pipeline job submitted through the Jobs API.
+"""The Batch API end to end: a `ray start --head` with the Jobs API (tests/e2e/conftest.py's
+shared head, its engines slowed by 10 ms a step), `tokenmill serve` joined to it with a
+batch_api section, and the official `openai` client uploading a file, creating a batch, polling
+it to completion and downloading the output and error files. The batch runs as a real pipeline
+job submitted through the Jobs API. Chat lines (with a LoRA adapter's among them) and
+embeddings lines.
 
 Few tests, one server: each start (head, server, job) costs tens of seconds on two cores.
 """
@@ -22,10 +24,8 @@ from openai.types import Batch
 
 from engines import faults
 from pipeline.serve.batch_api.batches import RESUME_KEY
+from tests.e2e.ray_head import RayHead
 from tests.e2e.serve_fixtures import API_KEY, OTHER_KEY, ServerProcess, serve_config, start_server
-from tests.e2e.test_submit import RayHead, ray_head
-
-__all__ = ["ray_head"]  # fixtures used from the other modules
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -75,16 +75,6 @@ def start_batch_server(
         "PATH": ray_head.env["PATH"],
     }
     return start_server(path, env, [])
-
-
-@pytest.fixture(scope="module", autouse=True)
-def slow_engine() -> Iterator[None]:
-    # Autouse, so the head starts with it: 10 ms after every engine step of the batch jobs
-    # (with at most 8 requests in flight, the cancel tests' 200-1500 requests then take 25 s or
-    # more on any machine, so a cancel after the first part lands mid-run; the short batches
-    # barely notice).
-    with engine_step_delay(0.01):
-        yield
 
 
 @contextlib.contextmanager
@@ -354,3 +344,43 @@ def test_cancel_then_resume_or_resubmit_loses_nothing(server: ServerProcess) -> 
             # What the cancelled batch finished was kept, not run again: the same lines.
             lines = {json.dumps(x, sort_keys=True) for x in output}
             assert all(json.dumps(x, sort_keys=True) in lines for x in first_output)
+
+
+# --- /v1/embeddings lines: one embeddings body per line, equal to the endpoint's answer; a
+# line too long for the model is an error line --------------------------------------------
+
+EMBED_TEXTS = [f"The river number {i} runs under the bridge." for i in range(4)]
+
+
+def _embeddings_line(i: int, text: str) -> dict:
+    body = {"model": "tiny", "input": text, "encoding_format": "float"}
+    return {"custom_id": f"emb-{i}", "method": "POST", "url": "/v1/embeddings", "body": body}
+
+
+def test_embeddings_batch(server: ServerProcess) -> None:
+    client = openai.OpenAI(api_key=API_KEY, base_url=server.api_url, max_retries=0, timeout=60)
+    lines = [_embeddings_line(i, t) for i, t in enumerate(EMBED_TEXTS)] + [
+        _embeddings_line(9, "word " * 5000)
+    ]
+    data = "".join(json.dumps(x) + "\n" for x in lines).encode()
+    uploaded = client.files.create(file=("embeddings.jsonl", data), purpose="batch")
+    batch = client.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="24h"
+    )
+    batch, _ = wait_for(client, batch, ("completed", "failed", "cancelled", "expired"))
+    assert batch.status == "completed", (batch.errors, "".join(server.lines[-40:]))
+    counts = batch.request_counts
+    assert counts is not None and (counts.total, counts.completed, counts.failed) == (5, 4, 1)
+    output = {x["custom_id"]: x for x in content_of(client, batch.output_file_id)}
+    errors = content_of(client, batch.error_file_id)
+    assert [x["custom_id"] for x in errors] == ["emb-9"]
+    assert "too long" in errors[0]["error"]["message"]
+    for i, text in enumerate(EMBED_TEXTS):
+        body = output[f"emb-{i}"]["response"]["body"]
+        assert body["object"] == "list" and body["model"] == "tiny"
+        direct = client.embeddings.create(model="tiny", input=text, encoding_format="float")
+        got = body["data"][0]["embedding"]
+        want = direct.data[0].embedding
+        assert len(got) == len(want)
+        assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 1e-5
+        assert body["usage"]["prompt_tokens"] == direct.usage.prompt_tokens

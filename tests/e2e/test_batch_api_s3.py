@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e.ray_head import RayHead, running_ray_head
 from tests.e2e.serve_fixtures import ServerProcess
 from tests.e2e.test_batch_api import (
     TERMINAL,
@@ -24,10 +25,7 @@ from tests.e2e.test_batch_api import (
     start_batch_server,
     wait_for,
 )
-from tests.e2e.test_submit import RayHead, ray_head
 from tests.integration.s3_server import S3Server, running_s3_server
-
-__all__ = ["ray_head"]  # fixtures used from the other modules
 
 # In the slow set (its own head and server: two minutes and more on a slow machine): the Batch
 # API's flow runs in the default suite on local storage (test_batch_api.py), uploads to the S3
@@ -54,6 +52,14 @@ def slow_engine() -> Iterator[None]:
     # jobs, so the long batch cannot finish inside the window on any machine.
     with engine_step_delay(0.1):
         yield
+
+
+@pytest.fixture(scope="module")
+def ray_head(s3: S3Server, slow_engine: None) -> Iterator[RayHead]:
+    """A head of this module's own (not the shared one): started after s3 and slow_engine, it
+    and its jobs see the S3 server's credentials and the 100 ms step delay."""
+    with running_ray_head() as head:
+        yield head
 
 
 @pytest.fixture(scope="module")

@@ -337,6 +337,44 @@ def test_one_model_per_batch(app: FastAPI) -> None:
     assert _errors(client.batches.retrieve(batch.id)) == [(2, "model_mismatch", "body.model")]
 
 
+def test_adapter_lines_run_on_their_model_and_embeddings_refuse_them(
+    app: FastAPI, jobs: FakeJobs
+) -> None:
+    service = batch_routes._installed.service  # type: ignore[union-attr]
+    tiny = service.spec.models[0]
+    adapted = tiny.model_copy(
+        update={"model": tiny.model.model_copy(update={"adapters": {"ft": "/ft"}})}
+    )
+    service.spec = service.spec.model_copy(update={"models": [adapted, *service.spec.models[1:]]})
+    client = _client(app)
+    chat = {"model": "ft", "messages": [{"role": "user", "content": "x"}]}
+    file_id = client.files.create(
+        file=("f.jsonl", _jsonl([_line(0), _line(1, body=chat)])), purpose="batch"
+    ).id
+    batch = client.batches.create(
+        input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    ok = client.batches.retrieve(batch.id)  # one model and its adapter: no errors
+    assert ok.errors is None and ok.status != "failed"
+    from pipeline.serve.batch_api.batches import job_spec_data
+
+    spec = parse_job_spec(job_spec_data(batch.id, adapted, service.spec, "/in", "/out"))
+    assert spec.model.adapters == {"ft": "/ft"}
+    embed = {"method": "POST", "url": "/v1/embeddings"}
+    lines = [
+        {**embed, "custom_id": f"e{i}", "body": {"model": m, "input": "x"}}
+        for i, m in enumerate(("tiny", "ft"))
+    ]
+    file_id = client.files.create(file=("e.jsonl", _jsonl(lines)), purpose="batch").id
+    refused = client.batches.create(
+        input_file_id=file_id, endpoint="/v1/embeddings", completion_window="24h"
+    )
+    assert _errors(client.batches.retrieve(refused.id)) == [(2, "model_not_found", "body.model")]
+    # An embeddings batch's job runs the model itself: the job spec takes no adapters there.
+    embed_spec = job_spec_data("b", adapted, service.spec, "/in", "/out", None, "/v1/embeddings")
+    assert parse_job_spec(embed_spec).model.adapters == {}
+
+
 def test_batch_job_spec_is_a_valid_openai_batch_job(app: FastAPI, jobs: FakeJobs) -> None:
     client = _client(app)
     file_id = client.files.create(file=("in.jsonl", _jsonl([_line(0)])), purpose="batch").id

@@ -72,6 +72,9 @@ def job_spec_data(
     # Name rows after the served model, so response bodies say what a client sent.
     model = served.model.model_copy(update={"name": served.name})
     if endpoint == EMBEDDINGS_URL:
+        # Adapters apply to generation: an embeddings batch runs the model itself (a line
+        # naming an adapter was refused while validating).
+        model = model.model_copy(update={"adapters": {}})
         # Texts embedded as given (no chat template); nothing is sampled.
         task: dict[str, Any] = {
             "task": "embed",
@@ -134,6 +137,11 @@ def input_errors(
     chosen: ServedModelSpec | None = None  # the first model it can run
     for name, lines in summary.models.items():
         served = served_for_batches(spec, name, allows)
+        if not isinstance(served, str) and endpoint == EMBEDDINGS_URL and name != served.name:
+            served = (
+                f"The model '{name}' is a LoRA adapter of '{served.name}'; adapters apply to "
+                f"generation: embeddings lines name '{served.name}'."
+            )
         if isinstance(served, str):
             errors += [InputError("model_not_found", served, n, "body.model") for n in lines]
         elif chosen is None:
