@@ -17,7 +17,10 @@ from engines import load_engine
 from tests.engine_fixtures import greedy_requests
 from tests.vllm.test_parity import text_prompts
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
+# In the slow set (two minutes on two cores: vLLM's fused-MoE start-up): by default the MoE
+# family is checked against transformers (tests/integration/test_reference_moe.py) and vLLM
+# against the reference engine on a dense model (test_parity.py).
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def test_greedy_ids_and_texts_equal_the_reference_engines_on_qwen3_moe() -> None:
