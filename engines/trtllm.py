@@ -123,6 +123,7 @@ from engines.api import (
     TokenLogprob,
 )
 from engines.lora.peft import AdapterError
+from engines.lora.prefix import AdapterPrefix
 from engines.lora.vendor import AdapterTable, LoraLimits
 from engines.parallel import engine_devices
 from engines.quantize.calibration import load_texts
@@ -264,6 +265,7 @@ class TrtllmEngine(VendorAdapter):
         max_loras: int | None = None,
         max_lora_rank: int | None = None,
         max_cpu_loras: int | None = None,
+        lora_prefix: Mapping[str, Any] | None = None,
         **more: Any,
     ) -> None:
         """Settings beyond the shared EngineSpec fields (pass them in engine.extra):
@@ -273,6 +275,9 @@ class TrtllmEngine(VendorAdapter):
             lora_config (LoraConfig of tensorrt_llm.lora_helper, every adapter folder in
             lora_dir) and a LoRARequest (tensorrt_llm.executor) per request. PyTorch backend
             only (the TensorRT backend builds LoRA into the engine).
+        lora_prefix: {uri, cache_dir, endpoint_url, region, anonymous}: adapters not in
+            lora_adapters are looked up as uri/NAME on first use (engines/lora/prefix.py) and
+            sent with their folder in the LoRARequest.
 
         backend: pytorch (loads HF / ModelOpt checkpoints) | tensorrt (builds a TensorRT engine).
         cuda_graphs: pytorch backend: capture decode steps as CUDA graphs (default on).
@@ -313,14 +318,15 @@ class TrtllmEngine(VendorAdapter):
             )
         self._adapters: AdapterTable | None = None
         lora: LoraLimits | None = None
-        if lora_adapters:
+        prefix = AdapterPrefix.of(lora_prefix)
+        if lora_adapters or prefix is not None:
             if backend != "pytorch":
                 raise EngineError(
                     "model.adapters (LoRA) needs TensorRT-LLM's pytorch backend: the tensorrt "
                     "backend builds adapters into the engine at build time"
                 )
             lora = LoraLimits.of(max_loras, max_lora_rank, max_cpu_loras)
-            self._adapters = AdapterTable(lora_adapters, lora.max_lora_rank)
+            self._adapters = AdapterTable(lora_adapters or {}, lora.max_lora_rank, prefix)
         if calibration is not None and quantize is None:
             raise EngineError("engine.extra.calibration applies with engine.extra.quantize only")
         started = time.monotonic()
@@ -409,7 +415,7 @@ class TrtllmEngine(VendorAdapter):
                     from tensorrt_llm.lora_helper import LoraConfig
 
                     args["lora_config"] = LoraConfig(
-                        lora_dir=[str(lora_adapters[n]) for n in self._adapters.names],
+                        lora_dir=[str((lora_adapters or {})[n]) for n in self._adapters.names],
                         max_lora_rank=lora.max_lora_rank,
                         max_loras=lora.max_loras,
                         max_cpu_loras=lora.max_cpu_loras,

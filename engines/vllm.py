@@ -60,6 +60,7 @@ from engines.api import (
     TokenLogprob,
 )
 from engines.lora.peft import AdapterError
+from engines.lora.prefix import AdapterPrefix
 from engines.lora.vendor import AdapterTable, LoraLimits
 from engines.parallel import engine_devices
 from engines.requests import (
@@ -126,6 +127,7 @@ class VllmEngine(VendorAdapter):
         max_loras: int | None = None,
         max_lora_rank: int | None = None,
         max_cpu_loras: int | None = None,
+        lora_prefix: Mapping[str, Any] | None = None,
         **engine_args: Any,
     ) -> None:
         """Settings beyond the shared EngineSpec fields (pass them in engine.extra):
@@ -135,6 +137,8 @@ class VllmEngine(VendorAdapter):
             vLLM's enable_lora, max_loras, max_lora_rank (rounded up to the next rank vLLM
             builds slots for: 8, 16, 32, 64, 128, 256, 320, 512; our own maximum is still the
             one enforced) and max_cpu_loras; a request's adapter goes as a LoRARequest.
+        lora_prefix: {uri, cache_dir, endpoint_url, region, anonymous}: adapters not in
+            lora_adapters are looked up as uri/NAME on first use (engines/lora/prefix.py).
 
         tensor_parallel_size, pipeline_parallel_size, data_parallel_size,
             enable_expert_parallel: vLLM's own (names as in vLLM 0.32's AsyncEngineArgs); the
@@ -213,9 +217,10 @@ class VllmEngine(VendorAdapter):
         if spec is not None:
             args["speculative_config"] = speculative_config(spec)
         self._adapters: AdapterTable | None = None
-        if lora_adapters:
+        prefix = AdapterPrefix.of(lora_prefix)
+        if lora_adapters or prefix is not None:
             limits = LoraLimits.of(max_loras, max_lora_rank, max_cpu_loras)
-            self._adapters = AdapterTable(lora_adapters, limits.max_lora_rank)
+            self._adapters = AdapterTable(lora_adapters or {}, limits.max_lora_rank, prefix)
             args.update(
                 enable_lora=True,
                 max_loras=limits.max_loras,
@@ -258,9 +263,9 @@ class VllmEngine(VendorAdapter):
             has_step_records=False,
             eos_token_ids=eos_token_ids(config, model_dir),
             load_seconds=time.monotonic() - started,
-            limitations=(CPU_LORA_LIMITATION,) if lora_adapters and on_cpu else (),
+            limitations=(CPU_LORA_LIMITATION,) if self._adapters and on_cpu else (),
         )
-        if lora_adapters and on_cpu:
+        if self._adapters and on_cpu:
             log.warning("%s", CPU_LORA_LIMITATION)
 
     # --- requests ---------------------------------------------------------------------------

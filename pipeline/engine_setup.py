@@ -55,6 +55,8 @@ def open_engine(
     settings = {**placement_settings(engine, devices), **engine_settings(engine)}
     if model.adapters:
         settings["lora_adapters"] = adapter_folders(model, storage)
+    if model.adapter_prefix:
+        settings["lora_prefix"] = adapter_prefix(model, storage)
     if own_process:
         return ProcessEngine(
             engine.kind, model=str(local_path), interpreter=interpreter, **settings
@@ -80,6 +82,18 @@ def adapter_folders(model: ModelSpec, storage: StorageSpec) -> dict[str, str]:
         if is_s3(source)
         else source
         for name, source in model.adapters.items()
+    }
+
+
+def adapter_prefix(model: ModelSpec, storage: StorageSpec) -> dict[str, Any]:
+    """model.adapter_prefix as the engines' `lora_prefix` setting (engines/lora/prefix.py):
+    where to look and where S3 is, never a credential (those stay in the environment)."""
+    return {
+        "uri": model.adapter_prefix,
+        "cache_dir": join_uri(model.cache_dir, "adapters"),
+        "endpoint_url": storage.endpoint_url,
+        "region": storage.region,
+        "anonymous": storage.anonymous,
     }
 
 

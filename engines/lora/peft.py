@@ -33,6 +33,10 @@ _KEY = re.compile(
 )
 
 
+# How every engine kind's "no such adapter" error starts (Serve answers it with a 404).
+UNKNOWN_ADAPTER = "unknown adapter"
+
+
 class AdapterError(ValueError):
     """An adapter that cannot be used: the message names the adapter, the file and the field."""
 

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from engines.lora.peft import AdapterError, LoraAdapter, Shapes, load_adapter
+from engines.lora.prefix import AdapterPrefix
 
 
 class AdapterStore:
@@ -23,6 +24,7 @@ class AdapterStore:
         shapes: Shapes,
         max_rank: int,
         max_cpu_loras: int,
+        prefix: AdapterPrefix | None = None,
     ) -> None:
         for name, path in sources.items():
             if not name or not isinstance(path, str | Path):
@@ -31,6 +33,7 @@ class AdapterStore:
         self._shapes = shapes
         self._max_rank = max_rank
         self._capacity = max_cpu_loras
+        self._prefix = prefix  # where names not in `sources` are looked up on first use
         self._cache: OrderedDict[str, LoraAdapter] = OrderedDict()
         self._lock = threading.Lock()
         self.reads = 0  # adapters read from disk (a re-read after eviction counts again)
@@ -47,11 +50,16 @@ class AdapterStore:
             if adapter is not None:
                 self._cache.move_to_end(name)
                 return adapter
-        if name not in self._sources:
+        source = self._sources.get(name)
+        if source is None and self._prefix is not None:
+            source = self._prefix.folder(name)  # AdapterError when the prefix has none
+            with self._lock:
+                self._sources[name] = source
+        if source is None:
             known = ", ".join(self.names) or "none"
             raise AdapterError(f"unknown adapter {name!r}; this engine has: {known}")
         # Read outside the lock: a large adapter must not hold up requests for cached ones.
-        adapter = load_adapter(name, self._sources[name], self._shapes, self._max_rank)
+        adapter = load_adapter(name, source, self._shapes, self._max_rank)
         with self._lock:
             self.reads += 1
             self._cache[name] = adapter

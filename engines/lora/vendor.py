@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engines.lora.peft import AdapterError, read_config
+from engines.lora.prefix import AdapterPrefix
 
 DEFAULT_MAX_LORAS = 4
 DEFAULT_MAX_LORA_RANK = 64
@@ -54,7 +55,9 @@ class VendorAdapter:
 class AdapterTable:
     """The adapters one vendor engine may run, by name."""
 
-    def __init__(self, sources: Mapping[str, str], max_rank: int) -> None:
+    def __init__(
+        self, sources: Mapping[str, str], max_rank: int, prefix: AdapterPrefix | None = None
+    ) -> None:
         for name, path in sources.items():
             if not name or not isinstance(path, str | Path):
                 raise AdapterError(f"lora_adapters: {name!r} -> {path!r}: a name and a folder")
@@ -62,6 +65,7 @@ class AdapterTable:
         self._ids = {name: i for i, name in enumerate(sorted(sources), start=1)}
         self._sources = {name: str(path) for name, path in sources.items()}
         self._max_rank = max_rank
+        self._prefix = prefix  # where names not in `sources` are looked up on first use
         self._checked: dict[str, VendorAdapter] = {}
         self._lock = threading.Lock()
 
@@ -75,12 +79,18 @@ class AdapterTable:
             known = self._checked.get(name)
         if known is not None:
             return known
-        if name not in self._sources:
+        path = self._sources.get(name)
+        if path is None and self._prefix is not None:
+            path = self._prefix.folder(name)  # AdapterError when the prefix has none
+        if path is None:
             have = ", ".join(self.names) or "none"
             raise AdapterError(f"unknown adapter {name!r}; this engine has: {have}")
-        path = self._sources[name]
         config = read_config(name, Path(path), self._max_rank)
-        adapter = VendorAdapter(name, self._ids[name], path, config.rank)
+        with self._lock:
+            if name not in self._ids:  # found under the prefix: the next id, for good
+                self._ids[name] = max(self._ids.values(), default=0) + 1
+                self._sources[name] = path
+            adapter = VendorAdapter(name, self._ids[name], path, config.rank)
         with self._lock:
             self._checked[name] = adapter
         return adapter

@@ -5,9 +5,11 @@ the model's projections wrapped with slots (model/lora.py) and the slots' bookke
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 from engines.api import EngineError
 from engines.lora.peft import AdapterError, LoraAdapter, Shapes
+from engines.lora.prefix import AdapterPrefix
 from engines.lora.store import AdapterStore
 from engines.reference.model.config import ModelConfig
 from engines.reference.model.lora import LoraStepState, attach_lora
@@ -25,10 +27,16 @@ def attach_adapters(
     max_loras: int,
     max_rank: int,
     max_cpu_loras: int | None,
+    prefix: Mapping[str, Any] | None = None,
 ) -> tuple[AdapterStore | None, AdapterSlots | None, LoraStepState | None]:
-    """(store, slots, per-step state) for an engine with `sources`; (None, None, None) without:
-    its projections stay unwrapped and cost nothing."""
-    if not sources:
+    """(store, slots, per-step state) for an engine with `sources` or a `prefix` to find
+    adapters under (engines/lora/prefix.py); (None, None, None) without either: its
+    projections stay unwrapped and cost nothing."""
+    try:
+        found = AdapterPrefix.of(prefix)
+    except AdapterError as exc:
+        raise EngineError(str(exc)) from None
+    if not sources and found is None:
         return None, None, None
     cpu = max_cpu_loras if max_cpu_loras is not None else max(max_loras, MIN_CPU_LORAS)
     if cpu < 1:
@@ -44,7 +52,7 @@ def attach_adapters(
         ),
     )
     try:
-        store = AdapterStore(sources, shapes, max_rank, cpu)
+        store = AdapterStore(sources, shapes, max_rank, cpu, found)
     except AdapterError as exc:
         raise EngineError(str(exc)) from None
     state = LoraStepState()

@@ -119,6 +119,8 @@ class ReferenceEngine:
         max_loras: adapters usable in one step (the model's LoRA slots).
         max_lora_rank: the highest adapter rank accepted (slots are sized for it).
         max_cpu_loras: adapters kept read in memory (default: max(max_loras, 8)).
+        lora_prefix: {uri, cache_dir, endpoint_url, region, anonymous}: adapters not in
+            lora_adapters are looked up as uri/NAME on first use (engines/lora/prefix.py).
     """
 
     def __init__(
@@ -143,6 +145,7 @@ class ReferenceEngine:
         max_loras: int = 4,
         max_lora_rank: int = 64,
         max_cpu_loras: int | None = None,
+        lora_prefix: dict[str, Any] | None = None,
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -192,7 +195,7 @@ class ReferenceEngine:
             max_model_len=max_model_len,
             profile_dir=profile_dir,
             profile_steps=profile_steps,
-            lora=(lora_adapters or {}, max_loras, max_lora_rank, max_cpu_loras),
+            lora=(lora_adapters or {}, max_loras, max_lora_rank, max_cpu_loras, lora_prefix),
         )
         self._thread = threading.Thread(
             target=self._engine_thread, args=(load, loaded), name="reference-engine", daemon=True
@@ -229,7 +232,7 @@ class ReferenceEngine:
         max_model_len: int | None,
         profile_dir: str | None,
         profile_steps: int,
-        lora: tuple[dict[str, str], int, int, int | None],
+        lora: tuple[dict[str, str], int, int, int | None, dict[str, Any] | None],
     ) -> None:
         """Model, tokenizer, KV pool, scheduler, runner, profiler, drafter and LoRA slots (on
         the engine thread)."""

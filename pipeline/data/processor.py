@@ -309,7 +309,7 @@ def prepare_rows(batch: pa.Table, spec: JobSpec, prompts: Any) -> list[dict[str,
             text_prompt(row, inp.prompt_column, values[inp.prompt_column], where)
         if inp.messages_column and inp.messages_column in values:
             messages_value(row, inp.messages_column, values[inp.messages_column], where)
-        if spec.model.adapters:
+        if spec.model.has_adapters:
             row[ADAPTER] = None
             if inp.adapter_column and inp.adapter_column in values:
                 adapter_cell(spec, row, values[inp.adapter_column], where)

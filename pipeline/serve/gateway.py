@@ -27,6 +27,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from engines.api import FORMAT_ERROR_PREFIX, EngineInfo, EngineStats, GenerationResult
+from engines.lora.peft import UNKNOWN_ADAPTER
 from pipeline.openai.errors import ApiError
 from pipeline.openai.responses import Endpoint, Usage
 from pipeline.serve.access.auth import KeyDigests
@@ -129,6 +130,10 @@ def result_error(name: str, result: GenerationResult | None) -> ApiError | None:
         # The engine could not compile the request's format (a schema feature or regex it
         # does not support): the request's fault, not the server's.
         return ApiError(400, result.error, param="response_format", code="invalid_value")
+    if not result.ok and (result.error or "").startswith(UNKNOWN_ADAPTER):
+        # A name routed to a model's adapter prefix that holds no such adapter: as OpenAI
+        # answers a model it does not have.
+        return ApiError(404, result.error, param="model", code="model_not_found")
     if not result.ok:
         return ApiError(
             500, f"generation failed: {result.error}", type="server_error", code="engine_error"
@@ -270,6 +275,14 @@ class Gateway:
         """The served model `name` names (404 for one the key may not use); an adapter's name
         is refused here: the route asking runs base models only (embeddings, ops)."""
         served, adapter = self.route(name, param, key)
+        if adapter is not None and adapter not in served.model.adapters:
+            # Only routed to a model's adapter prefix: no served model of that name.
+            raise ApiError(
+                404,
+                f"The model '{name}' does not exist; available: {', '.join(self.names)}",
+                param=param,
+                code="model_not_found",
+            )
         if adapter is not None:
             raise ApiError(
                 400,

@@ -136,11 +136,12 @@ class JobSpec(StrictModel):
     @model_validator(mode="after")
     def _adapters(self) -> JobSpec:
         """LoRA adapters: an engine that runs them, a task that uses them, a way to pick one."""
-        if not self.model.adapters:
+        if not self.model.has_adapters:
             if self.input.adapter_column:
                 raise ValueError(
                     "input.adapter_column names rows' LoRA adapters, but model.adapters is "
-                    "empty; list the adapters there or remove input.adapter_column"
+                    "empty (and no model.adapter_prefix); list the adapters there or remove "
+                    "input.adapter_column"
                 )
             return self
         if self.engine.kind not in MODEL_KINDS:

@@ -40,6 +40,14 @@ class ModelSpec(StrictModel):
         "none run on the model itself. In a serve file a request's model field names the "
         "adapter. engine.kind reference (see docs/engine.md, LoRA adapters).",
     )
+    adapter_prefix: str | None = Field(
+        None,
+        description="A folder (local path or s3:// prefix) holding one PEFT adapter folder "
+        "per name: a row or request naming an adapter not in model.adapters is looked up "
+        "as <adapter_prefix>/<name> on first use (an s3:// one downloaded once per node into "
+        "cache_dir). A name with no adapter_config.json there is that row's error (404 in "
+        "Serve).",
+    )
     quantization: QuantizationSpec | None = Field(
         None,
         description="Run a low-precision copy of the model: {format: fp8 | nvfp4, kv_cache, "
@@ -57,6 +65,11 @@ class ModelSpec(StrictModel):
             if not source:
                 raise ValueError(f"model.adapters.{name}: give the adapter's folder")
         return FrozenMap(adapters)
+
+    @property
+    def has_adapters(self) -> bool:
+        """Whether rows and requests may name LoRA adapters: listed ones, or a prefix."""
+        return bool(self.adapters or self.adapter_prefix)
 
     @property
     def display_name(self) -> str:

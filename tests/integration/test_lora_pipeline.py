@@ -187,6 +187,58 @@ def test_openai_batch_lines_pick_adapters_by_body_model(
     assert by_id["c1"]["text"] == by_id["c3"]["text"] != by_id["c0"]["text"]
 
 
+def test_adapters_found_under_a_prefix_on_first_use(
+    ray_local: Any, s3_server: S3Server, tiny_model_dir: Path, adapter_dirs: dict, tmp_path: Path
+) -> None:
+    """model.adapter_prefix on the S3 server, no model.adapters: each name a row gives is
+    fetched from PREFIX/NAME when it first runs; a name with nothing there, or no folder name
+    at all, is that row's error naming it and the prefix."""
+    from pipeline.spec import parse_job_spec
+
+    bucket = s3_server.make_bucket()
+    for name, folder in adapter_dirs.items():
+        s3_server.upload_dir(folder, f"s3://{bucket}/library/{name}")
+    names = ["qv", "mlp", None, "qv", "missing", "../qv"]
+    rows = [{"id": f"r{i}", "text": PROMPTS[i % 3], "ad": n} for i, n in enumerate(names)]
+    uri = f"s3://{bucket}/in/rows.jsonl"
+    s3_server.put(uri, "".join(json.dumps(r) + "\n" for r in rows))
+    source = {"uri": uri, "format": "jsonl", "id_column": "id", "prompt_column": "text"}
+    base = make_spec(
+        "lora-prefix",
+        source,
+        f"s3://{bucket}/out/",
+        s3_server,
+        tiny_model_dir,
+        engine={"max_model_len": 512},
+        limits={"max_error_fraction": 0.5},
+    )
+    extra = {
+        "model": {"adapter_prefix": f"s3://{bucket}/library", "cache_dir": str(tmp_path)},
+        "input": {"adapter_column": "ad"},
+    }
+    spec = parse_job_spec(_merge(base.model_dump(mode="json", exclude_unset=True), extra))
+    result = run_job(spec)
+    assert result.status == "complete", result.message
+    table, _ = read_output(s3_server, f"s3://{bucket}/out/")
+    assert_exactly_once(table, [r["id"] for r in rows])
+    by_id = {r["id"]: r for r in table.to_pylist()}
+    assert "unknown adapter 'missing'" in by_id["r4"]["error"]
+    assert f"s3://{bucket}/library/missing" in by_id["r4"]["error"]
+    assert "unknown adapter '../qv'" in by_id["r5"]["error"]
+    ok = rows[:4]
+    assert all(by_id[r["id"]]["error"] is None for r in ok)
+    expected = engine_texts(
+        spec,
+        [{"text": r["text"], "adapter": r["ad"]} for r in ok],
+        {n: str(f) for n, f in adapter_dirs.items()},
+    )
+    assert [by_id[r["id"]]["text"] for r in ok] == expected
+    assert [by_id[r["id"]]["adapter"] for r in ok] == ["qv", "mlp", None, "qv"]
+    # Fetched once per node, into model.cache_dir.
+    fetched = sorted(p.parent.name for p in tmp_path.rglob("adapter_config.json"))
+    assert fetched == ["mlp", "qv"]
+
+
 def test_adapters_need_an_engine_and_a_column_that_take_them(tiny_model_dir: Path) -> None:
     from pipeline.spec import parse_job_spec
 

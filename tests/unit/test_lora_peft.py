@@ -99,3 +99,42 @@ def test_engines_without_adapters_refuse_an_adapters_request() -> None:
     refused = admit(request, vocab_size=10, max_model_len=16)
     assert not refused.ok and "'sql'" in refused.error and "does not run adapters" in refused.error
     assert admit(request, vocab_size=10, max_model_len=16, takes_adapters=True).ok
+
+
+def _adapter_folder(folder: Path, rank: int = 8) -> Path:
+    folder.mkdir(parents=True)
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 8, "target_modules": ["q_proj"]}
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_a_prefix_finds_adapters_by_name_and_names_what_it_lacks(tmp_path: Path) -> None:
+    from engines.lora.prefix import AdapterPrefix
+    from engines.lora.vendor import AdapterTable
+
+    lib = tmp_path / "lib"
+    _adapter_folder(lib / "ft-a")
+    _adapter_folder(lib / "ft-b", rank=32)
+    prefix = AdapterPrefix.of({"uri": str(lib), "cache_dir": str(tmp_path / "cache")})
+    assert prefix is not None and prefix.folder("ft-a") == str(lib / "ft-a")
+    for name, words in (
+        ("nope", f"no adapter_config.json at {lib / 'nope'}"),
+        ("../lib", "not a name that can be looked up"),
+        (".hidden", "not a name that can be looked up"),
+    ):
+        with pytest.raises(AdapterError, match="unknown adapter") as caught:
+            prefix.folder(name)
+        assert words in str(caught.value)
+    with pytest.raises(AdapterError, match="unknown: bucket"):
+        AdapterPrefix.of({"uri": str(lib), "bucket": "x"})
+    assert AdapterPrefix.of(None) is None
+    # A vendor engine's table: listed adapters first (ids by name), then each one found
+    # under the prefix takes the next id for good; its config is checked like a listed one.
+    listed = _adapter_folder(tmp_path / "z-listed")
+    table = AdapterTable({"z": str(listed)}, max_rank=16, prefix=prefix)
+    assert (table.get("z").int_id, table.get("ft-a").int_id, table.get("z").int_id) == (1, 2, 1)
+    assert table.get("ft-a").path == str(lib / "ft-a") and table.get("ft-a").int_id == 2
+    with pytest.raises(AdapterError, match="r 32 is over the engine's max_lora_rank 16"):
+        table.get("ft-b")
+    with pytest.raises(AdapterError, match="unknown adapter 'gone'"):
+        table.get("gone")

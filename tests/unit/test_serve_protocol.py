@@ -79,6 +79,33 @@ def test_adapters_share_one_namespace_with_the_models_and_route_to_theirs() -> N
         parse_serve_spec({"models": [base, twice]})
 
 
+def test_names_not_listed_route_to_the_one_model_with_an_adapter_prefix() -> None:
+    from engines.api import GenerationResult
+    from pipeline.serve.gateway import result_error
+
+    base = {"name": "base", "model": {"path": "/x", "adapters": {"ft-a": "/a"}}}
+    lib = {"name": "lib", "model": {"path": "/y", "adapter_prefix": "s3://b/adapters"}}
+    spec = parse_serve_spec({"models": [base, lib]})
+    assert spec.route("ft-a")[0].name == "base"  # listed: its own model
+    found = spec.route("ft-new")
+    assert found is not None and (found[0].name, found[1]) == ("lib", "ft-new")
+    assert spec.served_names() == ["base", "lib", "ft-a"]  # only what is listed is listed
+    with pytest.raises(SpecError, match="adapter_prefix on more than one model"):
+        parse_serve_spec({"models": [{**base, "model": {**lib["model"]}}, lib]})
+    # The engine's "no such adapter" is OpenAI's 404 for a model it does not have.
+    missing = GenerationResult(
+        "r", [], "", "error", 3, 0, error="unknown adapter 'ft-new': no adapter_config.json"
+    )
+    error = result_error("lib", missing)
+    assert error is not None and (error.status, error.code, error.param) == (
+        404,
+        "model_not_found",
+        "model",
+    )
+    broken = GenerationResult("r", [], "", "error", 3, 0, error="engine died")
+    assert result_error("lib", broken).status == 500  # type: ignore[union-attr]
+
+
 @pytest.mark.parametrize(
     "data",
     [

@@ -164,6 +164,9 @@ def job_fingerprint(
             name: {"source": source, **adapter_content(source, spec.storage)}
             for name, source in sorted(spec.model.adapters.items())
         }
+    if spec.model.adapter_prefix:
+        # The place only: which names a run reads from it is known when its rows run.
+        model_part["adapter_prefix"] = spec.model.adapter_prefix
     if spec.model.quantization is not None:
         # Added only when set, so fingerprints of unquantized jobs stay what they were; an fp8
         # job and an nvfp4 job on the same source model must never share output.

@@ -96,7 +96,7 @@ class GenerateConfig:
             prompt_logprobs=spec.sampling.prompt_logprobs is not None,
             reasoning=spec.prompt.reasoning,
             embed=spec.embed_params,
-            adapters=bool(spec.model.adapters),
+            adapters=spec.model.has_adapters,
             max_in_flight=spec.resources.max_in_flight,
             batch_size=spec.resources.batch_size,
             rows_per_file=spec.output.rows_per_file,

@@ -207,7 +207,7 @@ def job_output_schema(spec: JobSpec, passthrough: Iterable[pa.Field] = ()) -> pa
         prompt_logprobs=spec.sampling.prompt_logprobs is not None,
         reasoning=spec.prompt.reasoning != "none",
         embedding=spec.task == "embed",
-        adapters=bool(spec.model.adapters),
+        adapters=spec.model.has_adapters,
     )
 
 

@@ -7,6 +7,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
+from pipeline.openai.errors import ApiError
 from pipeline.serve.gateway import Gateway
 
 
@@ -29,4 +30,8 @@ def list_models(gw: Gateway, request: Request) -> JSONResponse:
 def get_model(gw: Gateway, model: str, request: Request) -> JSONResponse:
     key = gw.authenticate(request)
     gw.route(model, param=None, key=key)
+    if model not in gw.spec.served_names():
+        # A name only routed to an adapter prefix: whether it is there is known when a
+        # request uses it, so it is not described as if it were.
+        raise ApiError(404, f"The model '{model}' is not listed", code="model_not_found")
     return JSONResponse(model_card(gw, model))

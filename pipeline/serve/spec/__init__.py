@@ -86,6 +86,13 @@ class ServeSpec(StrictModel):
                         "a request's model field must name one thing, so rename one of them"
                     )
                 owners[adapter] = served.name
+        prefixed = [m.name for m in self.models if m.model.adapter_prefix]
+        if len(prefixed) > 1:
+            raise ValueError(
+                f"models {prefixed}: model.adapter_prefix on more than one model; a name not "
+                "listed anywhere could belong to either, so give one model the prefix and "
+                "list the other's adapters in model.adapters"
+            )
         if self.http.one_hop is True and len(self.models) != 1:
             raise ValueError(
                 f"http.one_hop needs exactly one model (this file serves {len(self.models)}): "
@@ -113,6 +120,10 @@ class ServeSpec(StrictModel):
         if served is not None:
             return served, None
         owner = next((m for m in self.models if name in m.model.adapters), None)
+        if owner is None:
+            # Any other name goes to the model with an adapter prefix (at most one has one),
+            # whose engine looks it up there on first use (404 when it is not there either).
+            owner = next((m for m in self.models if m.model.adapter_prefix), None)
         return (owner, name) if owner is not None else None
 
     def served_names(self) -> list[str]:

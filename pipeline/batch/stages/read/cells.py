@@ -59,8 +59,9 @@ def has_row_sampling(spec: JobSpec) -> bool:
 
 
 def has_adapters(spec: JobSpec) -> bool:
-    """Whether rows carry ADAPTER: the job lists LoRA adapters (model.adapters)."""
-    return bool(spec.model.adapters)
+    """Whether rows carry ADAPTER: the job has LoRA adapters (model.adapters, or a prefix to
+    find them under)."""
+    return spec.model.has_adapters
 
 
 def adapter_cell(spec: JobSpec, row: dict[str, Any], value: Any, where: str) -> None:
@@ -87,6 +88,8 @@ def model_adapter(spec: JobSpec, model: Any) -> tuple[str | None, str | None]:
         return None, None
     if isinstance(model, str) and model in spec.model.adapters:
         return model, None
+    if isinstance(model, str) and spec.model.adapter_prefix:
+        return model, None  # looked up under the prefix when the line runs
     names = ", ".join(sorted(spec.model.adapters))
     return None, (
         f"body.model {model!r} is neither this job's model {spec.model.display_name!r} nor "
