@@ -14,6 +14,7 @@ from engines.process import ProcessEngine
 from engines.quantize.artifacts import MARKER, build_in_cache
 from pipeline.spec import EngineSpec, ModelSpec, StorageSpec
 from pipeline.storage import filesystem_for, is_s3, join_uri, materialize_model
+from pipeline.storage.hub import is_hub
 
 
 def engine_settings(engine: EngineSpec) -> dict[str, Any]:
@@ -79,7 +80,7 @@ def adapter_folders(model: ModelSpec, storage: StorageSpec) -> dict[str, str]:
                 field=f"model.adapters.{name}",
             )
         )
-        if is_s3(source)
+        if is_s3(source) or is_hub(source)
         else source
         for name, source in model.adapters.items()
     }

@@ -18,15 +18,18 @@ class FrozenMap(dict[str, str]):
 
 class ModelSpec(StrictModel):
     path: str = Field(
-        description="Hugging Face model directory: a local path or an s3:// prefix (downloaded "
-        "once per node into cache_dir)."
+        description="Hugging Face model directory: a local path, an s3:// prefix or a Hugging "
+        "Face Hub repository hf://ORG/NAME[@REVISION] (downloaded once per node into "
+        "cache_dir; the hub's endpoint from HF_ENDPOINT, its token from HF_TOKEN)."
     )
     tokenizer: str | None = Field(
-        None, description="Tokenizer directory if not the model's own (local path or s3://)."
+        None,
+        description="Tokenizer directory if not the model's own (local path, s3:// or hf://).",
     )
     cache_dir: str = Field(
         "~/.cache/tokenmill/models",
-        description="Node-local directory where s3:// models are downloaded and reused.",
+        description="Node-local directory where s3:// and hf:// models and adapters are "
+        "downloaded and reused.",
     )
     name: str | None = Field(
         None,
@@ -35,10 +38,11 @@ class ModelSpec(StrictModel):
     adapters: dict[str, str] = Field(
         default_factory=dict,
         description="LoRA adapters of this model by name: a PEFT adapter folder (local path, "
-        "or an s3:// prefix downloaded once per node into cache_dir like the model). A row "
+        "or an s3:// prefix or hf://ORG/NAME[@REVISION] downloaded once per node into "
+        "cache_dir like the model). A row "
         "picks one by input.adapter_column (openai_batch: by its body.model); rows naming "
         "none run on the model itself. In a serve file a request's model field names the "
-        "adapter. engine.kind reference (see docs/engine.md, LoRA adapters).",
+        "adapter. Every model-running engine kind (see docs/engine.md, LoRA adapters).",
     )
     adapter_prefix: str | None = Field(
         None,

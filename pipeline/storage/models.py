@@ -1,7 +1,8 @@
 """Model directories on object storage → one node-local copy, downloaded once per node.
 
 `materialize_model` returns a local directory for a model (or tokenizer) path. Local paths are
-checked and returned as they are. s3:// prefixes are downloaded into
+checked and returned as they are; Hugging Face Hub sources (hf://ORG/NAME@REVISION) come from
+huggingface_hub's cache (pipeline/storage/hub.py). s3:// prefixes are downloaded into
 `cache_dir/<hash of uri, selection and listing>`:
 
 - once per node: a file lock makes the second actor on a node wait for the first one's
@@ -30,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.spec import SpecError, StorageSpec
+from pipeline.storage import hub
 from pipeline.storage.files import (
     StorageError,
     endpoint_of,
@@ -39,6 +41,7 @@ from pipeline.storage.files import (
     unreachable_error,
     version_of,
 )
+from pipeline.storage.hub import is_hub
 
 logger = logging.getLogger(__name__)
 
@@ -184,6 +187,8 @@ def materialize_model(
     `patterns` (fnmatch globs on the relative path) download only some files, e.g. the
     tokenizer files without the weights; a different selection is a different cache entry.
     """
+    if is_hub(path):
+        return hub.snapshot(path, cache_dir, field, required_file, patterns)
     if not is_s3(path):
         return _local_model(path, required_file, field)
     prefix = path.rstrip("/")

@@ -32,7 +32,8 @@ from typing import Any
 
 from pipeline.engine_setup import engine_settings
 from pipeline.spec import JobSpec, SpecError, StorageSpec
-from pipeline.storage import filesystem_for
+from pipeline.storage import filesystem_for, hub
+from pipeline.storage.hub import is_hub
 
 COMPONENTS = ("model", "engine", "sampling", "prompt", "input", "output")
 
@@ -79,7 +80,10 @@ def input_listing(files: Iterable[Any]) -> list[dict[str, Any]]:
 
 
 def model_content(path: str, storage: StorageSpec) -> dict[str, Any]:
-    """config.json's hash plus (name, size) of every file under the model directory."""
+    """config.json's hash plus (name, size) of every file under the model directory (a hub
+    source: its revision's commit and file sizes, from the hub's API)."""
+    if is_hub(path):
+        return hub.content(path, "model.path", "config.json")
 
     fs, root = filesystem_for(path, storage)
     root = root.rstrip("/")
@@ -104,6 +108,11 @@ def model_content(path: str, storage: StorageSpec) -> dict[str, Any]:
 def adapter_content(source: str, storage: StorageSpec) -> dict[str, Any]:
     """adapter_config.json's hash and (name, size) of every file of an adapter folder. One
     that cannot be read is recorded as such: its rows fail, the job does not."""
+    if is_hub(source):
+        try:
+            return hub.content(source, "model.adapters", "adapter_config.json")
+        except SpecError as exc:
+            return {"unreadable": str(exc)}
     fs, root = filesystem_for(source, storage)
     root = root.rstrip("/")
     try:

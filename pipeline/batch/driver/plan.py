@@ -39,11 +39,13 @@ from pipeline.storage import (
     InputFile,
     exists,
     filesystem_for,
+    hub,
     is_s3,
     join_uri,
     list_input_files,
     materialize_model,
 )
+from pipeline.storage.hub import is_hub
 
 DEFAULT_SAMPLE_ROWS = 200
 # JSONL bytes read to count rows exactly; larger inputs are estimated from bytes per line.
@@ -55,7 +57,9 @@ MAX_ERROR_EXAMPLES = 5
 
 
 def _check_model_dir(path: str, required: str, field_name: str, spec: JobSpec) -> None:
-    if is_s3(path):
+    if is_hub(path):
+        hub.content(path, field_name, required)  # the API's listing: nothing downloaded
+    elif is_s3(path):
         marker = join_uri(path, required)
         try:
             found = exists(marker, spec.storage)
