@@ -20,6 +20,7 @@ reach the engine as identical ids.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 from collections.abc import Mapping, Sequence
@@ -80,6 +81,18 @@ def _content_text(content: Any, index: int) -> str:
     raise PromptError(f"messages[{index}].content must be text, got {type(content).__name__}")
 
 
+def _template_call(call: Any) -> dict[str, Any]:
+    """An assistant turn's tool call as chat templates read it: OpenAI's shape with the
+    arguments as an object (templates write `arguments | tojson`), as vLLM passes them."""
+    function = dict(call.get("function") or {})
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        # Checked before in Serve (pipeline.openai.tools); a batch row's stays as written.
+        with contextlib.suppress(json.JSONDecodeError):
+            function["arguments"] = json.loads(arguments or "{}")
+    return {"id": call.get("id"), "type": "function", "function": function}
+
+
 def chat_messages(messages: str | Sequence[Any], system_prompt: str | None = None) -> list[dict]:
     """Validate a chat (a list, or its JSON text) and prepend the system prompt if it has none.
 
@@ -102,14 +115,19 @@ def chat_messages(messages: str | Sequence[Any], system_prompt: str | None = Non
             raise PromptError(
                 f"messages[{index}].role {role!r} is not one of {', '.join(CHAT_ROLES)}"
             )
+        calls = message.get("tool_calls")
+        content = message["content"]
         # Chat templates know `system`; OpenAI's `developer` role means the same.
-        chat.append(
-            {
-                "role": "system" if role == "developer" else role,
-                "content": _content_text(message["content"], index),
-            }
-        )
-    if not any(m["content"].strip() for m in chat):
+        turn: dict[str, Any] = {
+            "role": "system" if role == "developer" else role,
+            "content": "" if content is None and calls else _content_text(content, index),
+        }
+        if calls:
+            turn["tool_calls"] = [_template_call(call) for call in calls]
+        if message.get("tool_call_id") is not None:
+            turn["tool_call_id"] = message["tool_call_id"]
+        chat.append(turn)
+    if not any(m["content"].strip() or m.get("tool_calls") for m in chat):
         raise PromptError("messages are all empty")
     if system_prompt and chat[0]["role"] != "system":
         chat.insert(0, {"role": "system", "content": system_prompt})

@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 from engines.api import MAX_LOGPROBS, MAX_SAMPLES
 from pipeline.openai import params
 from pipeline.openai.errors import ApiError
+from pipeline.openai.tools import ToolError, ToolPlan, read_tools
 from pipeline.spec.sampling import MAX_TEMPERATURE, TOP_P_RANGE
 
 WARNING_HEADER = "x-tokenmill-warning"  # what the server ignored or changed in a request
@@ -53,6 +54,8 @@ _RESERVED_TEMPLATE_KWARGS = frozenset(
         "tokenizer_kwargs",
     }
 )
+# The shared table's refused fields that chat requests take (pipeline.openai.tools).
+CHAT_TOOL_FIELDS = ("tools", "tool_choice")
 MAX_NAMED_FIELDS = 16  # ignored fields named in the warning header; the rest are counted
 
 
@@ -72,7 +75,7 @@ class _Request(BaseModel):
     n: int = Field(1, ge=1, le=MAX_SAMPLES)
     # Accepted with any value and unused: bookkeeping fields that do not change the answer.
     user: str | None = None
-    parallel_tool_calls: bool | None = None  # meaningless without tools, which are refused
+    parallel_tool_calls: bool | None = None  # chat with tools: whether calls may be several
     store: bool | None = None  # nothing is stored here either way
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
@@ -131,10 +134,23 @@ class TextPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
     refusal: str | None = None
+    # An assistant turn's calls ({id, type, function: {name, arguments}}), and a tool turn's
+    # answer to one of them (pipeline.openai.tools checks that it answers an earlier call).
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+    def chat_dict(self) -> dict[str, Any]:
+        """The message as the chat template takes it (pipeline.openai.chat.chat_messages)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text}
+        if self.tool_calls:
+            out["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
     @property
     def text(self) -> str:
@@ -154,6 +170,16 @@ class ChatCompletionRequest(_Request):
     reasoning_effort: Literal["low", "medium", "high"] | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # Read by pipeline.openai.tools (read_tools: their shapes and JSON Schemas, 400s by field).
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+
+    _tools: ToolPlan | None = PrivateAttr(default=None)
+
+    @property
+    def tool_plan(self) -> ToolPlan | None:
+        """The request's tools, read and checked (None: none)."""
+        return self._tools
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -336,8 +362,21 @@ def parse_chat_request(data: dict[str, Any], *, strict: bool = False) -> ChatCom
             code="unsupported_parameter",
         )
     data = {k: v for k, v in data.items() if k != "echo"}
+    # Chat takes tools (pipeline.openai.tools); the shared table refuses them elsewhere.
+    tool_fields = {k: data.pop(k) for k in CHAT_TOOL_FIELDS if k in data}
     request = _parse(data, ChatCompletionRequest, strict)
     _check_template_kwargs(request.chat_template_kwargs)
+    if tool_fields:
+        request = request.model_copy(update=tool_fields)
+    try:
+        request._tools = read_tools(
+            request.tools,
+            request.tool_choice,
+            request.parallel_tool_calls,
+            [m.chat_dict() for m in request.messages],
+        )
+    except ToolError as exc:
+        raise ApiError(400, str(exc), param=exc.param, code="invalid_value") from None
     return request
 
 

@@ -76,6 +76,7 @@ class Choice:
     finish_reason: str
     logprobs: dict[str, Any] | None = None
     reasoning: str | None = None  # chat: `reasoning_content`; None: no reasoning part
+    tool_calls: tuple[dict[str, Any], ...] = ()  # chat: the calls made (ToolCall.body()s)
 
 
 def completion_body(
@@ -95,9 +96,13 @@ def choices_body(ids: ResponseIds, choices: list[Choice], usage: Usage) -> dict:
     out: list[dict[str, Any]] = []
     for index, c in enumerate(choices):
         if ids.endpoint == "chat":
-            message = {"role": "assistant", "content": c.text, "refusal": None}
+            message: dict[str, Any] = {"role": "assistant", "content": c.text, "refusal": None}
             if c.reasoning is not None:
                 message["reasoning_content"] = c.reasoning
+            if c.tool_calls:
+                # OpenAI's shape: the calls, and content null when nothing was said besides.
+                message["tool_calls"] = list(c.tool_calls)
+                message["content"] = c.text or None
             out.append(
                 {
                     "index": index,
@@ -163,6 +168,28 @@ def chunk_body(
         # OpenAI sends "usage": null on every chunk when usage was asked for.
         body["usage"] = None
     return body
+
+
+def tool_call_chunks(
+    ids: ResponseIds, calls: list[dict[str, Any]], *, include_usage: bool, index: int = 0
+) -> list[dict]:
+    """The streamed form of a choice's calls, as OpenAI sends them: per call (by its index in
+    tool_calls), a delta with id, type and name (arguments empty), then the arguments."""
+    chunks = []
+    for k, call in enumerate(calls):
+        function = call["function"]
+        opener = {
+            "index": k,
+            "id": call["id"],
+            "type": "function",
+            "function": {"name": function["name"], "arguments": ""},
+        }
+        arguments = {"index": k, "function": {"arguments": function["arguments"]}}
+        for part in (opener, arguments):
+            body = chunk_body(ids, include_usage=include_usage, index=index)
+            body["choices"][0]["delta"] = {"tool_calls": [part]}
+            chunks.append(body)
+    return chunks
 
 
 def usage_chunk_body(ids: ResponseIds, usage: Usage) -> dict:

@@ -49,6 +49,13 @@ class PromptSpec(StrictModel):
         "low|medium|high`). Null: not passed. A row may set its own through "
         "sampling.overrides.reasoning_effort.",
     )
+    tool_parser: Literal["hermes", "llama3_json"] | None = Field(
+        None,
+        description="How the model writes tool calls, read from answers to requests with "
+        "tools (tool_choice auto): hermes (<tool_call>{json}</tool_call>: Qwen2.5, Qwen3, "
+        "Hermes) | llama3_json (Llama 3.1+'s JSON calls). Null: chosen from the markers the "
+        "chat template renders (hermes when it shows none). See docs/tools.md.",
+    )
 
     @field_validator("template")
     @classmethod

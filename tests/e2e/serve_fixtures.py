@@ -186,6 +186,14 @@ def serve_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("serve-model") / "tiny", arch="llama")
 
 
+# What the shared server's `scripted` model answers: a sentence, then two calls (Hermes style).
+TOOL_SCRIPT = (
+    'Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
+    '"unit": "celsius"}}\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": '
+    '{"city": "Paris"}}\n</tool_call>'
+)
+
+
 # Two LoRA adapters of `tiny` on the shared server: the attention only, and every projection
 # with rsLoRA (name -> rank, alpha, targets, rslora).
 SERVE_ADAPTERS = {
@@ -227,6 +235,19 @@ def server(
 ) -> Iterator[ServerProcess]:
     config = serve_workdir / "serve.yaml"
     data = serve_config(serve_model_dir, serve_adapters)
+    # A synthetic engine scripted to answer with text and tool calls: the tool parsers' paths
+    # through the server (tests/e2e/test_serve_tools.py), whatever the weights would write.
+    data["models"].append(
+        {
+            "name": "scripted",
+            "model": {"path": str(serve_model_dir)},
+            "engine": {
+                "kind": "synthetic",
+                "extra": {"script": TOOL_SCRIPT, "ttft_ms": 1, "step_interval_ms": 2},
+            },
+            "replicas": {"cpus_per_replica": 0.25, "stream_interval_s": 0},
+        }
+    )
     data["usage_log"] = {"uri": str(serve_workdir / "usage.jsonl"), "flush_interval_s": 0.2}
     config.write_text(yaml.safe_dump(data))
     proc = start_server(config, {"TOKENMILL_API_KEYS": f"{API_KEY},{OTHER_KEY}"}, [])

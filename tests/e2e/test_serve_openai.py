@@ -109,22 +109,28 @@ def check_usage_cost(usage, expect_prompt: int, expect_completion: int) -> None:
 
 def test_models_and_health(server: ServerProcess, client: openai.OpenAI) -> None:
     # The served models, and tiny's LoRA adapters (tests/e2e/test_serve_lora.py).
-    assert sorted(m.id for m in client.models.list()) == ["narrow", "tiny", "tiny-all", "tiny-qv"]
+    assert sorted(m.id for m in client.models.list()) == [
+        "narrow",
+        "scripted",
+        "tiny",
+        "tiny-all",
+        "tiny-qv",
+    ]
     assert client.models.retrieve("tiny").id == "tiny"
     health = httpx.get(server.base_url + "/health", timeout=30)
     assert health.status_code == 200 and health.json() == {"status": "ok"}
-    # Two models on engine deployments of their own (not one hop): /ready counts both and
-    # names neither. Its view is refreshed in the background, within seconds of the start.
+    # Three models on engine deployments of their own (not one hop): /ready counts them and
+    # names none. Its view is refreshed in the background, within seconds of the start.
     deadline = time.monotonic() + READY_WITHIN_S
     while (ready := httpx.get(server.base_url + "/ready", timeout=30)).status_code != 200:
         assert time.monotonic() < deadline, f"/ready {ready.status_code} for {READY_WITHIN_S} s"
         time.sleep(0.2)
     assert ready.json()["status"] == "ready"
-    assert (ready.json()["models"], ready.json()["models_serving"]) == (2, 2)
-    assert "tiny" not in ready.text and "narrow" not in ready.text
+    assert (ready.json()["models"], ready.json()["models_serving"]) == (3, 3)
+    assert "tiny" not in ready.text and "narrow" not in ready.text and "scripted" not in ready.text
     # Either configured key works.
     other = openai.OpenAI(base_url=server.api_url, api_key=OTHER_KEY, max_retries=0)
-    assert len(other.models.list().data) == 4
+    assert len(other.models.list().data) == 5
 
 
 def test_chat_greedy_equals_engine(client: openai.OpenAI, engine, tokenizer) -> None:

@@ -15,6 +15,7 @@ from pipeline.batch.stages.read.openai_batch import parse_batch_request
 from pipeline.batch.stages.rows import row_sampling
 from pipeline.openai import params
 from pipeline.openai.errors import ApiError
+from pipeline.openai.models import CHAT_TOOL_FIELDS
 from pipeline.serve.protocol.requests import parse_request, to_engine_request
 from pipeline.spec import SamplingSpec
 from tests.unit.test_serve_protocol import _FakeTokenizer, _info, _served
@@ -97,7 +98,11 @@ def test_unimplemented_parameters_pass_only_when_off(name: str) -> None:
         assert _batch({name: neutral})[1] is None
     with pytest.raises(ApiError) as caught:
         _serve({name: {"on": True}})
-    assert caught.value.body()["error"]["code"] == "unsupported_parameter"
+    # Serve's chat reads tools and tool_choice (pipeline.openai.tools): a bad value is
+    # invalid there; batch lines refuse them until they run them.
+    code = "invalid_value" if name in CHAT_TOOL_FIELDS else "unsupported_parameter"
+    assert caught.value.body()["error"]["code"] == code
+    assert caught.value.body()["error"]["param"] == name
     batched, error = _batch({name: {"on": True}})
     assert batched is None and name in error
 

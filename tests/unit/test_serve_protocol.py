@@ -203,8 +203,9 @@ def test_supported_parameters_map_through() -> None:
         ({"n": 0}, "n", "invalid_value"),
         ({"n": 129}, "n", "invalid_value"),
         ({"best_of": 3}, "best_of", "unsupported_parameter"),
-        ({"tools": [{"type": "function"}]}, "tools", "unsupported_parameter"),
-        ({"tool_choice": "auto"}, "tool_choice", "unsupported_parameter"),
+        # Tools are read (pipeline.openai.tools): a malformed one is named where it is wrong.
+        ({"tools": [{"type": "function"}]}, "tools[0].function", "invalid_value"),
+        ({"tool_choice": "auto"}, "tool_choice", "invalid_value"),  # auto with no tools
         ({"functions": [{"name": "f"}]}, "functions", "unsupported_parameter"),
         ({"logprobs": "yes"}, "logprobs", "invalid_value"),
         ({"top_logprobs": 21}, "top_logprobs", "invalid_value"),

@@ -26,6 +26,7 @@ from pipeline.openai.models import (
 )
 from pipeline.openai.responses import Endpoint, ResponseIds, Usage
 from pipeline.openai.sampling import SamplingError, resolve
+from pipeline.openai.tools import ToolParser, ToolPlan, call_schema
 from pipeline.serve.protocol.tokens import PromptTokenizer
 from pipeline.serve.spec import ServedModelSpec
 from pipeline.spec.response_format import FormatError, parse_response_format
@@ -46,6 +47,8 @@ class Prepared:
     n: int = 1  # choices to generate (samples of engine_request: engines.samples)
     echo: str | None = None  # completions with echo: the prompt text that opens every choice
     split_reasoning: bool = False  # chat on a model with prompt.reasoning: answers are split
+    tools: ToolPlan | None = None  # chat with tools: how calls are made and read
+    tool_parser: ToolParser | None = None  # how this model writes calls (tool_choice auto)
     ids: ResponseIds = field(init=False)
 
     def __post_init__(self) -> None:
@@ -104,8 +107,12 @@ def to_engine_request(
                 param="messages",
                 code="unsupported_endpoint",
             )
-        messages = [{"role": m.role, "content": m.text} for m in request.messages]
-        prompt_ids = tokenizer.chat_ids(messages, chat_template_kwargs(request, served))
+        messages = [m.chat_dict() for m in request.messages]
+        template_kwargs = chat_template_kwargs(request, served)
+        plan = request.tool_plan
+        if plan is not None and plan.template_tools is not None:
+            template_kwargs = {**(template_kwargs or {}), "tools": plan.template_tools}
+        prompt_ids = tokenizer.chat_ids(messages, template_kwargs)
         prompt_param = "messages"
         default_max = served.limits.default_max_tokens
     else:
@@ -123,10 +130,23 @@ def to_engine_request(
         prompt_param,
         param=request.max_tokens_param,
     )
+    plan = request.tool_plan if isinstance(request, ChatCompletionRequest) else None
+    asked_format = request.response_format
+    if plan is not None and plan.constrained:
+        if asked_format is not None and asked_format.get("type") != "text":
+            raise ApiError(
+                400,
+                f"tool_choice {plan.forced or plan.mode!r} makes the answer a tool call; "
+                "response_format cannot shape it too: send one of them",
+                param="response_format",
+                code="invalid_value",
+            )
+        asked_format = call_schema(plan)  # the call always parses (pipeline.openai.tools)
     try:
-        response_format = parse_response_format(request.response_format)
+        response_format = parse_response_format(asked_format)
     except FormatError as exc:
-        raise ApiError(400, str(exc), param="response_format", code="invalid_value") from None
+        param = "tools" if plan is not None and plan.constrained else "response_format"
+        raise ApiError(400, str(exc), param=param, code="invalid_value") from None
     logprobs = request.requested_logprobs
     # Echo with logprobs scores the prompt too: its tokens' logprobs, as many alternatives.
     prompt_logprobs = logprobs if echo is not None else None
@@ -172,6 +192,8 @@ def to_engine_request(
         n=request.n,
         echo=echo,
         split_reasoning=endpoint == "chat" and tokenizer.reasoning is not None,
+        tools=plan,
+        tool_parser=tokenizer.tool_parser if plan is not None else None,
     )
 
 

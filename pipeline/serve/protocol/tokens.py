@@ -16,6 +16,7 @@ from typing import Any
 from pipeline.openai.chat import RAW_COMPLETION, PromptError, load_tokenizer, render_prompt
 from pipeline.openai.errors import ApiError
 from pipeline.openai.reasoning import ReasoningParser, make_parser
+from pipeline.openai.tools import ToolParser, choose_parser
 from pipeline.spec import ModelSpec, PromptSpec, StorageSpec
 
 logger = logging.getLogger(__name__)
@@ -31,6 +32,11 @@ class PromptTokenizer:
         self._tokenizer = load_tokenizer(model, storage)
         self._prompt = prompt
         self.has_chat_template = bool(getattr(self._tokenizer, "chat_template", None))
+        # How the model writes tool calls (prompt.tool_parser, else the template's markers).
+        template = getattr(self._tokenizer, "chat_template", None)
+        self.tool_parser: ToolParser = choose_parser(
+            template if isinstance(template, str) else None, prompt.tool_parser
+        )
         self.max_bytes_per_token = bytes_per_token_bound(self._tokenizer)
         self._token_texts: dict[int, str] = {}
         # prompt.reasoning's parser: chat answers are split by it (ReasoningError, naming what

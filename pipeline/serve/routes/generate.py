@@ -14,6 +14,7 @@ from ray.serve.exceptions import BackPressureError
 from pipeline.openai.errors import ApiError
 from pipeline.openai.models import STRICT_HEADER, parse_json_body, strict_mode
 from pipeline.openai.responses import Choice, Endpoint, choices_body
+from pipeline.openai.tools import answer_calls
 from pipeline.serve.access.keys import ApiKey
 from pipeline.serve.access.limits import LimitExceeded
 from pipeline.serve.gateway import REPLICA_HEADER, Call, Gateway, Held, result_error
@@ -139,7 +140,14 @@ async def complete(gw: Gateway, call: Call) -> Response:
         reasoning = None
         if parts is not None:
             text, reasoning = parts.text, parts.reasoning
-        choices.append(Choice(text, finish_reason(result), logprobs, reasoning))
+        finish, calls = finish_reason(result), ()
+        if prepared.tools is not None and prepared.tool_parser is not None:
+            # The answer's calls (pipeline.openai.tools): the content is what is left.
+            content, found = answer_calls(prepared.tools, prepared.tool_parser, text)
+            if found:
+                text, finish = content or "", "tool_calls"
+                calls = tuple(call.body() for call in found)
+        choices.append(Choice(text, finish, logprobs, reasoning, calls))
     body = choices_body(prepared.ids, choices, usage)
     gw.finish(prepared, started, 200)
     gw.account(call, 200, usage)

@@ -13,8 +13,9 @@ from ray.serve.handle import DeploymentResponseGenerator
 
 from engines.api import GenerationResult, StreamDelta
 from pipeline.openai.reasoning import Delta
-from pipeline.openai.responses import chunk_body, usage_chunk_body
+from pipeline.openai.responses import chunk_body, tool_call_chunks, usage_chunk_body
 from pipeline.openai.sse import SSE_DONE, sse
+from pipeline.openai.tools import ToolStream
 from pipeline.serve.gateway import REPLICA_HEADER, Call, Gateway, result_error
 from pipeline.serve.http.httpio import HeldStreamingResponse
 from pipeline.serve.protocol.logprobs import LogprobsBody
@@ -129,6 +130,11 @@ async def _events(
     splits = [parser.stream(prompt_ids) for _ in range(n)] if parser is not None else None
     reasoning_tokens = 0
     echo_pending = set(range(n)) if prepared.echo is not None else set()
+    # Chat with tools: content goes out as it comes until a call may be starting; the calls
+    # go out whole when the choice ends (pipeline.openai.tools.stream).
+    tool_streams = None
+    if prepared.tools is not None and prepared.tool_parser is not None:
+        tool_streams = [ToolStream(prepared.tools, prepared.tool_parser) for _ in range(n)]
     try:
         if ids.endpoint == "chat":
             for index in range(n):
@@ -152,6 +158,13 @@ async def _events(
                     rest = splits[index].close()
                     part = Delta(part.reasoning + rest.reasoning, part.text + rest.text)
                 text, reasoning = part.text, part.reasoning
+            calls: list[dict] = []
+            if tool_streams is not None:
+                text = tool_streams[index].feed(text)
+                if delta.finished:
+                    rest, found = tool_streams[index].close()
+                    text += rest
+                    calls = [call.body() for call in found]
             if text or reasoning or (entries and (entries.get("content") or entries.get("tokens"))):
                 yield sse(
                     chunk_body(
@@ -180,8 +193,13 @@ async def _events(
             seconds += item.gpu_seconds or 0.0
             if splits is not None:
                 reasoning_tokens += splits[index].result(result.output_token_ids).reasoning_tokens
+            for chunk in tool_call_chunks(ids, calls, include_usage=usage_on, index=index):
+                yield sse(chunk)
             end = chunk_body(
-                ids, finish_reason=finish_reason(result), include_usage=usage_on, index=index
+                ids,
+                finish_reason="tool_calls" if calls else finish_reason(result),
+                include_usage=usage_on,
+                index=index,
             )
             if len(results) < n:
                 yield sse(end)
