@@ -166,3 +166,13 @@ def test_the_parser_follows_the_config_then_the_template() -> None:
     assert choose_parser("<tool_call>", "llama3_json").name == "llama3_json"
     with pytest.raises(ValueError, match="tool_parser 'x'"):
         choose_parser(None, "x")
+
+
+def test_a_batch_line_with_tools_is_an_error_line_never_run_without_them() -> None:
+    from pipeline.batch.stages.read.openai_batch import parse_batch_request
+
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER]}
+    line = {"custom_id": "a", "url": "/v1/chat/completions", "body": body}
+    assert "unsupported body parameter tools" in parse_batch_request(line)["error"]
+    off = {**body, "tools": [], "tool_choice": "none"}  # the neutral values still pass
+    assert parse_batch_request({**line, "body": off})["error"] is None

@@ -95,6 +95,13 @@ def parse_batch_request(obj: dict[str, Any]) -> dict[str, Any]:
     except ApiError as exc:
         out[ERROR] = _body_error(body, exc)
         return out
+    if isinstance(request, ChatCompletionRequest) and request.tool_plan is not None:
+        # Serve's chat runs them (docs/tools.md); a job does not yet, and never drops them.
+        out[ERROR] = (
+            "unsupported body parameter tools: tool calls run on Serve's /v1/chat/completions, "
+            "not yet in batch jobs; remove tools and tool_choice from the line"
+        )
+        return out
     shared = _shared_sampling(request)
     try:  # ranges now, so a bad value is this line's error before any rendering
         resolve({"max_tokens": max(1, shared.get("min_tokens", 0)), **shared})
