@@ -251,10 +251,22 @@ def server(
     data["usage_log"] = {"uri": str(serve_workdir / "usage.jsonl"), "flush_interval_s": 0.2}
     config.write_text(yaml.safe_dump(data))
     proc = start_server(config, {"TOKENMILL_API_KEYS": f"{API_KEY},{OTHER_KEY}"}, [])
-    yield proc
-    proc.stop()
-    # Kept for a failing test's post-mortem (pytest keeps the last few base temp dirs).
-    (config.parent / "server.log").write_text("".join(proc.lines))
+
+    def stop() -> None:
+        if proc.process.returncode is None:
+            proc.stop()
+            # Kept for a failing test's post-mortem (pytest keeps the last few base temp dirs).
+            (config.parent / "server.log").write_text("".join(proc.lines))
+
+    # tests/e2e/conftest.py stops it after the last test that uses it (SHARED).
+    from tests.e2e import conftest
+
+    conftest._closers["server"] = stop
+    try:
+        yield proc
+    finally:
+        conftest._closers.pop("server", None)
+        stop()
 
 
 # --- the served model's engine, run in the test process (what a response must equal) ----------

@@ -608,6 +608,7 @@ def test_fault_injection_route_is_off_without_test_hooks(
     assert reply.headers["x-tokenmill-replica"]
 
 
+@pytest.mark.ends_shared_server  # run after every other test of the shared server
 def test_sigterm_stops_the_server_cleanly(server: ServerProcess) -> None:
     # Last in the module: stops the shared server.
     assert server.stop(timeout=90) == 0, "".join(server.lines[-30:])
