@@ -16,9 +16,11 @@ from pathlib import Path
 from engines.lora.peft import AdapterError, read_config
 from engines.lora.prefix import AdapterPrefix
 
+# One set of defaults for every engine kind (the reference engine's constructor reads them too).
 DEFAULT_MAX_LORAS = 4
 DEFAULT_MAX_LORA_RANK = 64
-MIN_CPU_LORAS = 8  # max_cpu_loras when unset: max(max_loras, this)
+# max_cpu_loras when unset: max(max_loras, this); a nightly over a few fine-tunes reads each once.
+MIN_CPU_LORAS = 8
 
 
 @dataclass(frozen=True)

@@ -11,13 +11,11 @@ from engines.api import EngineError
 from engines.lora.peft import AdapterError, LoraAdapter, Shapes
 from engines.lora.prefix import AdapterPrefix
 from engines.lora.store import AdapterStore
+from engines.lora.vendor import MIN_CPU_LORAS
 from engines.reference.model.config import ModelConfig
 from engines.reference.model.lora import LoraStepState, attach_lora
 from engines.reference.model.model import CausalLM
 from engines.reference.runtime.adapters import AdapterSlots
-
-# Adapters kept read in memory beyond the slots: a nightly over a few fine-tunes reads each once.
-MIN_CPU_LORAS = 8
 
 
 def attach_adapters(

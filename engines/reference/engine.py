@@ -39,6 +39,7 @@ from engines.api import (
     StepRecord,
     StreamDelta,
 )
+from engines.lora.vendor import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS
 from engines.reference.adapters import adapter_for, attach_adapters
 from engines.reference.model.config import ModelConfig, load_model_config
 from engines.reference.model.linear import fallback_note
@@ -142,8 +143,8 @@ class ReferenceEngine:
         profile_steps: int = 20,
         speculative: Any = None,
         lora_adapters: dict[str, str] | None = None,
-        max_loras: int = 4,
-        max_lora_rank: int = 64,
+        max_loras: int = DEFAULT_MAX_LORAS,
+        max_lora_rank: int = DEFAULT_MAX_LORA_RANK,
         max_cpu_loras: int | None = None,
         lora_prefix: dict[str, Any] | None = None,
         **unknown: Any,
