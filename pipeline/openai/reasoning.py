@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 from engines.detokenize import IncrementalDetokenizer
+from pipeline.openai.markers import marker_prefix_len
 
 ReasoningFormat = Literal["none", "think", "harmony"]
 REASONING_FORMATS: tuple[str, ...] = ("none", "think", "harmony")
@@ -185,14 +186,6 @@ class ThinkParser:
         return max(0, end - begin)
 
 
-def _marker_prefix_len(text: str, marker: str) -> int:
-    """Length of the longest end of `text` that is a proper start of `marker`."""
-    for size in range(min(len(text), len(marker) - 1), 0, -1):
-        if text.endswith(marker[:size]):
-            return size
-    return 0
-
-
 class ThinkStream:
     """The think split over text deltas; a small state machine:
 
@@ -239,7 +232,7 @@ class ThinkStream:
                     self._state, self._lead = "answer", True
                     continue
                 # Keep back what may be the start of "</think>" and the whitespace before it.
-                safe = len(self._held) - _marker_prefix_len(self._held, THINK_END)
+                safe = len(self._held) - marker_prefix_len(self._held, THINK_END)
                 out = self._held[:safe].rstrip()
                 reasoning.append(out)
                 self._held = self._held[len(out) :]

@@ -20,6 +20,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from pipeline.openai.markers import marker_prefix_len
 from pipeline.openai.tools.request import ToolCall
 
 
@@ -41,14 +42,6 @@ def _call(obj: Any, *arg_keys: str) -> ToolCall | None:
     raw = next((obj[k] for k in arg_keys if k in obj), {})
     arguments = _arguments(raw)
     return None if arguments is None else ToolCall(obj["name"], arguments)
-
-
-def _partial_suffix(text: str, marker: str) -> int:
-    """How many trailing characters of `text` could be the start of `marker`."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0
 
 
 @dataclass(frozen=True)
@@ -89,7 +82,7 @@ class HermesParser(ToolParser):
         start = text.find(self.START)
         if start >= 0:
             return start
-        return len(text) - _partial_suffix(text, self.START)
+        return len(text) - marker_prefix_len(text, self.START)
 
 
 class Llama3JsonParser(ToolParser):
@@ -125,7 +118,7 @@ class Llama3JsonParser(ToolParser):
             return tag
         if not text.strip() or text.lstrip().startswith("{"):
             return 0  # nothing yet, or a call under way
-        return len(text) - _partial_suffix(text, self.TAG)
+        return len(text) - marker_prefix_len(text, self.TAG)
 
 
 PARSERS: dict[str, ToolParser] = {
