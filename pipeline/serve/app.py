@@ -27,7 +27,7 @@ from pipeline.serve.batch_api import batch_routes
 from pipeline.serve.gateway import Gateway
 from pipeline.serve.replicas.local import LocalEngine
 from pipeline.serve.replicas.replica import EngineReplica
-from pipeline.serve.routes import embeddings, generate, models, ops
+from pipeline.serve.routes import embeddings, generate, models, ops, responses
 from pipeline.serve.spec import (
     INGRESS_DEPLOYMENT,
     ServeSpec,
@@ -120,6 +120,10 @@ class OpenAIIngress:
     @fastapi_app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
         return await generate.handle(self._gw, request, "completions")
+
+    @fastapi_app.post("/v1/responses")
+    async def create_response(self, request: Request) -> Response:
+        return await responses.handle(self._gw, request)
 
     @fastapi_app.post("/v1/embeddings")
     async def embeddings(self, request: Request) -> Response:

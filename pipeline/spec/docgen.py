@@ -81,7 +81,9 @@ cost:
 - `jsonl`: one JSON object per line, read line by line; a malformed line becomes an error row
   (file and line number in `error`), never a failed job. Blank lines are skipped.
 - `openai_batch`: OpenAI Batch API lines (`custom_id`, `method`, `url`, `body`). Supported
-  urls: `/v1/chat/completions` (`body.messages`) and `/v1/completions` (`body.prompt`).
+  urls: `/v1/chat/completions` (`body.messages`), `/v1/completions` (`body.prompt`) and
+  `/v1/responses` (`body.input`, `instructions`, `max_output_tokens`, `text.format`,
+  `reasoning`: read into the chat request they ask for, answered as a Response; docs/responses.md).
   `body.max_tokens` / `max_completion_tokens`, `temperature`, `top_p`, `seed`,
   `response_format`, `logprobs` / `top_logprobs`, `n`, `stop`, `stop_token_ids`,
   `frequency_penalty`, `presence_penalty`, `repetition_penalty`, `min_p`, `min_tokens`,

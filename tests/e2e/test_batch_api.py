@@ -384,3 +384,58 @@ def test_embeddings_batch(server: ServerProcess) -> None:
         assert len(got) == len(want)
         assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 1e-5
         assert body["usage"]["prompt_tokens"] == direct.usage.prompt_tokens
+
+
+RAIN = {
+    "type": "object",
+    "properties": {"rain": {"type": "boolean"}},
+    "required": ["rain"],
+    "additionalProperties": False,
+}
+
+
+def _responses_line(i: int, **body: Any) -> dict:
+    body = {"model": "tiny", "max_output_tokens": MAX_TOKENS, "temperature": 0, **body}
+    return {"custom_id": f"resp-{i}", "method": "POST", "url": "/v1/responses", "body": body}
+
+
+def test_responses_batch(server: ServerProcess) -> None:
+    """A batch of /v1/responses lines: every line once, Responses in the output file, each the
+    endpoint's answer to the same request; a line that needs storage fails validating."""
+    client = client_of(server)
+    lines = [
+        _responses_line(0, input="Tell me about river number 0."),
+        _responses_line(1, input="Tell me about rivers.", instructions="Be brief."),
+        _responses_line(
+            2,
+            input=[{"role": "user", "content": [{"type": "input_text", "text": "A river?"}]}],
+            text={"format": {"type": "json_schema", "name": "rain", "schema": RAIN}},
+            max_output_tokens=60,
+        ),
+    ]
+    batch = client.batches.create(
+        input_file_id=_upload(client, lines), endpoint="/v1/responses", completion_window="24h"
+    )
+    batch, _ = wait_for(client, batch, ("completed", "failed", "cancelled", "expired"))
+    assert batch.status == "completed", (batch.errors, "".join(server.lines[-40:]))
+    output = {
+        x["custom_id"]: x["response"]["body"] for x in content_of(client, batch.output_file_id)
+    }
+    assert sorted(output) == ["resp-0", "resp-1", "resp-2"] and batch.error_file_id is None
+    for i in range(3):
+        body = output[f"resp-{i}"]
+        assert body["object"] == "response" and body["id"].startswith("resp_")
+        direct = client.responses.create(**lines[i]["body"])
+        assert body["output"][-1]["content"][0]["text"] == direct.output_text
+        assert body["usage"]["input_tokens"] == direct.usage.input_tokens
+        assert body["status"] == direct.status
+    answer = json.loads(output["resp-2"]["output"][-1]["content"][0]["text"])
+    assert isinstance(answer["rain"], bool)  # text.format honoured
+
+    stateful = _responses_line(3, input="Remember me.", previous_response_id="resp_earlier")
+    batch = client.batches.create(
+        input_file_id=_upload(client, [stateful]), endpoint="/v1/responses", completion_window="24h"
+    )
+    batch, _ = wait_for(client, batch, ("completed", "failed", "cancelled", "expired"))
+    assert batch.status == "failed" and batch.errors is not None
+    assert "previous_response_id" in batch.errors.data[0].message

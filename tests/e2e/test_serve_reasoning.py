@@ -191,3 +191,34 @@ def test_streamed_answer(client: openai.OpenAI, fmt: str, expected: dict[str, Ex
     assert usage is not None
     assert usage.completion_tokens == want.completion_tokens
     assert usage.completion_tokens_details.reasoning_tokens == want.reasoning_tokens
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_responses_carry_a_reasoning_item(
+    client: openai.OpenAI, fmt: str, expected: dict[str, Expected], tokenizers: dict[str, Any]
+) -> None:
+    """/v1/responses: the reasoning as a reasoning item before the message (whole and
+    streamed), its tokens in output_tokens_details, reasoning.effort reaching the template."""
+    want, tok = expected[fmt], tokenizers[fmt]
+    whole = client.responses.create(model=fmt, input=CHAT, max_output_tokens=64)
+    assert [item.type for item in whole.output] == ["reasoning", "message"]
+    assert whole.output[0].content[0].text == FORMATS[fmt].reasoning
+    assert whole.output_text == ANSWER
+    assert whole.usage.output_tokens == want.completion_tokens
+    assert whole.usage.output_tokens_details.reasoning_tokens == want.reasoning_tokens
+    effort = client.responses.create(
+        model=fmt, input=CHAT, max_output_tokens=64, reasoning={"effort": "high"}
+    )
+    rendered = tok.apply_chat_template(
+        CHAT, add_generation_prompt=True, tokenize=False, reasoning_effort="high"
+    )
+    assert effort.usage.input_tokens == len(tok.encode(rendered, add_special_tokens=False))
+    assert effort.reasoning.effort == "high"
+    with client.responses.stream(model=fmt, input=CHAT, max_output_tokens=64) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    thought = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    said = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert thought == FORMATS[fmt].reasoning and said == ANSWER
+    assert [item.type for item in final.output] == ["reasoning", "message"]
+    assert final.usage.output_tokens_details.reasoning_tokens == want.reasoning_tokens

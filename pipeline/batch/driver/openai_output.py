@@ -20,7 +20,8 @@ written by a newer run (pipeline.batch.commit.committer says why).
 
 The response body is built by pipeline.openai.responses' `choices_body`, so a batch answer
 has exactly the shape (and usage, with cached tokens and cost) of the Serve endpoint's; a
-request with n > 1 gets its n choices from the row's `samples`.
+request with n > 1 gets its n choices from the row's `samples`. A `/v1/responses` line's body
+is that chat answer as a Response (pipeline.openai.responses_api), as Serve's route writes it.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from pipeline.batch.columns import ADAPTER  # jobs with model.adapters: a line's
 from pipeline.batch.commit.parts import PART_RE, PartName, PartRecord, read_part
 from pipeline.openai.embeddings import embeddings_body
 from pipeline.openai.responses import Choice, ResponseIds, Usage, choices_body
+from pipeline.openai.responses_api import response_body
 from pipeline.storage import OutputDir
 
 OUTPUT_PREFIX = "openai-output-"
@@ -45,6 +47,7 @@ EXPORT_SUFFIX = ".jsonl"
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
 EMBEDDINGS_URL = "/v1/embeddings"
+RESPONSES_URL = "/v1/responses"
 EMBEDDING = "embedding"  # task embed jobs: the row's embedding (the body of an embeddings line)
 # Columns of a part the lines are made from (`url` is a passthrough column: see JobSpec).
 COLUMNS = (
@@ -133,7 +136,7 @@ def output_line(row: dict[str, Any], ctx: LineContext, part_name: str, index: in
             "response": {"status_code": 200, "request_id": digest[32:], "body": body},
             "error": None,
         }
-    endpoint = "chat" if row.get("url") == CHAT_URL else "completions"
+    endpoint = "chat" if row.get("url") in (CHAT_URL, RESPONSES_URL) else "completions"
     # The body names what the line asked for, as OpenAI's does: its adapter, else the model.
     model = row.get(ADAPTER) or row.get("model") or ""
     ids = dataclasses.replace(
@@ -166,6 +169,10 @@ def output_line(row: dict[str, Any], ctx: LineContext, part_name: str, index: in
             )
         ]
     body = choices_body(ids, choices, usage)
+    if row.get("url") == RESPONSES_URL:
+        # The same answer as a Response. The line's request is not kept with its row, so the
+        # fields a Response echoes from its request (instructions, tools, ...) are left out.
+        body = response_body(body, {})
     return {
         "id": f"batch_req_{digest[:32]}",
         "custom_id": row.get("id"),

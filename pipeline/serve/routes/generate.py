@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -28,9 +30,26 @@ from pipeline.serve.usage import CLIENT_CLOSED
 logger = logging.getLogger(__name__)
 
 
-async def handle(gw: Gateway, request: Request, endpoint: Endpoint) -> Response:
+class Shape(Protocol):
+    """Another API's request and answer around the chat path (the Responses API's in
+    pipeline.serve.routes.responses): its body read into a chat body, chat's 400s restated in
+    its fields, a chat answer written back in its form, whole or as a stream of events."""
+
+    def read(self, data: dict[str, Any]) -> dict[str, Any]: ...
+
+    def restate(self, error: ApiError) -> ApiError: ...
+
+    def body(self, chat: dict[str, Any]) -> dict[str, Any]: ...
+
+    def events(self, chunks: AsyncIterator[dict | None]) -> AsyncIterator[bytes]: ...
+
+
+async def handle(
+    gw: Gateway, request: Request, endpoint: Endpoint, shape: Shape | None = None
+) -> Response:
     """One chat or completions request: admitted, parsed, tokenized and charged here, then
-    answered whole (`complete`) or streamed (pipeline.serve.routes.streaming)."""
+    answered whole (`complete`) or streamed (pipeline.serve.routes.streaming). With a
+    `shape`, the body and the answer are another API's around a chat request."""
     started = time.monotonic()
     model = "-"
     key: ApiKey | None = None
@@ -41,6 +60,8 @@ async def handle(gw: Gateway, request: Request, endpoint: Endpoint) -> Response:
         key = gw.authenticate(request)
         held = await gw.enter(key)
         data = parse_json_body(await gw.read_body(request))
+        if shape is not None:
+            data = shape.read(data)
         # Label metrics with served names only: client-chosen strings would let anyone
         # grow the metric label set without bound.
         if isinstance(data.get("model"), str) and data["model"] in gw.engines:
@@ -62,10 +83,14 @@ async def handle(gw: Gateway, request: Request, endpoint: Endpoint) -> Response:
             raise gw.rate_limited(exc) from None
         call = Call(prepared, key, held, started)
         if prepared.stream:
-            response = await streaming.stream(gw, call)
+            frame = shape.events if shape is not None else None
+            response = await streaming.stream(gw, call, frame)
             handed_off = True
             return response
-        return await complete(gw, call)
+        body, headers = await complete(gw, call)
+        if shape is not None:
+            body = shape.body(body)
+        return JSONResponse(body, headers=headers)
     except BackPressureError as exc:
         # Only the engine info fetch gets here; dispatch handles its own backpressure.
         error = gw.overloaded(exc)
@@ -79,14 +104,16 @@ async def handle(gw: Gateway, request: Request, endpoint: Endpoint) -> Response:
         gw.metrics.requests.labels(model, endpoint, str(exc.status)).inc()
         if key is not None and (call is None or not call.accounted):
             gw.usage.refused(key.name, model, exc.status)
+        if shape is not None:
+            raise shape.restate(exc) from None
         raise
     finally:
         if not handed_off:
             held.close()
 
 
-async def complete(gw: Gateway, call: Call) -> Response:
-    """The engine's answer (n of them for n > 1) as one JSON body."""
+async def complete(gw: Gateway, call: Call) -> tuple[dict[str, Any], dict[str, str]]:
+    """The engine's answer (n of them for n > 1) as one JSON body, and its headers."""
     prepared, started = call.prepared, call.started
     name = prepared.served.name
     handle, n = gw.engines[name], prepared.n
@@ -151,4 +178,4 @@ async def complete(gw: Gateway, call: Call) -> Response:
     body = choices_body(prepared.ids, choices, usage)
     gw.finish(prepared, started, 200)
     gw.account(call, 200, usage)
-    return JSONResponse(body, headers={REPLICA_HEADER: served[0].replica, **prepared.headers})
+    return body, {REPLICA_HEADER: served[0].replica, **prepared.headers}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from fastapi.responses import Response
 from ray.serve.exceptions import BackPressureError
@@ -27,9 +27,25 @@ from pipeline.serve.usage import CLIENT_CLOSED
 logger = logging.getLogger(__name__)
 
 
-async def stream(gw: Gateway, call: Call) -> Response:
+# A stream's chunks: OpenAI's chunk bodies (or an error body), None for its `[DONE]` end.
+Chunks = AsyncIterator[dict | None]
+
+
+async def _chat_frames(chunks: Chunks) -> AsyncIterator[bytes]:
+    """Chat and completions on the wire: `data: <chunk>` each, `data: [DONE]` at the end."""
+    try:
+        async for chunk in chunks:
+            yield SSE_DONE if chunk is None else sse(chunk)
+    finally:
+        await chunks.aclose()
+
+
+async def stream(
+    gw: Gateway, call: Call, frame: Callable[[Chunks], AsyncIterator[bytes]] | None = None
+) -> Response:
     """The request on its way to a replica as a stream; the response that sends its events
-    once the replica admitted it (a full queue is still a 429 until then)."""
+    once the replica admitted it (a full queue is still a 429 until then). `frame` writes the
+    chunks on the wire (default: chat's server-sent events)."""
     prepared = call.prepared
     name = prepared.served.name
     handle = gw.engines[name].options(stream=True)
@@ -55,7 +71,7 @@ async def stream(gw: Gateway, call: Call) -> Response:
         logger.exception("engine stream failed for model %s", name)
         raise gw.failed(call, engine_unavailable(name, exc)) from None
     return HeldStreamingResponse(
-        _events(gw, call, deltas),
+        (frame or _chat_frames)(_chunks(gw, call, deltas)),
         media_type="text/event-stream",
         headers={
             "Cache-Control": "no-cache",
@@ -109,9 +125,7 @@ def _echo_chunk(
     )
 
 
-async def _events(
-    gw: Gateway, call: Call, deltas: DeploymentResponseGenerator
-) -> AsyncIterator[bytes]:
+async def _chunks(gw: Gateway, call: Call, deltas: DeploymentResponseGenerator) -> Chunks:
     prepared, started = call.prepared, call.started
     ids, usage_on = prepared.ids, prepared.include_usage
     name = prepared.served.name
@@ -138,7 +152,7 @@ async def _events(
     try:
         if ids.endpoint == "chat":
             for index in range(n):
-                yield sse(chunk_body(ids, role=True, include_usage=usage_on, index=index))
+                yield chunk_body(ids, role=True, include_usage=usage_on, index=index)
         async for item in deltas:
             delta, index = item.delta, item.index
             if delta is None:
@@ -147,7 +161,7 @@ async def _events(
                 # Completions with echo: the prompt opens the choice (with its tokens'
                 # logprobs, which the engine sends with the first delta).
                 echo_pending.discard(index)
-                yield sse(_echo_chunk(prepared, delta, logprobs, index))
+                yield _echo_chunk(prepared, delta, logprobs, index)
             entries = None
             if logprobs is not None and delta.logprobs:
                 entries = logprobs[index].body(delta.logprobs, delta.result)
@@ -166,7 +180,7 @@ async def _events(
                     text += rest
                     calls = [call.body() for call in found]
             if text or reasoning or (entries and (entries.get("content") or entries.get("tokens"))):
-                yield sse(
+                yield (
                     chunk_body(
                         ids,
                         text=text,
@@ -186,7 +200,7 @@ async def _events(
                     deltas.cancel()  # the other choices are of no use now
                 gw.metrics.errors.labels(api_error.kind).inc()
                 gw.failed(call, api_error)
-                yield sse(api_error.body())
+                yield api_error.body()
                 gw.finish(prepared, started, api_error.status)
                 return
             results[index] = result
@@ -194,7 +208,7 @@ async def _events(
             if splits is not None:
                 reasoning_tokens += splits[index].result(result.output_token_ids).reasoning_tokens
             for chunk in tool_call_chunks(ids, calls, include_usage=usage_on, index=index):
-                yield sse(chunk)
+                yield chunk
             end = chunk_body(
                 ids,
                 finish_reason="tool_calls" if calls else finish_reason(result),
@@ -202,7 +216,7 @@ async def _events(
                 index=index,
             )
             if len(results) < n:
-                yield sse(end)
+                yield end
                 continue
             finished = True
             usage = gw.usage_of(
@@ -211,10 +225,10 @@ async def _events(
             # Accounted before the last bytes go: a client that leaves after seeing its
             # finish chunk still got (and is billed for) the whole answer.
             gw.account(call, 200, usage)
-            yield sse(end)
+            yield end
             if usage_on:
-                yield sse(usage_chunk_body(ids, usage))
-            yield SSE_DONE
+                yield usage_chunk_body(ids, usage)
+            yield None
             gw.finish(prepared, started, 200)
     except Exception as exc:
         # Headers are gone already: report in-band, as OpenAI does, then end the stream.
@@ -222,7 +236,7 @@ async def _events(
         api_error = engine_unavailable(name, exc)
         gw.metrics.errors.labels(api_error.kind).inc()
         gw.failed(call, api_error)
-        yield sse(api_error.body())
+        yield api_error.body()
     finally:
         # Client gone mid-stream (or a failure): not finished.
         _end_stream(gw, call, deltas, finished=finished)

@@ -33,11 +33,13 @@ from pipeline.openai.models import (
     parse_chat_request,
     parse_completion_request,
 )
+from pipeline.openai.responses_api import Translation, translate
 from pipeline.openai.sampling import SamplingError, resolve
 from pipeline.spec import JobSpec
 
 EMBEDDINGS_URL = "/v1/embeddings"
-SUPPORTED_BATCH_URLS = ("/v1/chat/completions", "/v1/completions", EMBEDDINGS_URL)
+RESPONSES_URL = "/v1/responses"  # read into the chat request it asks for (responses_api)
+SUPPORTED_BATCH_URLS = ("/v1/chat/completions", "/v1/completions", RESPONSES_URL, EMBEDDINGS_URL)
 # openai_batch: sampling field -> the column its per-request value lands in.
 # Request body parameters that would change results and that the pipeline does not implement:
 # name -> predicate on the value saying "this value needs the feature".
@@ -80,6 +82,15 @@ def parse_batch_request(obj: dict[str, Any]) -> dict[str, Any]:
         if name in body and needs_feature(body[name]):
             out[ERROR] = f"unsupported body parameter {name}={body[name]!r}"
             return out
+    responses: Translation | None = None
+    if url == RESPONSES_URL:
+        # The chat request the Responses body asks for; errors name the Responses field.
+        try:
+            responses = translate(body)
+        except ApiError as exc:
+            out[ERROR] = _body_error(body, exc)
+            return out
+        body, url = responses.chat, "/v1/chat/completions"
     # Read with the very request models Serve reads its requests with: the same fields,
     # shapes, bounds and refusals, so a line means what the same request sent to the
     # endpoint means.
@@ -93,7 +104,7 @@ def parse_batch_request(obj: dict[str, Any]) -> dict[str, Any]:
         request = parse_chat_request(body) if chat else parse_completion_request(body)
         logprobs = request.requested_logprobs
     except ApiError as exc:
-        out[ERROR] = _body_error(body, exc)
+        out[ERROR] = _body_error(body, exc if responses is None else responses.restate(exc))
         return out
     if isinstance(request, ChatCompletionRequest) and request.tool_plan is not None:
         # Serve's chat runs them (docs/tools.md); a job does not yet, and never drops them.
