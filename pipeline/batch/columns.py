@@ -29,6 +29,9 @@ BATCH_OVERRIDE_COLUMNS: dict[str, str] = {
     "logprobs": "logprobs",
     "n": "num_samples",
     "reasoning_effort": "reasoning_effort",
+    "tools": "tools",
+    "tool_choice": "tool_choice",
+    "parallel_tool_calls": "parallel_tool_calls",
 }
 # The Python type each overridable sampling field is coerced to.
 OVERRIDE_TYPES: dict[str, type] = {
@@ -41,6 +44,11 @@ OVERRIDE_TYPES: dict[str, type] = {
     "n": int,
     "response_format": str,  # JSON text; read and checked by the prompt stage
     "reasoning_effort": str,  # low | medium | high; checked by the prompt stage
+    # A row's tools (JSON text of OpenAI's chat tools) and tool_choice (a word, or JSON text
+    # of {type: function, function: {name}}); read and checked by the prompt stage.
+    "tools": str,
+    "tool_choice": str,
+    "parallel_tool_calls": bool,  # openai_batch lines only
 }
 
 # --- what the prompt stage adds ---------------------------------------------------------------
@@ -66,9 +74,12 @@ SAMPLING_COLUMNS = (
     SAMPLES,
     REASONING_EFFORT,
 )
+# Rows with tools: how their calls are made and read, as JSON text ({tools, mode, forced,
+# parallel, parser}: pipeline.batch.stages.tools); null: the row has no tools.
+TOOL_PLAN = "tool_plan"
 # The response_format cell of a row that asks for free text although the job has a format.
 FREE_TEXT = '{"type": "text"}'
-STAGE_COLUMNS = (PROMPT_TOKEN_IDS, PROMPT_TOKENS, *SAMPLING_COLUMNS)
+STAGE_COLUMNS = (PROMPT_TOKEN_IDS, PROMPT_TOKENS, *SAMPLING_COLUMNS, TOOL_PLAN)
 
 # Start of the error of a row whose prompt + max_tokens exceed the context (plan counts them).
 TOO_LONG = "too long"

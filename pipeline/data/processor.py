@@ -73,10 +73,12 @@ def build_processor(
     generation (Ray Data `map`). Raises SpecError for an invalid config, before any actor
     starts."""
     # lazy: importing pipeline.data loads no pyarrow or Ray (a Ray Data driver imports it at start)
-    from pipeline.batch.interface.dataset import check_reasoning
+    from pipeline.batch.interface.dataset import check_job_tools, check_reasoning
 
     checked = processor_config(config)
-    check_reasoning(checked.job_spec())  # prompt.reasoning's tokens, before any actor
+    job = checked.job_spec()
+    check_reasoning(job)  # prompt.reasoning's tokens, before any actor
+    check_job_tools(job)  # prompt.tools' schemas and choice
     return Processor(checked, preprocess, postprocess)
 
 

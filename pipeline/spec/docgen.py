@@ -89,9 +89,12 @@ cost:
   `frequency_penalty`, `presence_penalty`, `repetition_penalty`, `min_p`, `min_tokens`,
   `logit_bias` and `bad_words` override the job's sampling for that row (the same parameters,
   read by the same table, as the Serve endpoint's: docs/sampling.md); `body.model` is ignored
-  (the job's model answers). A `/v1/completions` prompt is a raw continuation (tokenized
-  without the chat template or system prompt), as in the OpenAI API. Parameters that would
-  change results and are not implemented (`best_of`, `echo`, `tools`, `stream`, ...), and
+  (the job's model answers). A chat or Responses line's `tools`, `tool_choice` and
+  `parallel_tool_calls` make it a row with tools (its calls in the `tool_calls` column and
+  the output line's message, as Serve answers: docs/tools.md). A `/v1/completions` prompt is
+  a raw continuation (tokenized without the chat template or system prompt), as in the OpenAI
+  API. Parameters that would change results and are not implemented (`best_of`, `echo`,
+  `stream`, ...), and
   invalid values, make the row an error row naming the parameter.
 - `ray_data`: any Ray Data source: a `ray.data` reader by name (`input.reader: read_iceberg`,
   `read_delta`, `read_lance`, `read_csv`, `read_json`, `read_parquet`, ...) with

@@ -57,6 +57,28 @@ class PromptSpec(StrictModel):
         "chat template renders (hermes when it shows none). See docs/tools.md.",
     )
 
+    tools: list[dict[str, Any]] | None = Field(
+        None,
+        description="Function tools offered to every row, in OpenAI's chat shape ({type: "
+        "function, function: {name, description, parameters}}); the chat template renders "
+        "them. A row's own (an openai_batch line's body.tools, or the "
+        "sampling.overrides.tools column) replace them. Output rows get a `tool_calls` column "
+        "(JSON text of OpenAI's tool_calls, null when the answer made none) and finish_reason "
+        "tool_calls. Checked before the job starts. See docs/tools.md.",
+    )
+    tool_choice: str | dict[str, Any] | None = Field(
+        None,
+        description="none | auto | required | {type: function, function: {name}} (OpenAI's "
+        "tool_choice) for rows with tools. Null: auto. required and a named function "
+        "constrain the output to valid calls (structured output); they cannot be combined "
+        "with a response_format. A row may set its own (sampling.overrides.tool_choice).",
+    )
+    parallel_tool_calls: bool | None = Field(
+        None,
+        description="Whether an answer may make several calls (OpenAI's parallel_tool_calls). "
+        "Null: yes.",
+    )
+
     @field_validator("template")
     @classmethod
     def _template_parses(cls, value: str | None) -> str | None:

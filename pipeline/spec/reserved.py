@@ -46,6 +46,8 @@ RESERVED_COLUMNS: frozenset[str] = frozenset(
         "spec_verifications",
         "temperature",
         "text",
+        "tool_calls",
+        "tool_plan",
         "top_k",
         "top_p",
         "ttft_s",

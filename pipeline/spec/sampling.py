@@ -175,6 +175,8 @@ class SamplingSpec(StrictModel):
             "logprobs",
             "n",
             "reasoning_effort",
+            "tools",
+            "tool_choice",
             # The parameters Serve and openai_batch lines share (pipeline.openai.params).
             "stop",
             "stop_token_ids",

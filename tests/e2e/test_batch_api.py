@@ -36,6 +36,20 @@ MAX_TOKENS = 6
 MAX_FILE_BYTES = 1 << 20
 TERMINAL = ("completed", "failed", "cancelled", "expired")
 FORWARD = ["validating", "in_progress", "finalizing", "completed"]
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+NAMED_WEATHER = {"type": "function", "function": {"name": "get_weather"}}
+TOOL_TOKENS = 120  # enough for a call's JSON in the tiny model's tokens
 
 
 def start_batch_server(
@@ -163,6 +177,9 @@ def test_batch_end_to_end(server: ServerProcess) -> None:
     for i in (6, 7):
         requests.append(request_line(i, f"Tell me about river number {i}."))
         requests[-1]["body"]["model"] = "tiny-qv"
+    # A line with tools and a named choice: its answer is the call, in OpenAI's shape.
+    requests.append(request_line(8, "What is the weather in Paris?", max_tokens=TOOL_TOKENS))
+    requests[-1]["body"].update(tools=[WEATHER], tool_choice=NAMED_WEATHER)
     data = "".join(json.dumps(r) + "\n" for r in requests).encode()
     uploaded = client.files.create(file=("requests.jsonl", data), purpose="batch")
     batch = client.batches.create(
@@ -175,7 +192,7 @@ def test_batch_end_to_end(server: ServerProcess) -> None:
     assert batch.status == "completed", (batch.errors, "".join(server.lines[-40:]))
     assert "in_progress" in seen
     counts = batch.request_counts
-    assert counts is not None and (counts.total, counts.completed, counts.failed) == (8, 7, 1)
+    assert counts is not None and (counts.total, counts.completed, counts.failed) == (9, 8, 1)
     assert batch.metadata is not None and batch.metadata["suite"] == "e2e"
     assert float(batch.metadata["tokenmill_cost_usd"]) > 0
 
@@ -192,7 +209,8 @@ def test_batch_end_to_end(server: ServerProcess) -> None:
         model = "tiny-qv" if line["custom_id"] in ("req-6", "req-7") else "tiny"
         assert body["object"] == "chat.completion" and body["model"] == model
         assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
-        assert 0 < usage["completion_tokens"] <= MAX_TOKENS
+        limit = TOOL_TOKENS if line["custom_id"] == "req-8" else MAX_TOKENS
+        assert 0 < usage["completion_tokens"] <= limit
         assert usage["cost_usd"] > 0 and "cached_tokens" in usage["prompt_tokens_details"]
     assert client.files.retrieve(batch.output_file_id).purpose == "batch_output"
 
@@ -206,6 +224,13 @@ def test_batch_end_to_end(server: ServerProcess) -> None:
     assert by_id["req-6"]["choices"][0]["message"]["content"] == adapted.choices[0].message.content
     plain = client.chat.completions.create(**{**requests[6]["body"], "model": "tiny"})
     assert adapted.choices[0].message.content != plain.choices[0].message.content
+    # The tool line: the endpoint's call (the id is the batch's own, stable for the row).
+    called = by_id["req-8"]["choices"][0]
+    assert called["finish_reason"] == "tool_calls" and called["message"]["content"] is None
+    (call,) = called["message"]["tool_calls"]
+    (same,) = client.chat.completions.create(**requests[8]["body"]).choices[0].message.tool_calls
+    assert call["function"] == {"name": "get_weather", "arguments": same.function.arguments}
+    assert call["id"].startswith("call_") and call["id"] != same.id
 
     # Another key sees none of it.
     other = openai.OpenAI(api_key=OTHER_KEY, base_url=server.api_url, max_retries=0)
@@ -412,6 +437,14 @@ def test_responses_batch(server: ServerProcess) -> None:
             text={"format": {"type": "json_schema", "name": "rain", "schema": RAIN}},
             max_output_tokens=60,
         ),
+        _responses_line(  # tools: the answer is a function_call item
+            3,
+            input="Weather in Rome?",
+            tools=[{"type": "function", **WEATHER["function"]}],
+            tool_choice="required",
+            parallel_tool_calls=False,
+            max_output_tokens=TOOL_TOKENS,
+        ),
     ]
     batch = client.batches.create(
         input_file_id=_upload(client, lines), endpoint="/v1/responses", completion_window="24h"
@@ -421,7 +454,8 @@ def test_responses_batch(server: ServerProcess) -> None:
     output = {
         x["custom_id"]: x["response"]["body"] for x in content_of(client, batch.output_file_id)
     }
-    assert sorted(output) == ["resp-0", "resp-1", "resp-2"] and batch.error_file_id is None
+    assert sorted(output) == ["resp-0", "resp-1", "resp-2", "resp-3"]
+    assert batch.error_file_id is None
     for i in range(3):
         body = output[f"resp-{i}"]
         assert body["object"] == "response" and body["id"].startswith("resp_")
@@ -431,8 +465,13 @@ def test_responses_batch(server: ServerProcess) -> None:
         assert body["status"] == direct.status
     answer = json.loads(output["resp-2"]["output"][-1]["content"][0]["text"])
     assert isinstance(answer["rain"], bool)  # text.format honoured
+    (call,) = output["resp-3"]["output"]
+    direct_call = client.responses.create(**lines[3]["body"]).output[-1]
+    assert call["type"] == direct_call.type == "function_call"
+    assert (call["name"], call["arguments"]) == (direct_call.name, direct_call.arguments)
+    assert call["call_id"].startswith("call_") and call["status"] == "completed"
 
-    stateful = _responses_line(3, input="Remember me.", previous_response_id="resp_earlier")
+    stateful = _responses_line(4, input="Remember me.", previous_response_id="resp_earlier")
     batch = client.batches.create(
         input_file_id=_upload(client, [stateful]), endpoint="/v1/responses", completion_window="24h"
     )

@@ -5,6 +5,7 @@ constraining schema, each parser on fixed outputs written the way each family wr
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
@@ -168,11 +169,88 @@ def test_the_parser_follows_the_config_then_the_template() -> None:
         choose_parser(None, "x")
 
 
-def test_a_batch_line_with_tools_is_an_error_line_never_run_without_them() -> None:
+def test_a_batch_line_with_tools_carries_them_to_its_columns() -> None:
     from pipeline.batch.stages.read.openai_batch import parse_batch_request
 
-    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER]}
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "tools": [WEATHER],
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+        "parallel_tool_calls": False,
+    }
     line = {"custom_id": "a", "url": "/v1/chat/completions", "body": body}
-    assert "unsupported body parameter tools" in parse_batch_request(line)["error"]
-    off = {**body, "tools": [], "tool_choice": "none"}  # the neutral values still pass
-    assert parse_batch_request({**line, "body": off})["error"] is None
+    row = parse_batch_request(line)
+    assert row["error"] is None
+    assert json.loads(row["tools"]) == [WEATHER]
+    assert json.loads(row["tool_choice"])["function"]["name"] == "get_weather"
+    assert row["parallel_tool_calls"] is False
+    # A choice naming a function the line does not define is that line's error, by field.
+    bad = {**body, "tool_choice": {"type": "function", "function": {"name": "nope"}}}
+    assert "tool_choice" in parse_batch_request({**line, "body": bad})["error"]
+    off = {**body, "tools": [], "tool_choice": "none"}  # the neutral values pass, no tools
+    row = parse_batch_request({**line, "body": off})
+    assert row["error"] is None and row["tools"] is None
+
+
+def _job(**prompt: Any) -> Any:
+    from pipeline.spec import parse_job_spec
+
+    return parse_job_spec(
+        {
+            "name": "tools",
+            "input": {"uri": "in.jsonl", "format": "jsonl", "prompt_column": "text"},
+            "model": {"path": "/models/tiny"},
+            "output": {"uri": "out/"},
+            "prompt": {"chat_template": True, "tools": [WEATHER, TIME], **prompt},
+            "sampling": {"overrides": {"tools": "row_tools", "tool_choice": "row_choice"}},
+        }
+    )
+
+
+def test_a_rows_tools_are_its_own_else_the_jobs_and_its_calls_have_stable_ids() -> None:
+    from pipeline.batch.stages.tools import RowTools, read_calls, row_tools
+
+    spec = _job(tool_choice="required")
+    columns = {"tools": "row_tools", "tool_choice": "row_choice"}
+    tools, problem = row_tools({"text": "hi"}, spec, columns, "<tool_call>")
+    assert problem is None and tools is not None
+    assert tools.plan.names == ["get_weather", "get_time"] and tools.plan.mode == "required"
+    assert tools.parser == "hermes" and tools.response_format() is not None
+    assert RowTools.from_cell(tools.cell()) == tools  # what the engine actor reads back
+    own = {"text": "hi", "row_tools": json.dumps([TIME]), "row_choice": "auto"}
+    mine, _ = row_tools(own, spec, columns, None)
+    assert mine is not None and mine.plan.names == ["get_time"] and mine.response_format() is None
+    _, problem = row_tools({**own, "row_choice": "always"}, spec, columns, None)
+    assert problem is not None and problem.startswith("column 'row_choice':")
+    off, problem = row_tools({**own, "row_choice": "none"}, spec, columns, None)
+    assert off is None and problem is None  # offered, never called: a plain row
+
+    content, calls = read_calls(mine.cell(), "row-1", HERMES)
+    assert content == "Sure." and calls is not None
+    assert [c["function"]["name"] for c in json.loads(calls)] == ["get_weather", "get_time"]
+    assert read_calls(mine.cell(), "row-1", HERMES)[1] == calls  # a rerun: the same ids
+    assert read_calls(mine.cell(), "row-2", HERMES)[1] != calls
+    assert read_calls(mine.cell(), "row-1", "No call.") == ("No call.", None)
+
+
+def test_a_jobs_tools_are_checked_before_it_starts() -> None:
+    from pipeline.batch.stages.tools import check_job_tools
+    from pipeline.spec import SpecError
+
+    check_job_tools(_job())
+    broken = {"type": "function", "function": {"name": "f", "parameters": []}}
+    with pytest.raises(SpecError, match=r"prompt\.tools\[1\]\.function\.parameters"):
+        check_job_tools(_job(tools=[WEATHER, broken]))
+    with pytest.raises(SpecError, match=r"prompt\.tools: tools need a chat template"):
+        check_job_tools(_job(chat_template=False))
+    spec = _job(tool_choice="required")
+    formatted = spec.model_copy(
+        update={
+            "sampling": spec.sampling.model_copy(
+                update={"response_format": {"type": "json_object"}}
+            )
+        }
+    )
+    with pytest.raises(SpecError, match=r"sampling\.response_format"):
+        check_job_tools(formatted)

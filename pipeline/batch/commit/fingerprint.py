@@ -139,7 +139,15 @@ def _sampling_part(spec: JobSpec) -> dict[str, Any]:
 
 # Prompt fields that joined the fingerprint later: present only when set, so the fingerprints
 # of jobs that do not use them stay what they were (a running job resumes across an upgrade).
-_PROMPT_FIELDS_WHEN_SET = ("reasoning", "enable_thinking", "reasoning_effort", "tool_parser")
+_PROMPT_FIELDS_WHEN_SET = (
+    "reasoning",
+    "enable_thinking",
+    "reasoning_effort",
+    "tool_parser",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+)
 
 
 def _prompt_part(spec: JobSpec) -> dict[str, Any]:

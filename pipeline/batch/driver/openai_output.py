@@ -69,6 +69,8 @@ COLUMNS = (
 SAMPLES = "samples"  # n > 1 rows: every choice (parts of older jobs may lack the column)
 # Jobs with prompt.reasoning: the chat message's reasoning_content and usage's reasoning_tokens.
 REASONING = ("reasoning", "reasoning_tokens")
+# Rows with tools: JSON text of the calls the answer made (parts of older jobs lack the column).
+TOOL_CALLS = "tool_calls"
 
 
 def export_names(part_name: str) -> tuple[str, str]:
@@ -161,11 +163,13 @@ def output_line(row: dict[str, Any], ctx: LineContext, part_name: str, index: in
             for s in samples
         ]
     else:
+        calls = row.get(TOOL_CALLS)
         choices = [
             Choice(
                 row.get("text") or "",
                 row.get("finish_reason") or "stop",
                 reasoning=row.get("reasoning"),
+                tool_calls=tuple(json.loads(calls)) if calls else (),
             )
         ]
     body = choices_body(ids, choices, usage)
@@ -216,7 +220,7 @@ def _join(lines: list[str]) -> bytes:
 
 def export_part(out: OutputDir, part_name: str, ctx: LineContext) -> list[str]:
     """Write a committed part's export files; returns their names."""
-    optional = (SAMPLES, *REASONING, EMBEDDING, ADAPTER)
+    optional = (SAMPLES, *REASONING, EMBEDDING, ADAPTER, TOOL_CALLS)
     table = read_part(out, part_name, columns=list(COLUMNS), optional=optional)
     output, errors = part_lines(table.to_pylist(), ctx, part_name)
     output_name, errors_name = export_names(part_name)

@@ -31,6 +31,7 @@ from pipeline.batch.columns import (
 from pipeline.batch.driver.shards import bytes_per_line, count_lines, parquet_footer, plan_shards
 from pipeline.batch.stages.prompts import PromptStage, context_length
 from pipeline.batch.stages.read import sample_rows
+from pipeline.batch.stages.tools import check_job_tools
 from pipeline.engine_setup import open_engine
 from pipeline.openai.chat import PromptError, load_tokenizer
 from pipeline.openai.reasoning import ReasoningError, make_parser
@@ -90,6 +91,7 @@ def preflight(spec: JobSpec) -> list[InputFile]:
     except SpecError as exc:
         raise SpecError(f"output.uri: {exc}") from None
     check_reasoning(spec)
+    check_job_tools(spec)
     return files
 
 

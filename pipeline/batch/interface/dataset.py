@@ -14,6 +14,7 @@ from pipeline.batch.stages.read.cells import (
 from pipeline.batch.stages.read.parquet import columns_needed
 from pipeline.batch.stages.rows import GenerateConfig, outcomes_to_table
 from pipeline.batch.stages.schema import job_output_schema
+from pipeline.batch.stages.tools import check_job_tools
 
 __all__ = [
     "ADAPTER",
@@ -27,6 +28,7 @@ __all__ = [
     "RowServer",
     "adapter_cell",
     "apply_overrides",
+    "check_job_tools",
     "check_reasoning",
     "columns_needed",
     "current_actor_id",

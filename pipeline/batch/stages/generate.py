@@ -51,7 +51,7 @@ from engines.api import (
 )
 from engines.health import StallWatch
 from engines.samples import fan_out
-from pipeline.batch.columns import ADAPTER, ROW
+from pipeline.batch.columns import ADAPTER, ROW, TOOL_PLAN
 from pipeline.batch.commit.lease import LeaseHolder
 from pipeline.batch.commit.parts import (
     LEASE_NAME,
@@ -76,6 +76,7 @@ from pipeline.batch.stages.rows import (
     row_samples,
     row_sampling,
 )
+from pipeline.batch.stages.tools import FINISH_TOOL_CALLS, read_calls
 from pipeline.batch.units import RowAdmission, RowRanges, RowSpend, UnitEnd, WorkUnit
 from pipeline.cost import CostMeter, row_cost
 from pipeline.engine_setup import open_engine
@@ -204,7 +205,14 @@ class RowServer:
                 )
                 for r in results
             ]
-        return RowOutcome.from_results(results, gpu_seconds, sampling.response_format, splits)
+        outcome = RowOutcome.from_results(results, gpu_seconds, sampling.response_format, splits)
+        plan = row.get(TOOL_PLAN)
+        if plan and outcome.finish_reason != "error":
+            # The answer's calls (pipeline.batch.stages.tools): `text` keeps what it said besides.
+            outcome.text, outcome.tool_calls = read_calls(plan, str(row["id"]), outcome.text)
+            if outcome.tool_calls is not None:
+                outcome.finish_reason = FINISH_TOOL_CALLS
+        return outcome
 
     async def _generate(self, request: GenerationRequest) -> GenerationResult:
         try:

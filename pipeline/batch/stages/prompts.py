@@ -18,6 +18,9 @@
   makes the row an error row naming the column.
 - `reasoning_effort` (string, null): the row's override (low | medium | high), else
   `prompt.reasoning_effort`; passed to the chat template with `prompt.enable_thinking`.
+- `tool_plan` (string, null): rows with tools (their own, else `prompt.tools`): how calls
+  are made and read (pipeline.batch.stages.tools); the tools go to the chat template, and a
+  required or named tool_choice sets `response_format` to the calls' schema.
 - `error` (string, null): set when the row cannot be generated: invalid messages, an empty
   prompt, a template error, an invalid override value, or prompt_tokens + max_tokens above the
   context length, or an id that repeats an earlier row of the shard. Rows that arrive with
@@ -80,9 +83,11 @@ from pipeline.batch.columns import (
     SEED,
     TEMPERATURE,
     TOO_LONG,
+    TOOL_PLAN,
     TOP_K,
     TOP_P,
 )
+from pipeline.batch.stages.tools import row_tools, template_tools
 
 # Tokenizing is light: a fraction of a CPU per tokenizer actor leaves room for the engines.
 PROMPT_STAGE_CPUS = 0.25
@@ -146,6 +151,9 @@ def _row_prompt(row: Mapping[str, Any], spec: JobSpec) -> dict[str, Any]:
     """render_prompt's arguments for one row: its prompt spec, its text or its messages, and
     the chat template's extra variables (the row's `reasoning_effort` cell over the job's)."""
     kwargs = spec.prompt.template_kwargs(row.get(REASONING_EFFORT))
+    tools = template_tools(row)
+    if tools is not None:  # the row's tools (its TOOL_PLAN cell), rendered by the template
+        kwargs = {**(kwargs or {}), "tools": tools}
     if row.get(MESSAGES) is not None:
         return {"prompt_spec": spec.prompt, "messages": row[MESSAGES], "template_kwargs": kwargs}
     if spec.input.format == "openai_batch":
@@ -326,6 +334,10 @@ class PromptStage:
         self.tokenizer = load_tokenizer(spec.model, spec.storage)
         self.max_len = context_length(spec)
         self.overrides = override_columns(spec)
+        # Rows with tools: the template's markers choose the tool parser (prompt.tool_parser
+        # unset). A tokenizer may hold several named templates; any of them will do to look.
+        template = getattr(self.tokenizer, "chat_template", None)
+        self.chat_template = json.dumps(template) if isinstance(template, dict) else template
 
     def process_row(self, row: Mapping[str, Any]) -> dict[str, Any]:
         """Stage columns and `error` for one row (a dict of the read columns)."""
@@ -333,7 +345,7 @@ class PromptStage:
         if out[ERROR] is not None:
             return out
         try:
-            row = {**row, REASONING_EFFORT: out[REASONING_EFFORT]}
+            row = {**row, REASONING_EFFORT: out[REASONING_EFFORT], TOOL_PLAN: out[TOOL_PLAN]}
             token_ids: list[int] | PromptError = render_row(row, self.spec, self.tokenizer)
         except PromptError as exc:
             token_ids = exc
@@ -344,9 +356,16 @@ class PromptStage:
         that get that far are rendered together (render_rows)."""
         outs = [self._sampling(row) for row in rows]
         pending = [i for i, out in enumerate(outs) if out[ERROR] is None]
-        # The row's effort (override or the job's) is a stage value, not a read column.
+        # The row's effort and tools (its own or the job's) are stage values, not read columns.
         rendered = render_rows(
-            [{**rows[i], REASONING_EFFORT: outs[i][REASONING_EFFORT]} for i in pending],
+            [
+                {
+                    **rows[i],
+                    REASONING_EFFORT: outs[i][REASONING_EFFORT],
+                    TOOL_PLAN: outs[i][TOOL_PLAN],
+                }
+                for i in pending
+            ],
             self.spec,
             self.tokenizer,
         )
@@ -358,11 +377,36 @@ class PromptStage:
         """A row's stage columns before its prompt: sampling values, no tokens, and `error`:
         the row's own, or a bad override's. Rows with an error here are not rendered."""
         sampling, problem = resolve_sampling(row, self.spec, self.overrides)
-        out: dict[str, Any] = {PROMPT_TOKEN_IDS: [], PROMPT_TOKENS: 0, **sampling}
+        out: dict[str, Any] = {PROMPT_TOKEN_IDS: [], PROMPT_TOKENS: 0, **sampling, TOOL_PLAN: None}
         out[ERROR] = row.get(ERROR)
         if out[ERROR] is None and problem:
             out[ERROR] = problem
+        if out[ERROR] is None and self.spec.task != "embed":
+            out[ERROR] = self._tools(row, out)
         return out
+
+    def _tools(self, row: Mapping[str, Any], out: dict[str, Any]) -> str | None:
+        """The row's tools into `out` (TOOL_PLAN, and the calls' format when the choice forces
+        a call); what is wrong with them, else None."""
+        tools, problem = row_tools(row, self.spec, self.overrides, self.chat_template)
+        if problem or tools is None:
+            return problem
+        if row.get(MESSAGES) is None and not self.spec.prompt.chat_template:
+            return "tools need a chat template: set prompt.chat_template: true"
+        if out[SAMPLES] > 1:
+            return "tools with n > 1 are not supported in batch jobs yet; send n: 1"
+        fmt = tools.response_format()
+        if fmt is not None:
+            if out[RESPONSE_FORMAT] not in (None, FREE_TEXT):
+                return (
+                    "response_format cannot be combined with tool_choice required or a named "
+                    "function (the output is the calls)"
+                )
+            out[RESPONSE_FORMAT], problem = _format_cell(json.dumps(fmt), "tool_choice")
+            if problem:
+                return problem
+        out[TOOL_PLAN] = tools.cell()
+        return None
 
     def _with_prompt(
         self, out: dict[str, Any], token_ids: list[int] | PromptError
@@ -411,6 +455,7 @@ class PromptStage:
             LOGPROBS: pa.array([r[LOGPROBS] for r in results], type=pa.int32()),
             SAMPLES: pa.array([r[SAMPLES] for r in results], type=pa.int32()),
             REASONING_EFFORT: pa.array([r[REASONING_EFFORT] for r in results], type=pa.string()),
+            TOOL_PLAN: pa.array([r[TOOL_PLAN] for r in results], type=pa.string()),
             ERROR: pa.array([r[ERROR] for r in results], type=pa.string()),
         }
         for name, array in columns.items():

@@ -31,7 +31,9 @@ from pipeline.batch.stages.schema import (
     RESULT_FIELDS,
     SPEC_FIELDS,
     TOKEN_IDS_FIELD,
+    TOOL_CALLS_FIELD,
     has_samples,
+    has_tools,
     is_structured,
     samples_field,
     wants_logprobs,
@@ -64,6 +66,7 @@ class GenerateConfig:
     reasoning: str  # prompt.reasoning: none, or the format to split outputs by (emit both)
     embed: EmbedParams | None  # task embed: how rows are embedded (emit `embedding`)
     adapters: bool  # model.adapters: rows carry their LoRA adapter (emit `adapter`)
+    tools: bool  # rows may carry tools (emit `tool_calls`)
     max_in_flight: int  # requests in the engine at once, across shards
     batch_size: int  # rows taken from a shard at a time
     rows_per_file: int  # a part holds at most this many rows
@@ -97,6 +100,7 @@ class GenerateConfig:
             reasoning=spec.prompt.reasoning,
             embed=spec.embed_params,
             adapters=spec.model.has_adapters,
+            tools=has_tools(spec),
             max_in_flight=spec.resources.max_in_flight,
             batch_size=spec.resources.batch_size,
             rows_per_file=spec.output.rows_per_file,
@@ -216,6 +220,7 @@ class RowOutcome:
     reasoning: str | None = None  # reasoning jobs: the reasoning part (`text` is the answer)
     reasoning_tokens: int = 0  # its output tokens
     embedding: list[float] | None = None  # task embed: the prompt's embedding
+    tool_calls: str | None = None  # rows with tools: JSON text of the calls the answer made
 
     @classmethod
     def failed(cls, error: str, prompt_tokens: int, served: bool) -> RowOutcome:
@@ -450,6 +455,10 @@ def outcomes_to_table(
         )
     if config.adapters:
         columns[ADAPTER_FIELD.name] = batch.column(ADAPTER).cast(ADAPTER_FIELD.type)
+    if config.tools:
+        columns[TOOL_CALLS_FIELD.name] = pa.array(
+            [o.tool_calls for o in outcomes], type=TOOL_CALLS_FIELD.type
+        )
     return pa.table(columns)
 
 

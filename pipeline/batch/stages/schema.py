@@ -99,6 +99,11 @@ REASONING_FIELDS: tuple[pa.Field, ...] = (
 # Jobs with model.adapters: the LoRA adapter the row ran with (null: the model itself).
 ADAPTER_FIELD = pa.field("adapter", pa.string())
 
+# Jobs whose rows may carry tools (prompt.tools, sampling.overrides.tools, openai_batch): the
+# calls the answer made, as JSON text of OpenAI's tool_calls (null: none); `text` then holds
+# what the answer said besides.
+TOOL_CALLS_FIELD = pa.field("tool_calls", pa.string())
+
 # Jobs with task embed: the prompt's pooled embedding (null on error rows).
 EMBEDDING_FIELD = pa.field("embedding", pa.list_(pa.float32()))
 
@@ -147,6 +152,7 @@ def output_schema(
     reasoning: bool = False,
     embedding: bool = False,
     adapters: bool = False,
+    tools: bool = False,
 ) -> pa.Schema:
     """The one schema of every part of a job: id, passthrough columns, results."""
     fields = [pa.field("id", pa.string()), *passthrough, *RESULT_FIELDS]
@@ -168,6 +174,8 @@ def output_schema(
         fields.append(EMBEDDING_FIELD)
     if adapters:
         fields.append(ADAPTER_FIELD)
+    if tools:
+        fields.append(TOOL_CALLS_FIELD)
     return pa.schema(fields)
 
 
@@ -190,6 +198,7 @@ RESERVED_COLUMNS: frozenset[str] = frozenset(
             reasoning=True,
             embedding=True,
             adapters=True,
+            tools=True,
         ).names,
     }
 )
@@ -208,6 +217,18 @@ def job_output_schema(spec: JobSpec, passthrough: Iterable[pa.Field] = ()) -> pa
         reasoning=spec.prompt.reasoning != "none",
         embedding=spec.task == "embed",
         adapters=spec.model.has_adapters,
+        tools=has_tools(spec),
+    )
+
+
+def has_tools(spec: JobSpec) -> bool:
+    """Whether a job's rows can carry tools (and its output has a `tool_calls` column)."""
+    if spec.task == "embed":
+        return False
+    return (
+        spec.prompt.tools is not None
+        or "tools" in spec.sampling.overrides
+        or spec.input.format == "openai_batch"
     )
 
 

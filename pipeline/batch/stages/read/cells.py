@@ -136,6 +136,10 @@ def coerce_override(
         if isinstance(value, str):
             return value, None
         return None, f"{where}: {value!r} is not low, medium or high"
+    if OVERRIDE_TYPES[field] is bool:
+        if isinstance(value, bool):
+            return value, None
+        return None, f"{where}: {value!r} is not true or false"
     if OVERRIDE_TYPES[field] is str:
         if isinstance(value, (dict, list)):
             return json.dumps(value), None
@@ -230,7 +234,9 @@ def column_types(spec: JobSpec, passthrough: list[pa.Field]) -> dict[str, pa.Dat
         types[field.name] = field.type
     for field, column in override_columns(spec).items():
         kind = OVERRIDE_TYPES.get(field, str)  # table fields: the cell as JSON text
-        types[column] = pa.int64() if kind is int else pa.string() if kind is str else pa.float64()
+        types[column] = {int: pa.int64(), str: pa.string(), bool: pa.bool_()}.get(
+            kind, pa.float64()
+        )
     if has_row_sampling(spec):
         types[BODY_SAMPLING] = pa.string()
     if has_adapters(spec):

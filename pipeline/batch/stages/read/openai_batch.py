@@ -2,7 +2,8 @@
 
 `parse_batch_request` turns one line's JSON object into the prompt or chat, the per-request
 sampling values and an error for what the pipeline cannot serve (another endpoint, best_of,
-tools, ...): such a request becomes an error row naming the parameter, never a silent skip.
+...): such a request becomes an error row naming the parameter, never a silent skip. A chat
+line's tools, tool_choice and parallel_tool_calls go to their columns for the prompt stage.
 """
 
 from __future__ import annotations
@@ -106,13 +107,6 @@ def parse_batch_request(obj: dict[str, Any]) -> dict[str, Any]:
     except ApiError as exc:
         out[ERROR] = _body_error(body, exc if responses is None else responses.restate(exc))
         return out
-    if isinstance(request, ChatCompletionRequest) and request.tool_plan is not None:
-        # Serve's chat runs them (docs/tools.md); a job does not yet, and never drops them.
-        out[ERROR] = (
-            "unsupported body parameter tools: tool calls run on Serve's /v1/chat/completions, "
-            "not yet in batch jobs; remove tools and tool_choice from the line"
-        )
-        return out
     shared = _shared_sampling(request)
     try:  # ranges now, so a bad value is this line's error before any rendering
         resolve({"max_tokens": max(1, shared.get("min_tokens", 0)), **shared})
@@ -140,7 +134,16 @@ def parse_batch_request(obj: dict[str, Any]) -> dict[str, Any]:
         "logprobs": logprobs,
         "n": request.n if "n" in sent else None,
         "reasoning_effort": getattr(request, "reasoning_effort", None),  # the chat template's
+        "tools": None,
+        "tool_choice": None,
+        "parallel_tool_calls": None,
     }
+    plan = request.tool_plan if isinstance(request, ChatCompletionRequest) else None
+    if plan is not None:
+        # Checked already (read_tools); the prompt stage reads them again into the row's plan.
+        values["tools"] = list(plan.tools)
+        values["tool_choice"] = json.dumps(request.tool_choice) if request.tool_choice else None
+        values["parallel_tool_calls"] = request.parallel_tool_calls
     for field, value in values.items():
         column = BATCH_OVERRIDE_COLUMNS[field]
         coerced, problem = coerce_override(field, column, value, label=f"body.{field}")
