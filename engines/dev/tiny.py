@@ -57,13 +57,27 @@ THINK_CHAT_TEMPLATE = (
     "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
     "{% else %}<think>\n{% endif %}{% endif %}"
 )
+# Tools as GPT-OSS's template renders them, in short: a developer message declaring the
+# functions, an assistant call as a message to `functions.NAME` ending in <|call|>, and its
+# result as a message from that function.
 HARMONY_CHAT_TEMPLATE = (
     "<|start|>system<|message|>Reasoning: "
     "{{ reasoning_effort if reasoning_effort is defined and reasoning_effort else 'medium' }}"
     "<|end|>"
+    "{% if tools is defined and tools %}<|start|>developer<|message|># Tools\n"
+    "namespace functions {\n{% for tool in tools %}"
+    "type {{ tool['function']['name'] }} = (_: any) => any;\n{% endfor %}}<|end|>{% endif %}"
     "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' and message.tool_calls is defined "
+    "and message.tool_calls %}{% for call in message.tool_calls %}"
+    "<|start|>assistant to=functions.{{ call['function']['name'] }}<|channel|>commentary "
+    "json<|message|>{{ call['function']['arguments'] | tojson }}<|call|>{% endfor %}"
+    "{% elif message['role'] == 'tool' %}"
+    "<|start|>functions to=assistant<|channel|>commentary<|message|>"
+    "{{ message['content'] }}<|end|>"
+    "{% else %}"
     "<|start|>{{ message['role'] }}<|message|>{{ message['content'] }}<|end|>"
-    "{% endfor %}"
+    "{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|start|>assistant{% endif %}"
 )
 

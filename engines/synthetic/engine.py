@@ -222,7 +222,9 @@ class SyntheticEngine:
                         prompt_logprobs=prompt_logprobs,
                     )
                     prompt_logprobs = None
-                    sent_ids, sent_text = len(live.token_ids), max(sent_text, stable)
+                    # What was sent, not what there is now: tokens the step loop added while
+                    # this delta waited for its consumer go out with the next one.
+                    sent_ids, sent_text = sent_ids + len(ids), max(sent_text, stable)
                 if finished:
                     yield StreamDelta(
                         token_ids=[], text="", finished=True, result=live.done.result()

@@ -16,8 +16,11 @@ Formats (`prompt.reasoning` of a job, `reasoning` of a served model):
   already cut).
 - `harmony` (GPT-OSS): the output is messages `<|channel|>NAME<|message|>...<|end|>`, each
   after `<|start|>assistant`, the last ending in `<|return|>` (or `<|call|>`). Messages of the
-  `analysis` channel are the reasoning, those of `final` the answer; `commentary` messages
-  (tool calls and their preambles; tools are not served) are in neither. The markers are
+  `analysis` channel are the reasoning, those of `final` the answer. A message addressed to a
+  function (`to=functions.NAME` in its header, on the `commentary` channel) is a tool call:
+  its content is the call's arguments, kept as the split's `calls` (the `harmony` tool parser
+  returns them: pipeline.openai.tools); other `commentary` messages (preambles, calls to
+  built-in tools) are in neither. The markers are
   special tokens, absent from the decoded text, so this format reads token ids and decodes
   each message's content itself. The `openai-harmony` package is not used: it downloads its
   vocabulary when first loaded, and nothing may be downloaded at run time.
@@ -34,6 +37,8 @@ be the end of the reasoning, is held back until the next delta decides it.
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
@@ -52,6 +57,8 @@ H_START, H_CHANNEL, H_MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
 H_END, H_RETURN, H_CALL, H_CONSTRAIN = "<|end|>", "<|return|>", "<|call|>", "<|constrain|>"
 HARMONY_MARKERS = (H_START, H_CHANNEL, H_MESSAGE, H_END, H_RETURN, H_CALL, H_CONSTRAIN)
 ANALYSIS, FINAL = "analysis", "final"
+FUNCTIONS = "functions."  # the namespace of a request's function tools in harmony
+_RECIPIENT = re.compile(r"\bto=([^\s<]+)")
 
 
 class ReasoningError(ValueError):
@@ -65,6 +72,8 @@ class Split:
     reasoning: str | None  # the reasoning; None: the output has no reasoning part
     text: str  # the answer
     reasoning_tokens: int  # output tokens of the reasoning (markers not counted)
+    # harmony: the messages addressed to functions, as (name, arguments text), in order
+    calls: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -296,13 +305,20 @@ class HarmonyParser:
             stream.prime(tail)
         return stream
 
-    def channel(self, header: Sequence[int]) -> str:
-        """The channel a message header names (`...<|channel|>NAME ...`); final without one."""
+    def channel(self, header: Sequence[int]) -> tuple[str, str | None]:
+        """(the channel a message header names, final without one; the function it is
+        addressed to, None when it is no call). The recipient may stand before the channel
+        (`assistant to=functions.f<|channel|>commentary json`) or after it
+        (`<|channel|>commentary to=functions.f <|constrain|>json`): GPT-OSS writes both."""
         text = self.tokenizer.decode(list(header), skip_special_tokens=False)
+        found = _RECIPIENT.search(text)
+        function = None
+        if found is not None and found.group(1).startswith(FUNCTIONS):
+            function = found.group(1).removeprefix(FUNCTIONS)
         if H_CHANNEL not in text:
-            return FINAL
+            return FINAL, function
         after = text.rsplit(H_CHANNEL, 1)[1].split("<|", 1)[0].split()
-        return after[0] if after else FINAL
+        return (after[0] if after else FINAL), function
 
 
 class HarmonyStream:
@@ -319,6 +335,8 @@ class HarmonyStream:
         self._start = ids[H_START]
         self._header: list[int] = []
         self._channel: str | None = None  # in a body: its channel
+        self._function: str | None = None  # in a call's body: the function it calls
+        self._calls: list[tuple[str, str]] = []
         self._detok: Any = None  # the body's incremental detokenizer
         self._sent = 0  # characters of the body's text already given out
         self._priming = False
@@ -341,30 +359,51 @@ class HarmonyStream:
                 self._raw.append(token)
             if self._channel is None:
                 if token == self._message:
-                    self._open(self._parser.channel(self._header))
+                    self._open(*self._parser.channel(self._header))
                 elif token == self._start:
                     self._header = []
                 else:
                     self._header.append(token)
                 continue
             if token in self._ends or token == self._start:
+                self._end_call(token)
                 self._channel, self._detok, self._header = None, None, []
                 continue
             if self._priming:
                 continue  # content the template wrote is the prompt's, not the output's
-            if self._channel == ANALYSIS:
+            if self._channel == ANALYSIS and self._function is None:
                 self.reasoning_tokens += 1
             self._detok.add(token)
             new = self._detok.text[self._sent :]
             self._sent = len(self._detok.text)
+            if self._function is not None:
+                continue  # a call's arguments: read whole when its body ends
             if self._channel == ANALYSIS:
                 reasoning.append(new)
             elif self._channel == FINAL:
                 answer.append(new)
         return self._emit("".join(reasoning), "".join(answer))
 
-    def _open(self, channel: str) -> None:
+    def _end_call(self, token: int | None) -> None:
+        """A body ends: a call's is kept. One the output cut short (no end token after it)
+        is kept only when its arguments are whole JSON; else its text is the answer's, so a
+        cut call is never lost and never returned broken."""
+        if self._function is None or self._priming:
+            return
+        arguments = self._detok.text.strip()
+        if token is None:
+            try:
+                json.loads(arguments)
+            except json.JSONDecodeError:
+                self._emit("", arguments)
+                self._function = None
+                return
+        self._calls.append((self._function, arguments))
+        self._function = None
+
+    def _open(self, channel: str, function: str | None = None) -> None:
         self._channel = channel
+        self._function = function
         self._detok = self._detokenizer_cls(self._parser.tokenizer, [], ())
         self._sent = 0
         if not self._priming:
@@ -377,6 +416,10 @@ class HarmonyStream:
             # No message at all: not harmony output; all of it is the answer.
             text = self._parser.tokenizer.decode(self._raw, skip_special_tokens=True)
             return self._emit("", text)
+        if self._channel is not None and self._function is not None:
+            before = len(self._text)
+            self._end_call(None)  # a call the output cut short
+            return Delta("", "".join(self._text[before:]))
         return Delta()
 
     def _emit(self, reasoning: str, text: str) -> Delta:
@@ -391,4 +434,4 @@ class HarmonyStream:
     def result(self, output_ids: Sequence[int]) -> Split:
         del output_ids  # counted while reading them
         reasoning = None if self._reasoning is None else "".join(self._reasoning)
-        return Split(reasoning, "".join(self._text), self.reasoning_tokens)
+        return Split(reasoning, "".join(self._text), self.reasoning_tokens, tuple(self._calls))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from engines.strict import StrictModel
 
@@ -49,12 +49,13 @@ class PromptSpec(StrictModel):
         "low|medium|high`). Null: not passed. A row may set its own through "
         "sampling.overrides.reasoning_effort.",
     )
-    tool_parser: Literal["hermes", "llama3_json"] | None = Field(
+    tool_parser: Literal["hermes", "llama3_json", "harmony"] | None = Field(
         None,
         description="How the model writes tool calls, read from answers to requests with "
         "tools (tool_choice auto): hermes (<tool_call>{json}</tool_call>: Qwen2.5, Qwen3, "
-        "Hermes) | llama3_json (Llama 3.1+'s JSON calls). Null: chosen from the markers the "
-        "chat template renders (hermes when it shows none). See docs/tools.md.",
+        "Hermes) | llama3_json (Llama 3.1+'s JSON calls) | harmony (GPT-OSS: messages to "
+        "functions.NAME; needs reasoning: harmony, whose split reads them). Null: chosen from "
+        "the markers the chat template renders (hermes when it shows none). See docs/tools.md.",
     )
 
     tools: list[dict[str, Any]] | None = Field(
@@ -78,6 +79,16 @@ class PromptSpec(StrictModel):
         description="Whether an answer may make several calls (OpenAI's parallel_tool_calls). "
         "Null: yes.",
     )
+
+    @model_validator(mode="after")
+    def _harmony_calls_need_the_harmony_split(self) -> PromptSpec:
+        # The calls are special-token messages only the harmony split reads (docs/tools.md).
+        if self.tool_parser == "harmony" and self.reasoning != "harmony":
+            raise ValueError(
+                "prompt.tool_parser harmony reads GPT-OSS's calls from the harmony split: "
+                "set prompt.reasoning: harmony too"
+            )
+        return self
 
     @field_validator("template")
     @classmethod

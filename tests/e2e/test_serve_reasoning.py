@@ -5,6 +5,7 @@ reasoning_content (whole and streamed) and the usage counts are known exactly.""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +40,29 @@ FORMATS = {
         "The river runs north.",
     ),
 }
+
+
+# What the harmony-tools model writes: reasoning, a preamble, then two calls (the recipient
+# before and after the channel, as GPT-OSS writes both).
+HARMONY_CALLS = (
+    "<|channel|>analysis<|message|>Need the weather.<|end|>"
+    "<|start|>assistant<|channel|>commentary<|message|>Looking it up.<|end|>"
+    "<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>"
+    '{"city": "Paris"}<|call|>'
+    "<|start|>assistant<|channel|>commentary to=functions.get_time <|constrain|>json"
+    '<|message|>{"city": "Rome"}<|call|>'
+)
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": name,
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+    for name in ("get_weather", "get_time")
+]
+CALLS = [("get_weather", {"city": "Paris"}), ("get_time", {"city": "Rome"})]
 
 
 @dataclass(frozen=True)
@@ -99,15 +123,24 @@ def server(
             {
                 "name": fmt,
                 "model": {"path": str(models[fmt])},
-                # Steps of a few ms: a stream arrives in several deltas.
+                # Steps of 20 ms: a stream arrives in several deltas even on a loaded machine.
                 "engine": {
                     "kind": "synthetic",
-                    "extra": {"script": spec.script, "ttft_ms": 1, "step_interval_ms": 5},
+                    "extra": {"script": spec.script, "ttft_ms": 1, "step_interval_ms": 20},
                 },
                 "prompt": {"reasoning": fmt},
                 "replicas": {"cpus_per_replica": 0.25, "stream_interval_s": 0},
             }
             for fmt, spec in FORMATS.items()
+        ]
+        + [
+            {  # GPT-OSS calling tools: its calls are harmony messages to functions.NAME
+                "name": "harmony-tools",
+                "model": {"path": str(models["harmony"])},
+                "engine": {"kind": "synthetic", "extra": {"script": HARMONY_CALLS, "ttft_ms": 1}},
+                "prompt": {"reasoning": "harmony"},
+                "replicas": {"cpus_per_replica": 0.25, "stream_interval_s": 0},
+            }
         ],
         "http": {"cpus_per_ingress": 0.25},
     }
@@ -222,3 +255,56 @@ def test_responses_carry_a_reasoning_item(
     assert thought == FORMATS[fmt].reasoning and said == ANSWER
     assert [item.type for item in final.output] == ["reasoning", "message"]
     assert final.usage.output_tokens_details.reasoning_tokens == want.reasoning_tokens
+
+
+def test_harmony_tool_calls_whole_streamed_and_as_a_response(client: openai.OpenAI) -> None:
+    ask = [{"role": "user", "content": "Weather in Paris, time in Rome?"}]
+    reply = client.chat.completions.create(
+        model="harmony-tools", messages=ask, tools=TOOLS, max_tokens=200
+    )
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert choice.message.model_extra["reasoning_content"] == "Need the weather."
+    calls = choice.message.tool_calls or []
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == CALLS
+
+    stream = client.chat.completions.create(
+        model="harmony-tools", messages=ask, tools=TOOLS, max_tokens=200, stream=True
+    )
+    content, names, arguments, finish = "", {}, {}, None
+    for chunk in stream:
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            for part in c.delta.tool_calls or []:
+                if part.function and part.function.name:
+                    names[part.index] = part.function.name
+                if part.function and part.function.arguments:
+                    arguments[part.index] = arguments.get(part.index, "") + part.function.arguments
+            finish = c.finish_reason or finish
+    assert content == "" and finish == "tool_calls"
+    assert [(names[i], json.loads(arguments[i])) for i in sorted(names)] == CALLS
+
+    # Without tools the calls are no answer: the text is empty, nothing parsed.
+    plain = client.chat.completions.create(model="harmony-tools", messages=ask, max_tokens=200)
+    assert plain.choices[0].message.tool_calls is None
+
+    # The second turn renders the calls and their results through the model's template.
+    turn = [
+        *ask,
+        {"role": "assistant", "content": None, "tool_calls": [c.model_dump() for c in calls]},
+        *({"role": "tool", "tool_call_id": c.id, "content": "sunny"} for c in calls),
+    ]
+    again = client.chat.completions.create(
+        model="harmony-tools", messages=turn, tools=TOOLS, max_tokens=200
+    )
+    assert again.usage.prompt_tokens > reply.usage.prompt_tokens
+
+    response = client.responses.create(
+        model="harmony-tools",
+        input="Weather in Paris?",
+        tools=[{"type": "function", **t["function"]} for t in TOOLS],
+        max_output_tokens=200,
+    )
+    kinds = [item.type for item in response.output]
+    assert kinds == ["reasoning", "function_call", "function_call"], kinds
+    assert [(i.name, json.loads(i.arguments)) for i in response.output[1:]] == CALLS

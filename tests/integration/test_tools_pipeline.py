@@ -217,3 +217,39 @@ def test_a_job_with_bad_tools_is_refused_before_any_actor(tiny_model_dir: Path) 
                 tiny_model_dir, tool_choice={"type": "function", "function": {"name": "nope"}}
             )
         )
+
+
+# GPT-OSS: reasoning, then two calls as harmony messages to functions.NAME.
+HARMONY_CALLS = (
+    "<|channel|>analysis<|message|>Need the weather.<|end|>"
+    "<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>"
+    '{"city": "Paris", "unit": "celsius"}<|call|>'
+    "<|start|>assistant<|channel|>commentary to=functions.get_time <|constrain|>json"
+    '<|message|>{"city": "Rome"}<|call|>'
+)
+
+
+def test_processor_rows_read_harmony_calls(
+    ray_local: Any, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    import ray.data
+
+    from engines.dev.tiny import make_tiny_model
+    from pipeline.data import build_processor
+
+    model = Path(make_tiny_model(tmp_path_factory.mktemp("harmony") / "m", reasoning="harmony"))
+    config = _processor_config(model, reasoning="harmony")
+    config["engine"]["extra"]["script"] = HARMONY_CALLS
+    (row,) = build_processor(config)(
+        ray.data.from_items([{"qid": "a", "chat": ASK, "choice": None}])
+    ).take_all()
+    assert row["finish_reason"] == "tool_calls" and row["text"] == ""
+    assert row["reasoning"] == "Need the weather."
+    calls = json.loads(row["tool_calls"])
+    assert _valid(calls) == ["get_weather", "get_time"]
+    assert json.loads(calls[1]["function"]["arguments"]) == {"city": "Rome"}
+    # The same model without the harmony split cannot read them: refused by name per row.
+    (refused,) = build_processor(_processor_config(model))(
+        ray.data.from_items([{"qid": "b", "chat": ASK, "choice": None}])
+    ).take_all()
+    assert "prompt.reasoning: harmony" in refused["error"]

@@ -193,6 +193,47 @@ def test_harmony_unfinished_analysis_and_no_analysis(harmony_tok: Any) -> None:
     assert split_output(parser, prompt_ids, plain, "") == Split(None, "Cold water.", 0)
 
 
+# GPT-OSS's calls: messages to functions.NAME, the recipient before or after the channel.
+HARMONY_CALLS = (
+    "<|channel|>analysis<|message|>Need the weather.<|end|>"
+    "<|start|>assistant<|channel|>commentary<|message|>Looking it up.<|end|>"
+    "<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>"
+    '{"city": "Paris"}<|call|>'
+    "<|start|>assistant<|channel|>commentary to=functions.get_time <|constrain|>json"
+    '<|message|>{"city": "Rome"}<|call|>'
+)
+
+
+def test_harmony_calls_whole_and_streamed_in_any_pieces(harmony_tok: Any) -> None:
+    parser = make_parser("harmony", harmony_tok)
+    prompt_ids = prompt(harmony_tok)
+    output_ids = ids(harmony_tok, HARMONY_CALLS)
+    whole = split_output(parser, prompt_ids, output_ids, "")
+    assert whole.calls == (("get_weather", '{"city": "Paris"}'), ("get_time", '{"city": "Rome"}'))
+    # The calls' arguments are neither reasoning nor answer, and not reasoning tokens.
+    assert (whole.reasoning, whole.text) == ("Need the weather.", "")
+    assert whole.reasoning_tokens == len(ids(harmony_tok, "Need the weather."))
+    # Every cut in two, and 300 random cuts in three (every pair would take seconds).
+    rng = random.Random(7)
+    n = len(output_ids)
+    cuts = [(i, i) for i in range(n + 1)]
+    cuts += [tuple(sorted((rng.randint(0, n), rng.randint(0, n)))) for _ in range(300)]
+    for i, j in cuts:
+        pieces = [(output_ids[:i], ""), (output_ids[i:j], ""), (output_ids[j:], "")]
+        assert streamed(parser, prompt_ids, pieces) == whole, (i, j)
+
+
+def test_a_harmony_call_cut_short_is_kept_only_when_whole(harmony_tok: Any) -> None:
+    parser = make_parser("harmony", harmony_tok)
+    prompt_ids = prompt(harmony_tok)
+    head = "<|channel|>commentary to=functions.get_weather json<|message|>"
+    whole_json = split_output(parser, prompt_ids, ids(harmony_tok, head + '{"city": "Oslo"}'), "")
+    assert whole_json.calls == (("get_weather", '{"city": "Oslo"}'),) and whole_json.text == ""
+    # Arguments cut mid-way (max_tokens): not a call, and not lost: the answer's text.
+    cut = split_output(parser, prompt_ids, ids(harmony_tok, head + '{"city": "Os'), "")
+    assert cut.calls == () and cut.text == '{"city": "Os'
+
+
 def test_harmony_needs_its_tokens(think_tok: Any) -> None:
     with pytest.raises(ReasoningError, match="harmony needs"):
         make_parser("harmony", think_tok)

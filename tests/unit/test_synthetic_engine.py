@@ -88,6 +88,29 @@ def test_aggregate_rate_is_close_to_tokens_per_s(model_dir: Path) -> None:
     assert decode == dict.fromkeys(prefill, 39)
 
 
+def test_a_slow_stream_consumer_still_gets_every_token(model_dir: Path) -> None:
+    """Tokens the step loop adds while a delta waits for its consumer go out with the next
+    delta: the deltas' ids add up to the result's (token-reading splits depend on it)."""
+
+    async def go() -> tuple[list[int], list[int]]:
+        engine = load_engine(
+            "synthetic", str(model_dir), tokens_per_s=2000, ttft_ms=1, output_tokens=40
+        )
+        request = requests_for(1, max_tokens=40)[0]
+        streamed, result = [], None
+        async for delta in engine.stream(request):
+            streamed += delta.token_ids
+            if delta.finished:
+                result = delta.result
+            await asyncio.sleep(0.01)  # a slow consumer: several steps per delta
+        engine.shutdown()
+        assert result is not None
+        return streamed, list(result.output_token_ids)
+
+    streamed, whole = asyncio.run(go())
+    assert len(whole) == 40 and streamed == whole
+
+
 def test_max_batch_size_bounds_the_running_requests(model_dir: Path) -> None:
     _, records, _ = run(
         model_dir, requests_for(20, max_tokens=5, ignore_eos=True), max_batch_size=4, ttft_ms=0

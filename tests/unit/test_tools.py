@@ -254,3 +254,27 @@ def test_a_jobs_tools_are_checked_before_it_starts() -> None:
     )
     with pytest.raises(SpecError, match=r"sampling\.response_format"):
         check_job_tools(formatted)
+
+
+def test_harmony_calls_come_from_the_split_and_broken_ones_stay_content() -> None:
+    from pipeline.spec import PromptSpec
+
+    parser = choose_parser("<|start|>{{ m }}<|channel|>")
+    assert parser.name == "harmony"
+    plan = read_tools([WEATHER, TIME], None, None)
+    assert plan is not None
+    found = (("get_weather", '{"city": "Paris"}'), ("get_time", "{not json"))
+    content, calls = answer_calls(plan, parser, "It is sunny.", found)
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris"})
+    ]
+    assert content == "It is sunny.\n{not json"  # never dropped
+    # Streamed: the text goes out as it comes (it holds no call); the calls at the end.
+    stream = ToolStream(plan, parser)
+    assert stream.feed("It is ") + stream.feed("sunny.") == "It is sunny."
+    rest, streamed_calls = stream.close(found)
+    assert rest == "\n{not json" and [c.name for c in streamed_calls] == ["get_weather"]
+    assert answer_calls(plan, parser, "Plain.", ()) == ("Plain.", [])
+    with pytest.raises(ValueError, match=r"prompt\.reasoning: harmony"):
+        PromptSpec(tool_parser="harmony")
+    assert PromptSpec(tool_parser="harmony", reasoning="harmony").tool_parser == "harmony"

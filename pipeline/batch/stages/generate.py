@@ -209,7 +209,8 @@ class RowServer:
         plan = row.get(TOOL_PLAN)
         if plan and outcome.finish_reason != "error":
             # The answer's calls (pipeline.batch.stages.tools): `text` keeps what it said besides.
-            outcome.text, outcome.tool_calls = read_calls(plan, str(row["id"]), outcome.text)
+            found = splits[0].calls if splits and splits[0] is not None else ()  # harmony's
+            outcome.text, outcome.tool_calls = read_calls(plan, str(row["id"]), outcome.text, found)
             if outcome.tool_calls is not None:
                 outcome.finish_reason = FINISH_TOOL_CALLS
         return outcome

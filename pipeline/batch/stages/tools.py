@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,7 +118,14 @@ def row_tools(
         return None, f"{where}: {exc}"
     if plan is None or plan.mode == "none":
         return None, None
-    return RowTools(plan, choose_parser(chat_template, spec.prompt.tool_parser).name), None
+    parser = choose_parser(chat_template, spec.prompt.tool_parser).name
+    if parser == "harmony" and spec.prompt.reasoning != "harmony" and not plan.constrained:
+        # GPT-OSS's calls are special-token messages only the harmony split reads.
+        return None, (
+            "the chat template writes harmony tool calls (GPT-OSS): set prompt.reasoning: "
+            "harmony so they can be read"
+        )
+    return RowTools(plan, parser), None
 
 
 def template_tools(row: Mapping[str, Any]) -> list[dict[str, Any]] | None:
@@ -134,10 +141,13 @@ def _call_id(row_id: str, index: int) -> str:
     return "call_" + digest[:24]
 
 
-def read_calls(cell: str, row_id: str, text: str) -> tuple[str, str | None]:
-    """(the answer's content, JSON text of its calls or None) for a row's answer."""
+def read_calls(
+    cell: str, row_id: str, text: str, split_calls: Sequence[tuple[str, str]] = ()
+) -> tuple[str, str | None]:
+    """(the answer's content, JSON text of its calls or None) for a row's answer
+    (`split_calls`: the calls the harmony split read from the token ids)."""
     tools = RowTools.from_cell(cell)
-    content, found = answer_calls(tools.plan, PARSERS[tools.parser], text)
+    content, found = answer_calls(tools.plan, PARSERS[tools.parser], text, split_calls)
     if not found:
         return text, None
     calls = [ToolCall(c.name, c.arguments, _call_id(row_id, k)) for k, c in enumerate(found)]

@@ -6,7 +6,11 @@ vLLM's parsers do: a request never fails because a model wrote a broken call.
   them is content (Qwen2.5, Qwen3, Hermes and the many templates that copied them);
 - llama3_json: Llama 3.1+'s JSON calls, `{"name": ..., "parameters": {...}}` (or
   "arguments"), optionally after `<|python_tag|>`, several separated by `;`; the text is calls
-  only when it starts with one.
+  only when it starts with one;
+- harmony (GPT-OSS): calls are messages addressed to `functions.NAME`, written with special
+  tokens the answer's text no longer holds: the harmony reasoning split reads them from the
+  token ids (pipeline.openai.reasoning, `Split.calls`), and this parser takes them from there
+  (`split_calls`); the text is all content. It needs `prompt.reasoning: harmony`.
 
 choose_parser picks one from the model's chat template (the markers it renders), or the one the
 config names. Each parser also tells a stream where a call may be starting (stream.py), so
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,9 +126,35 @@ class Llama3JsonParser(ToolParser):
         return len(text) - marker_prefix_len(text, self.TAG)
 
 
+class HarmonyToolParser(ToolParser):
+    """GPT-OSS: the calls come from the harmony split (`Split.calls`), never from the text."""
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        return text, []
+
+    def safe_prefix(self, text: str) -> int:
+        return len(text)  # the text holds no call: all of it streams as it comes
+
+    def split_calls(
+        self, text: str, found: Sequence[tuple[str, str]]
+    ) -> tuple[str | None, list[ToolCall]]:
+        """(content, calls) from the answer's text and the split's calls: a call whose
+        arguments are not a JSON object stays content, as a broken call does for every parser."""
+        calls, broken = [], []
+        for name, raw in found:
+            arguments = _arguments(raw)
+            if name and arguments is not None:
+                calls.append(ToolCall(name, arguments))
+            else:
+                broken.append(raw)
+        content = "\n".join(part for part in (text, *broken) if part)
+        return content or None, calls
+
+
 PARSERS: dict[str, ToolParser] = {
     "hermes": HermesParser("hermes"),
     "llama3_json": Llama3JsonParser("llama3_json"),
+    "harmony": HarmonyToolParser("harmony"),
 }
 
 
@@ -137,6 +168,8 @@ def choose_parser(chat_template: str | None, configured: str | None = None) -> T
             )
         return PARSERS[configured]
     template = chat_template or ""
+    if "<|channel|>" in template:  # harmony's messages (GPT-OSS)
+        return PARSERS["harmony"]
     if "<tool_call>" in template:
         return PARSERS["hermes"]
     if "<|python_tag|>" in template or "ipython" in template:

@@ -6,23 +6,31 @@ before the end."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pipeline.openai.tools.constrain import calls_from_constrained
-from pipeline.openai.tools.parsers import ToolParser
+from pipeline.openai.tools.parsers import HarmonyToolParser, ToolParser
 from pipeline.openai.tools.request import ToolCall, ToolPlan
 
 
 def answer_calls(
-    plan: ToolPlan, parser: ToolParser, text: str
+    plan: ToolPlan,
+    parser: ToolParser,
+    text: str,
+    split_calls: Sequence[tuple[str, str]] = (),
 ) -> tuple[str | None, list[ToolCall]]:
-    """(content, calls) of a whole answer: a constrained one read as calls, else parsed."""
+    """(content, calls) of a whole answer: a constrained one read as calls, else parsed (or,
+    for a parser whose calls the reasoning split found, `split_calls`: Split.calls)."""
     if plan.mode == "none":
         return text, []
     if plan.constrained:
         calls = calls_from_constrained(plan, text)
         return (None, calls) if calls else (text, [])
-    content, calls = parser.parse(text)
+    if isinstance(parser, HarmonyToolParser):
+        content, calls = parser.split_calls(text, split_calls)
+    else:
+        content, calls = parser.parse(text)
     if calls and not plan.parallel:
         calls = calls[:1]  # parallel_tool_calls false: the first call only
     return content, calls
@@ -50,10 +58,11 @@ class ToolStream:
         out, self.sent = self.text[self.sent : safe], safe
         return out
 
-    def close(self) -> tuple[str, list[ToolCall]]:
-        """(content not sent yet, calls) once the answer is whole."""
-        content, calls = answer_calls(self.plan, self.parser, self.text)
-        if not calls:
+    def close(self, split_calls: Sequence[tuple[str, str]] = ()) -> tuple[str, list[ToolCall]]:
+        """(content not sent yet, calls) once the answer is whole (`split_calls`: the calls
+        the reasoning split found, for the harmony parser)."""
+        content, calls = answer_calls(self.plan, self.parser, self.text, split_calls)
+        if not calls and not split_calls:
             return self.text[self.sent :], []
         content = content or ""
         already = self.text[: self.sent]

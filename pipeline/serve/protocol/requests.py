@@ -142,6 +142,20 @@ def to_engine_request(
                 code="invalid_value",
             )
         asked_format = call_schema(plan)  # the call always parses (pipeline.openai.tools)
+    elif (
+        plan is not None
+        and plan.mode == "auto"
+        and tokenizer.tool_parser.name == "harmony"
+        and tokenizer.reasoning is None
+    ):  # GPT-OSS's calls are special-token messages only the harmony split reads
+        raise ApiError(
+            400,
+            f"model {served.name!r} writes harmony tool calls, which only its harmony "
+            "split reads: its config needs prompt.reasoning: harmony (or send "
+            "tool_choice required or a named function)",
+            param="tools",
+            code="invalid_value",
+        )
     try:
         response_format = parse_response_format(asked_format)
     except FormatError as exc:

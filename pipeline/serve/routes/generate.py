@@ -170,7 +170,8 @@ async def complete(gw: Gateway, call: Call) -> tuple[dict[str, Any], dict[str, s
         finish, calls = finish_reason(result), ()
         if prepared.tools is not None and prepared.tool_parser is not None:
             # The answer's calls (pipeline.openai.tools): the content is what is left.
-            content, found = answer_calls(prepared.tools, prepared.tool_parser, text)
+            split_calls = parts.calls if parts is not None else ()  # harmony's, by token
+            content, found = answer_calls(prepared.tools, prepared.tool_parser, text, split_calls)
             if found:
                 text, finish = content or "", "tool_calls"
                 calls = tuple(call.body() for call in found)

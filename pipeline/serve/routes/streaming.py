@@ -176,7 +176,10 @@ async def _chunks(gw: Gateway, call: Call, deltas: DeploymentResponseGenerator) 
             if tool_streams is not None:
                 text = tool_streams[index].feed(text)
                 if delta.finished:
-                    rest, found = tool_streams[index].close()
+                    split_calls = ()  # harmony's calls, read from the token ids by the split
+                    if splits is not None and delta.result is not None:
+                        split_calls = splits[index].result(delta.result.output_token_ids).calls
+                    rest, found = tool_streams[index].close(split_calls)
                     text += rest
                     calls = [call.body() for call in found]
             if text or reasoning or (entries and (entries.get("content") or entries.get("tokens"))):
