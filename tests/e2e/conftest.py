@@ -14,9 +14,22 @@ import pytest
 
 from engines import faults
 from tests.e2e.ray_head import RayHead, running_ray_head
-from tests.e2e.serve_fixtures import serve_adapters, serve_model_dir, serve_workdir, server
+from tests.e2e.serve_fixtures import (
+    reasoning_models,
+    serve_adapters,
+    serve_model_dir,
+    serve_workdir,
+    server,
+)
 
-__all__ = ["ray_head", "serve_adapters", "serve_model_dir", "serve_workdir", "server"]
+__all__ = [
+    "ray_head",
+    "reasoning_models",
+    "serve_adapters",
+    "serve_model_dir",
+    "serve_workdir",
+    "server",
+]
 
 # The shared head's engines sleep this long after every step: the Batch API's cancel tests
 # (tests/e2e/test_batch_api.py) then see 200-1500 requests take 25 s or more on any machine,

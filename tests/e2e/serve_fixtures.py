@@ -220,6 +220,81 @@ def serve_adapters(serve_model_dir: Path, tmp_path_factory: pytest.TempPathFacto
     }
 
 
+# Reasoning formats on the shared server (tests/e2e/test_serve_reasoning.py): a tiny model
+# with each format's tokens and template, on the synthetic engine scripted to write a known
+# reasoning part and answer. GPT-OSS's harmony: an analysis message, then a final one (the
+# engine ends with <|return|>).
+REASONING_ANSWER = "It is cold."
+REASONING_SCRIPTS = {
+    "think": ("the river runs north\n</think>\n\n" + REASONING_ANSWER, "the river runs north"),
+    "harmony": (
+        "<|channel|>analysis<|message|>The river runs north.<|end|>"
+        "<|start|>assistant<|channel|>final<|message|>" + REASONING_ANSWER,
+        "The river runs north.",
+    ),
+}
+# What the `harmony-tools` model writes: reasoning, a preamble, then two calls (the recipient
+# before and after the channel, as GPT-OSS writes both).
+HARMONY_CALLS_SCRIPT = (
+    "<|channel|>analysis<|message|>Need the weather.<|end|>"
+    "<|start|>assistant<|channel|>commentary<|message|>Looking it up.<|end|>"
+    "<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>"
+    '{"city": "Paris"}<|call|>'
+    "<|start|>assistant<|channel|>commentary to=functions.get_time <|constrain|>json"
+    '<|message|>{"city": "Rome"}<|call|>'
+)
+# A served model whose name holds a slash (tests/e2e/test_serve_tolerance.py): `tiny`'s
+# weights and settings under another name.
+SLASHED_MODEL = "org/tiny-7b"
+
+
+@pytest.fixture(scope="package")
+def reasoning_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from engines.dev.tiny import make_tiny_model
+
+    base = tmp_path_factory.mktemp("reasoning-models")
+    return {fmt: Path(make_tiny_model(base / fmt, reasoning=fmt)) for fmt in REASONING_SCRIPTS}
+
+
+def slashed_model(model_dir: Path) -> dict:
+    """The `models[]` entry of the model named with a slash: tiny's, renamed."""
+    model = {**serve_config(model_dir)["models"][0], "name": SLASHED_MODEL}
+    model["replicas"] = {"cpus_per_replica": 0.1, "max_ongoing_requests": 32}
+    return model
+
+
+def reasoning_entries(models: dict[str, Path]) -> list[dict]:
+    """The shared server's reasoning models: one per format, and GPT-OSS calling tools."""
+    # Steps of 20 ms: a stream arrives in several deltas even on a loaded machine.
+    replicas = {"cpus_per_replica": 0.1, "stream_interval_s": 0}
+    entries = [
+        {
+            "name": fmt,
+            "model": {"path": str(models[fmt])},
+            "engine": {
+                "kind": "synthetic",
+                "extra": {"script": script, "ttft_ms": 1, "step_interval_ms": 20},
+            },
+            "prompt": {"reasoning": fmt},
+            "replicas": replicas,
+        }
+        for fmt, (script, _) in REASONING_SCRIPTS.items()
+    ]
+    entries.append(
+        {
+            "name": "harmony-tools",
+            "model": {"path": str(models["harmony"])},
+            "engine": {
+                "kind": "synthetic",
+                "extra": {"script": HARMONY_CALLS_SCRIPT, "ttft_ms": 1},
+            },
+            "prompt": {"reasoning": "harmony"},
+            "replicas": replicas,
+        }
+    )
+    return entries
+
+
 @pytest.fixture(scope="package")
 def serve_workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The shared server's files: serve.yaml, usage.jsonl (its usage log), server.log."""
@@ -227,11 +302,14 @@ def serve_workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 # One server for the e2e tests (registered in tests/e2e/conftest.py): the modules that use it
-# (test_serve_openai, test_serve_embeddings, test_serve_lora) agree on its configuration and
-# leave it as they found it, and a start costs about a minute.
+# (test_serve_openai, _embeddings, _lora, _tools, _responses, _reasoning, _tolerance) agree on
+# its configuration and leave it as they found it, and a start costs about a minute.
 @pytest.fixture(scope="package")
 def server(
-    serve_model_dir: Path, serve_adapters: dict[str, Path], serve_workdir: Path
+    serve_model_dir: Path,
+    serve_adapters: dict[str, Path],
+    serve_workdir: Path,
+    reasoning_models: dict[str, Path],
 ) -> Iterator[ServerProcess]:
     config = serve_workdir / "serve.yaml"
     data = serve_config(serve_model_dir, serve_adapters)
@@ -248,6 +326,7 @@ def server(
             "replicas": {"cpus_per_replica": 0.25, "stream_interval_s": 0},
         }
     )
+    data["models"] += [slashed_model(serve_model_dir), *reasoning_entries(reasoning_models)]
     data["usage_log"] = {"uri": str(serve_workdir / "usage.jsonl"), "flush_interval_s": 0.2}
     config.write_text(yaml.safe_dump(data))
     proc = start_server(config, {"TOKENMILL_API_KEYS": f"{API_KEY},{OTHER_KEY}"}, [])

@@ -1,26 +1,31 @@
-"""Reasoning output through `tokenmill serve` (real HTTP, the official OpenAI client): two
-models on one server, `<think>` (Qwen3) and harmony (GPT-OSS), each on the synthetic engine
-scripted to write a known reasoning part and answer in its tiny model's tokens, so content,
-reasoning_content (whole and streamed) and the usage counts are known exactly."""
+"""Reasoning output through `tokenmill serve` (real HTTP, the official OpenAI client): models
+on the shared server (tests/e2e/serve_fixtures.py), `<think>` (Qwen3) and harmony (GPT-OSS),
+each on the synthetic engine scripted to write a known reasoning part and answer in its tiny
+model's tokens, so content, reasoning_content (whole and streamed) and the usage counts are
+known exactly; and `harmony-tools`, GPT-OSS writing two tool calls."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
-import yaml
 
-from tests.e2e.serve_fixtures import API_KEY, ServerProcess, start_server
+from tests.e2e.serve_fixtures import (
+    API_KEY,
+    HARMONY_CALLS_SCRIPT,
+    REASONING_ANSWER,
+    REASONING_SCRIPTS,
+    ServerProcess,
+)
 
 pytestmark = pytest.mark.timeout(400)
 
 CHAT = [{"role": "user", "content": "Why is the river cold?"}]
-ANSWER = "It is cold."
+ANSWER = REASONING_ANSWER
 
 
 @dataclass(frozen=True)
@@ -31,27 +36,10 @@ class Format:
     reasoning: str
 
 
-FORMATS = {
-    "think": Format("the river runs north\n</think>\n\n" + ANSWER, "the river runs north"),
-    # GPT-OSS: an analysis message, then a final one; the engine ends with <|return|>.
-    "harmony": Format(
-        "<|channel|>analysis<|message|>The river runs north.<|end|>"
-        "<|start|>assistant<|channel|>final<|message|>" + ANSWER,
-        "The river runs north.",
-    ),
-}
+FORMATS = {fmt: Format(script, reasoning) for fmt, (script, reasoning) in REASONING_SCRIPTS.items()}
 
 
-# What the harmony-tools model writes: reasoning, a preamble, then two calls (the recipient
-# before and after the channel, as GPT-OSS writes both).
-HARMONY_CALLS = (
-    "<|channel|>analysis<|message|>Need the weather.<|end|>"
-    "<|start|>assistant<|channel|>commentary<|message|>Looking it up.<|end|>"
-    "<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>"
-    '{"city": "Paris"}<|call|>'
-    "<|start|>assistant<|channel|>commentary to=functions.get_time <|constrain|>json"
-    '<|message|>{"city": "Rome"}<|call|>'
-)
+HARMONY_CALLS = HARMONY_CALLS_SCRIPT
 TOOLS = [
     {
         "type": "function",
@@ -76,18 +64,10 @@ class Expected:
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from engines.dev.tiny import make_tiny_model
-
-    base = tmp_path_factory.mktemp("models")
-    return {fmt: Path(make_tiny_model(base / fmt, reasoning=fmt)) for fmt in FORMATS}
-
-
-@pytest.fixture(scope="module")
-def tokenizers(models: dict[str, Path]) -> dict[str, Any]:
+def tokenizers(reasoning_models: dict[str, Path]) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
-    return {fmt: AutoTokenizer.from_pretrained(str(path)) for fmt, path in models.items()}
+    return {fmt: AutoTokenizer.from_pretrained(str(path)) for fmt, path in reasoning_models.items()}
 
 
 @pytest.fixture(scope="module")
@@ -111,45 +91,6 @@ def expected(tokenizers: dict[str, Any]) -> dict[str, Expected]:
             cut_reasoning=tok.decode(ids[head : head + 2]).strip(),
         )
     return out
-
-
-@pytest.fixture(scope="module")
-def server(
-    models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[ServerProcess]:
-    config = {
-        "name": "tokenmill-reasoning",
-        "models": [
-            {
-                "name": fmt,
-                "model": {"path": str(models[fmt])},
-                # Steps of 20 ms: a stream arrives in several deltas even on a loaded machine.
-                "engine": {
-                    "kind": "synthetic",
-                    "extra": {"script": spec.script, "ttft_ms": 1, "step_interval_ms": 20},
-                },
-                "prompt": {"reasoning": fmt},
-                "replicas": {"cpus_per_replica": 0.25, "stream_interval_s": 0},
-            }
-            for fmt, spec in FORMATS.items()
-        ]
-        + [
-            {  # GPT-OSS calling tools: its calls are harmony messages to functions.NAME
-                "name": "harmony-tools",
-                "model": {"path": str(models["harmony"])},
-                "engine": {"kind": "synthetic", "extra": {"script": HARMONY_CALLS, "ttft_ms": 1}},
-                "prompt": {"reasoning": "harmony"},
-                "replicas": {"cpus_per_replica": 0.25, "stream_interval_s": 0},
-            }
-        ],
-        "http": {"cpus_per_ingress": 0.25},
-    }
-    path = tmp_path_factory.mktemp("serve-config") / "serve.yaml"
-    path.write_text(yaml.safe_dump(config))
-    proc = start_server(path, {"TOKENMILL_API_KEYS": API_KEY}, [])
-    yield proc
-    proc.stop()
-    (path.parent / "server.log").write_text("".join(proc.lines))
 
 
 @pytest.fixture(scope="module")

@@ -1,15 +1,15 @@
 """`tokenmill serve` tolerance: unknown fields, strict mode, max_tokens clamps, vLLM extras and
 a served model whose name holds a slash, through the official OpenAI client.
 
-One server for the module with a single model named `org/tiny-7b` (the name is the point:
-`/v1/models/{model}` must take slashes). Greedy and seeded outputs are checked against the
-reference engine run in this process on the same token ids.
+The model named `org/tiny-7b` (the name is the point: `/v1/models/{model}` must take
+slashes) is `tiny` renamed, on the shared server (tests/e2e/serve_fixtures.py). Greedy and
+seeded outputs are checked against the reference engine run in this process on the same token
+ids.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -17,46 +17,25 @@ import httpx
 import openai
 import pydantic
 import pytest
-import yaml
 
 from tests.e2e.serve_fixtures import (
     API_KEY,
     MAX_MODEL_LEN,
     MAX_TOKENS_CAP,
+    SLASHED_MODEL,
     ServerProcess,
     chat_ids,
     local_engine,
     run_engine,
-    serve_config,
-    start_server,
+    slashed_model,
 )
 
 pytestmark = pytest.mark.timeout(600)
 
-MODEL = "org/tiny-7b"
+MODEL = SLASHED_MODEL
 WARNING = "x-tokenmill-warning"
 STRICT = {"x-tokenmill-strict": "1"}
 CHAT = [{"role": "user", "content": "Tell me about the river and the bridge."}]
-
-
-def tolerance_config(model_dir: Path) -> dict:
-    """The shared test config cut to one model, renamed to hold a slash."""
-    config = serve_config(model_dir)
-    model = {**config["models"][0], "name": MODEL}
-    model["replicas"] = {"cpus_per_replica": 0.25, "max_ongoing_requests": 32}
-    return {**config, "name": "tokenmill-tolerance", "models": [model]}
-
-
-@pytest.fixture(scope="module")
-def server(
-    serve_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[ServerProcess]:
-    config = tmp_path_factory.mktemp("serve-tolerance") / "serve.yaml"
-    config.write_text(yaml.safe_dump(tolerance_config(serve_model_dir)))
-    proc = start_server(config, {"TOKENMILL_API_KEYS": API_KEY}, [])
-    yield proc
-    proc.stop()
-    (config.parent / "server.log").write_text("".join(proc.lines))
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +53,7 @@ def tokenizer(serve_model_dir: Path):
 @pytest.fixture(scope="module")
 def engine(serve_model_dir: Path):
     """The reference engine with the served model's settings, run in this process."""
-    with local_engine(serve_model_dir, tolerance_config(serve_model_dir)["models"][0]) as eng:
+    with local_engine(serve_model_dir, slashed_model(serve_model_dir)) as eng:
         yield eng
 
 
@@ -84,7 +63,7 @@ def engine(serve_model_dir: Path):
 def test_model_named_with_a_slash_is_listed_retrieved_and_served(
     server: ServerProcess, client: openai.OpenAI
 ) -> None:
-    assert [m.id for m in client.models.list()] == [MODEL]
+    assert MODEL in [m.id for m in client.models.list()]
     assert client.models.retrieve(MODEL).id == MODEL  # the client sends org%2Ftiny-7b
     headers = {"Authorization": f"Bearer {API_KEY}"}
     raw = httpx.get(f"{server.api_url}/models/{MODEL}", headers=headers, timeout=30)
