@@ -290,20 +290,21 @@ def test_a_driver_stopped_inside_finish_wakes_after_a_takeover_and_deletes_nothi
 def test_sigterm_writes_what_is_finished_and_the_rerun_does_the_rest(
     tmp_path: Path, model_dir: Path
 ) -> None:
+    rows = 120
     out = tmp_path / "out"
     # One big shard written every 3 s (rows_per_file is out of reach): the stop comes right
     # after the first timed part, so what finished since is written only because of the stop.
     path = job(
         tmp_path,
         model_dir,
-        300,
+        rows,
         str(out),
         input={"shard_bytes": 10**6},
         output={"rows_per_file": 1000, "flush_interval_s": 3},
-        sampling={"max_tokens": 200},  # the shard takes much longer than the first 3 s
+        sampling={"max_tokens": 100},  # the shard takes much longer than the first 3 s
     )
-    # 10 ms after every engine step: the 300 rows take minutes, not seconds, on any machine
-    # (the rerun runs at full speed).
+    # 10 ms after every engine step: the rows take 15 waves of 100 steps, 15 s and more on any
+    # machine (the rerun runs at full speed, and does only the rest).
     run = start(path, env=slow_engine_env(0.01))
     wait_for(lambda: list(out.glob("part-*.parquet")), 240, "the first timed part")
     before = sum(pq.read_table(p).num_rows for p in out.glob("part-*.parquet"))
@@ -313,13 +314,13 @@ def test_sigterm_writes_what_is_finished_and_the_rerun_does_the_rest(
     assert "SIGTERM: stopping" in said and "rerun the same command" in said
     written = sum(pq.read_table(p).num_rows for p in out.glob("part-*.parquet"))
     # The rows finished or in the engine at the stop were written, not thrown away.
-    assert before < written < 300, (before, written)
+    assert before < written < rows, (before, written)
     record = manifest(lambda n: (out / n).read_text())
-    assert record["status"] == "incomplete" and record["missing_rows"] == 300 - written
+    assert record["status"] == "incomplete" and record["missing_rows"] == rows - written
     assert not (out / "_SUCCESS").exists()
     rerun = start(path)
     _, err = rerun.communicate(timeout=400)
     assert rerun.returncode == 0, err
     record = manifest(lambda n: (out / n).read_text())
-    assert record["runs"][1]["rows"] == 300 - written  # only the rest was generated
-    ids_once([pq.read_table(p) for p in out.glob("part-*.parquet")], 300)
+    assert record["runs"][1]["rows"] == rows - written  # only the rest was generated
+    ids_once([pq.read_table(p) for p in out.glob("part-*.parquet")], rows)

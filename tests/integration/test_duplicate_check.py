@@ -85,7 +85,18 @@ def _spec(tmp_path: Path, model: Path, source: dict[str, Any], max_error_fractio
     )
 
 
-@pytest.mark.parametrize("fmt", ["parquet", "jsonl", "openai_batch", "ray_data"])
+# openai_batch and ray_data in the slow set: the check reads parts, whatever made them; the
+# default set keeps a Parquet and a JSONL job, and the typing itself is checked without Ray
+# (test_map_and_reduce_are_typed_by_the_schema_not_the_values).
+@pytest.mark.parametrize(
+    "fmt",
+    [
+        "parquet",
+        "jsonl",
+        pytest.param("openai_batch", marks=pytest.mark.slow),
+        pytest.param("ray_data", marks=pytest.mark.slow),
+    ],
+)
 def test_a_job_with_an_all_error_part_and_a_one_row_part_completes(
     ray_local: Any,
     tmp_path: Path,
