@@ -31,7 +31,8 @@ MAX_MODEL_LEN = 2048
 MAX_TOKENS_CAP = 2000
 PRICES = {"input": 0.10, "cached_input": 0.05, "output": 0.40}
 DEVICE_HOUR_USD = 0.05
-STARTUP_TIMEOUT_S = 180
+# A loaded two-core machine starts a server with a vLLM engine in minutes, not seconds.
+STARTUP_TIMEOUT_S = 300
 
 
 def free_port() -> int:
