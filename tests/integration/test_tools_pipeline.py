@@ -15,47 +15,14 @@ import pytest
 
 from pipeline.batch.driver.run import run_job
 from pipeline.spec import SpecError
+from tests.e2e.serve_fixtures import TOOL_SCRIPT
+from tests.e2e.test_serve_tools import ASK, SCHEMAS, TOOLS, WEATHER
 from tests.integration.s3_server import S3Server
 from tests.integration.test_pipeline import assert_exactly_once, make_spec, read_output
 
 pytestmark = pytest.mark.timeout(600)
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
-                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-            },
-            "required": ["city", "unit"],
-            "additionalProperties": False,
-        },
-    },
-}
-TIME = {
-    "type": "function",
-    "function": {
-        "name": "get_time",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
-            "required": ["city"],
-            "additionalProperties": False,
-        },
-    },
-}
-TOOLS = [WEATHER, TIME]
-SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
-ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
-# What the scripted synthetic engine writes: a sentence, then two calls (Hermes style).
-SCRIPT = (
-    'Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
-    '"unit": "celsius"}}\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": '
-    '{"city": "Paris"}}\n</tool_call>'
-)
+SCRIPT = TOOL_SCRIPT  # what the scripted synthetic engine writes: text, two Hermes calls
 
 
 def _valid(calls: list[dict[str, Any]]) -> list[str]:
