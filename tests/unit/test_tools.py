@@ -244,6 +244,13 @@ def test_a_jobs_tools_are_checked_before_it_starts() -> None:
         check_job_tools(_job(tools=[WEATHER, broken]))
     with pytest.raises(SpecError, match=r"prompt\.tools: tools need a chat template"):
         check_job_tools(_job(chat_template=False))
+    # A job-wide choice for rows that bring their own tools is fine; with no tools anywhere
+    # it is refused by name.
+    own = _job(tools=None, tool_choice="required")
+    check_job_tools(own)
+    nowhere = own.model_copy(update={"sampling": own.sampling.model_copy(update={"overrides": {}})})
+    with pytest.raises(SpecError, match=r"prompt\.tool_choice: no row has tools"):
+        check_job_tools(nowhere)
     spec = _job(tool_choice="required")
     formatted = spec.model_copy(
         update={
@@ -275,6 +282,38 @@ def test_harmony_calls_come_from_the_split_and_broken_ones_stay_content() -> Non
     rest, streamed_calls = stream.close(found)
     assert rest == "\n{not json" and [c.name for c in streamed_calls] == ["get_weather"]
     assert answer_calls(plan, parser, "Plain.", ()) == ("Plain.", [])
+    # A batch row reads them the same way; a broken call alone is content, not dropped.
+    from pipeline.batch.stages.tools import RowTools, read_calls
+
+    cell = RowTools(plan, "harmony").cell()
+    text, row_calls = read_calls(cell, "r1", "It is sunny.", found)
+    assert text == "It is sunny.\n{not json" and row_calls is not None
+    assert read_calls(cell, "r1", "", found[1:]) == ("{not json", None)
     with pytest.raises(ValueError, match=r"prompt\.reasoning: harmony"):
         PromptSpec(tool_parser="harmony")
     assert PromptSpec(tool_parser="harmony", reasoning="harmony").tool_parser == "harmony"
+
+
+def test_an_openai_batch_completions_line_is_never_offered_the_jobs_tools() -> None:
+    from pipeline.batch.columns import MESSAGES, RESPONSE_FORMAT, SAMPLES, TOOL_PLAN
+    from pipeline.batch.stages.prompts import PromptStage
+    from pipeline.spec import parse_job_spec
+
+    spec = parse_job_spec(
+        {
+            "name": "tools",
+            "input": {"uri": "in.jsonl", "format": "openai_batch"},
+            "model": {"path": "/models/tiny"},
+            "output": {"uri": "out/"},
+            "prompt": {"tools": [WEATHER], "tool_choice": "required"},
+        }
+    )
+    stage = PromptStage.__new__(PromptStage)  # the row rules only: no tokenizer needed
+    stage.spec, stage.overrides, stage.chat_template = spec, {}, None
+    chat = {MESSAGES: [{"role": "user", "content": "hi"}]}
+    completion = {MESSAGES: None}
+    for row, planned in ((chat, True), (completion, False)):
+        out = {SAMPLES: 1, RESPONSE_FORMAT: None, TOOL_PLAN: None}
+        assert stage._tools(row, out) is None
+        assert (out[TOOL_PLAN] is not None) == planned
+        assert (out[RESPONSE_FORMAT] is not None) == planned  # the forced call's schema

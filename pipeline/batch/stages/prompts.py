@@ -388,10 +388,12 @@ class PromptStage:
     def _tools(self, row: Mapping[str, Any], out: dict[str, Any]) -> str | None:
         """The row's tools into `out` (TOOL_PLAN, and the calls' format when the choice forces
         a call); what is wrong with them, else None."""
+        if row.get(MESSAGES) is None and self.spec.input.format == "openai_batch":
+            return None  # a /v1/completions line: a raw continuation, never offered tools
         tools, problem = row_tools(row, self.spec, self.overrides, self.chat_template)
         if problem or tools is None:
             return problem
-        if row.get(MESSAGES) is None and not self.spec.prompt.chat_template:
+        if not self.spec.prompt.chat_template:
             return "tools need a chat template: set prompt.chat_template: true"
         if out[SAMPLES] > 1:
             return "tools with n > 1 are not supported in batch jobs yet; send n: 1"

@@ -52,8 +52,7 @@ class RowTools:
                 "parallel": plan.parallel,
                 "parser": self.parser,
             },
-            sort_keys=True,
-        )
+        )  # keys in their order: the template renders the tools as the request gave them
 
     @classmethod
     def from_cell(cls, text: str) -> RowTools:
@@ -107,8 +106,8 @@ def row_tools(
     parallel = spec.prompt.parallel_tool_calls
     if parallel_column is not None and row.get(parallel_column) is not None:
         parallel = bool(row[parallel_column])
-    if tools is None and choice is None:
-        return None, None
+    if tools is None:
+        return None, None  # a choice without tools (the job's, for rows that bring theirs)
     try:
         plan = read_tools(tools, choice, parallel, _messages(row))
     except ToolError as exc:
@@ -149,7 +148,8 @@ def read_calls(
     tools = RowTools.from_cell(cell)
     content, found = answer_calls(tools.plan, PARSERS[tools.parser], text, split_calls)
     if not found:
-        return text, None
+        # harmony calls that did not parse are content (answer_calls), never dropped
+        return (content or "") if split_calls else text, None
     calls = [ToolCall(c.name, c.arguments, _call_id(row_id, k)) for k, c in enumerate(found)]
     return content or "", json.dumps([c.body() for c in calls], ensure_ascii=False)
 
@@ -163,6 +163,14 @@ def check_job_tools(spec: JobSpec) -> None:
         return
     if spec.task == "embed":
         raise SpecError("prompt.tools: an embed job generates no text; remove the tools")
+    if prompt.tools is None:
+        # A choice for rows that bring their own tools; each row's is checked with its tools.
+        if "tools" not in spec.sampling.overrides and spec.input.format != "openai_batch":
+            raise SpecError(
+                "prompt.tool_choice: no row has tools to choose from; set prompt.tools or "
+                "sampling.overrides.tools"
+            )
+        return
     try:
         plan = read_tools(prompt.tools, prompt.tool_choice, prompt.parallel_tool_calls)
     except ToolError as exc:
@@ -172,8 +180,5 @@ def check_job_tools(spec: JobSpec) -> None:
             "prompt.tool_choice: required or a named function makes the output the calls; "
             "it cannot be combined with sampling.response_format (remove one)"
         )
-    # Chats (a messages column, openai_batch lines) render with the template whatever
-    # prompt.chat_template says; plain prompts only with it.
-    chats = spec.input.format == "openai_batch" or spec.input.messages_column is not None
-    if plan is not None and not prompt.chat_template and not chats:
+    if plan is not None and not prompt.chat_template:  # the template renders the tools
         raise SpecError("prompt.tools: tools need a chat template; set prompt.chat_template")

@@ -146,7 +146,7 @@ def to_engine_request(
         plan is not None
         and plan.mode == "auto"
         and tokenizer.tool_parser.name == "harmony"
-        and tokenizer.reasoning is None
+        and served.prompt.reasoning != "harmony"
     ):  # GPT-OSS's calls are special-token messages only the harmony split reads
         raise ApiError(
             400,

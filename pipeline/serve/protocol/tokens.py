@@ -33,10 +33,10 @@ class PromptTokenizer:
         self._prompt = prompt
         self.has_chat_template = bool(getattr(self._tokenizer, "chat_template", None))
         # How the model writes tool calls (prompt.tool_parser, else the template's markers).
+        # A tokenizer may hold several named templates: the markers of any of them will do.
         template = getattr(self._tokenizer, "chat_template", None)
-        self.tool_parser: ToolParser = choose_parser(
-            template if isinstance(template, str) else None, prompt.tool_parser
-        )
+        template = json.dumps(template) if isinstance(template, dict) else template
+        self.tool_parser: ToolParser = choose_parser(template, prompt.tool_parser)
         self.max_bytes_per_token = bytes_per_token_bound(self._tokenizer)
         self._token_texts: dict[int, str] = {}
         # prompt.reasoning's parser: chat answers are split by it (ReasoningError, naming what

@@ -172,8 +172,10 @@ async def complete(gw: Gateway, call: Call) -> tuple[dict[str, Any], dict[str, s
             # The answer's calls (pipeline.openai.tools): the content is what is left.
             split_calls = parts.calls if parts is not None else ()  # harmony's, by token
             content, found = answer_calls(prepared.tools, prepared.tool_parser, text, split_calls)
+            if found or split_calls:  # harmony calls that did not parse stay content
+                text = content or ""
             if found:
-                text, finish = content or "", "tool_calls"
+                finish = "tool_calls"
                 calls = tuple(call.body() for call in found)
         choices.append(Choice(text, finish, logprobs, reasoning, calls))
     body = choices_body(prepared.ids, choices, usage)
