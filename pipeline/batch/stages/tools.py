@@ -12,6 +12,7 @@ parses stays the answer. Call ids are derived from the row id, so a rerun writes
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
@@ -87,6 +88,13 @@ def _messages(row: Mapping[str, Any]) -> list[Any]:
     return raw if isinstance(raw, list) else []
 
 
+@functools.lru_cache(maxsize=256)
+def _read_plan(tools_text: str, choice_text: str, parallel: bool | None) -> ToolPlan | None:
+    """read_tools of one set of tools and choice (as JSON text). A job's rows mostly share
+    theirs: each distinct set has its schemas checked once, not once per row."""
+    return read_tools(json.loads(tools_text), json.loads(choice_text), parallel)
+
+
 def row_tools(
     row: Mapping[str, Any],
     spec: JobSpec,
@@ -109,7 +117,8 @@ def row_tools(
     if tools is None:
         return None, None  # a choice without tools (the job's, for rows that bring theirs)
     try:
-        plan = read_tools(tools, choice, parallel, _messages(row))
+        plan = _read_plan(json.dumps(tools), json.dumps(choice), parallel)
+        read_tools(None, None, None, _messages(row))  # the row's own tool turns
     except ToolError as exc:
         where = choice_from if exc.param.startswith("tool_choice") else tools_from
         if exc.param.startswith("messages"):
