@@ -319,6 +319,25 @@ class EmbedParams:
 
 
 @dataclass(frozen=True)
+class ImageInput:
+    """One image of a prompt as the model's own processor made it (in the prompt stage, on CPU
+    workers): the engine only runs the encoder. The prompt holds the image's placeholder
+    tokens already expanded, one per image token, in the order of `images`."""
+
+    # float32 [patches, channels x frames x patch x patch], row-major bytes of a numpy array,
+    # so the type stays torch-free and pickles compactly across Ray and process pipes.
+    pixel_values: bytes
+    grid_thw: tuple[int, int, int]  # patch grid (frames, rows, columns) of the processed image
+    # Digest of the image's pixels: equal images share prefix-cache blocks, different never.
+    content_hash: str
+
+    @property
+    def num_patches(self) -> int:
+        t, h, w = self.grid_thw
+        return t * h * w
+
+
+@dataclass(frozen=True)
 class GenerationRequest:
     """One prompt to complete (or, with `embed` set, to embed). The engine batches many of
     these itself."""
@@ -333,6 +352,9 @@ class GenerationRequest:
     # The LoRA adapter to generate with, by the name the engine knows it by; None: the base
     # model. An adapter the engine does not know (or cannot use) is this request's error.
     adapter: str | None = None
+    # The prompt's images, in placeholder order; empty for text. An engine or model that
+    # cannot take images answers this request's error saying so.
+    images: tuple[ImageInput, ...] = ()
 
 
 @dataclass

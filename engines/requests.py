@@ -51,14 +51,22 @@ def admit(
     vocab_size: int,
     max_model_len: int,
     takes_adapters: bool = False,
+    takes_images: bool = False,
 ) -> Admission:
     """Check `request` against the model's vocabulary and context; clip its max_tokens.
     `takes_adapters`: the engine runs LoRA adapters (it checks the name itself); an engine
-    that does not must never answer an adapter's request with its base model."""
+    that does not must never answer an adapter's request with its base model. `takes_images`:
+    the engine's model reads images (the engine checks them against the prompt itself)."""
     if request.adapter is not None and not takes_adapters:
         return Admission(
             f"LoRA adapter {request.adapter!r}: this engine does not run adapters (it was "
             "started without any: list them in model.adapters; engine.kind synthetic runs none)",
+            0,
+        )
+    if request.images and not takes_images:
+        return Admission(
+            f"the prompt has {len(request.images)} image(s) but this engine's model takes text "
+            "only; serve a vision-language model (e.g. Qwen2.5-VL) or send text",
             0,
         )
     if request.embed is not None:

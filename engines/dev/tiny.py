@@ -1,6 +1,7 @@
 """Build tiny Hugging Face checkpoints locally: a byte-level BPE tokenizer trained on built-in
-text and a small random Llama / Qwen2 / Qwen3 / Qwen3-MoE / GPT-OSS model, saved as a normal HF
-directory (GPT-OSS optionally with MXFP4-packed experts, as the released checkpoints).
+text and a small random Llama / Qwen2 / Qwen3 / Qwen3-MoE / GPT-OSS / Qwen2.5-VL model, saved as a
+normal HF directory (GPT-OSS optionally with MXFP4-packed experts, as the released checkpoints;
+Qwen2.5-VL with its image processor, so prompts with images render and process offline).
 
 Nothing can be downloaded where tokenmill is built and tested, so tests, the demo and the
 benchmarks all run on models made here. Weights are random but drawn with a wide init so that
@@ -16,8 +17,27 @@ from typing import Any, Literal
 
 from engines.quantize.calibration import sample_text
 
-Arch = Literal["llama", "qwen2", "qwen3", "qwen3_moe", "gpt_oss"]
-ARCHS: tuple[str, ...] = ("llama", "qwen2", "qwen3", "qwen3_moe", "gpt_oss")
+Arch = Literal["llama", "qwen2", "qwen3", "qwen3_moe", "gpt_oss", "qwen2_5_vl"]
+ARCHS: tuple[str, ...] = ("llama", "qwen2", "qwen3", "qwen3_moe", "gpt_oss", "qwen2_5_vl")
+
+# Qwen2.5-VL's image markers, and a chat template that renders OpenAI content parts as Qwen's
+# does: an image part becomes <|vision_start|><|image_pad|><|vision_end|>, which the processor
+# expands to one <|image_pad|> per image token.
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+VISION_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'text' %}{{ part['text'] }}"
+    "{% elif part['type'] in ('image', 'image_url') %}"
+    "<|vision_start|><|image_pad|><|vision_end|>{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# The tiny processor's pixel budget: images are resized to between 4 and 64 merged tokens
+# (28x28 pixels each), so tests see several sizes and the windows (56 pixels) matter.
+VISION_MIN_PIXELS = 4 * 28 * 28
+VISION_MAX_PIXELS = 64 * 28 * 28
 
 
 CHAT_TEMPLATE = (
@@ -233,6 +253,9 @@ def make_tiny_model(
     out.mkdir(parents=True, exist_ok=True)
 
     tokenizer = train_tokenizer(shape.vocab_size, seed, reasoning)
+    if arch == "qwen2_5_vl":
+        tokenizer.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS)})
+        tokenizer.chat_template = VISION_CHAT_TEMPLATE
     # The trained vocab can come out a little smaller than asked; the model must cover it.
     vocab_size = max(shape.vocab_size, len(tokenizer))
     common = dict(
@@ -262,6 +285,9 @@ def make_tiny_model(
         fields.update(config_overrides or {})
         config = transformers.GptOssConfig(**fields)
         model_cls = transformers.GptOssForCausalLM
+    elif arch == "qwen2_5_vl":
+        config = _vision_language_config(common, tokenizer, shape)
+        model_cls = transformers.Qwen2_5_VLForConditionalGeneration
     else:
         config = transformers.Qwen3MoeConfig(
             **{**moe_fields(shape), **common},
@@ -287,10 +313,68 @@ def make_tiny_model(
     if mxfp4:
         _pack_experts_mxfp4(out)
     tokenizer.save_pretrained(out)
+    if arch == "qwen2_5_vl":
+        _image_processor().save_pretrained(out)
     (out / "tokenmill_tiny.json").write_text(
         json.dumps({"arch": arch, "size": size, "seed": seed, "tied": tie_word_embeddings})
     )
     return out
+
+
+def _vision_language_config(common: dict[str, Any], tokenizer: Any, shape: TinyModelSize):
+    """A Qwen2.5-VL config: the shape's Qwen2 decoder with mrope, behind a two-block vision
+    encoder (one windowed block, one over the whole image) that merges 2x2 patches."""
+    import transformers
+
+    pairs = shape.hidden_size // shape.num_attention_heads // 2  # rotary pairs per head
+    time = pairs // 4  # a quarter for the frame, the rest split between rows and columns
+    section = [time, (pairs - time) // 2, pairs - time - (pairs - time) // 2]
+    text = {
+        **common,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": section},
+    }
+    ids = {
+        name: tokenizer.convert_tokens_to_ids(token)
+        for name, token in (
+            ("vision_start_token_id", "<|vision_start|>"),
+            ("vision_end_token_id", "<|vision_end|>"),
+            ("image_token_id", "<|image_pad|>"),
+            ("video_token_id", "<|video_pad|>"),
+        )
+    }
+    vision = dict(
+        depth=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        out_hidden_size=shape.hidden_size,
+        patch_size=14,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        window_size=56,
+        fullatt_block_indexes=[1],
+        initializer_range=common["initializer_range"],
+    )
+    return transformers.Qwen2_5_VLConfig(
+        text_config=text,
+        vision_config=vision,
+        eos_token_id=common["eos_token_id"],
+        pad_token_id=common["pad_token_id"],
+        tie_word_embeddings=common["tie_word_embeddings"],
+        initializer_range=common["initializer_range"],
+        **ids,
+    )
+
+
+def _image_processor():
+    """Qwen2.5-VL's image processor (`preprocessor_config.json`) with a small pixel budget.
+    The tokenizer beside it carries the chat template; the prompt stage expands each image's
+    placeholder itself, so no video processor (torchvision) is needed."""
+    import transformers
+
+    return transformers.Qwen2VLImageProcessorPil(
+        min_pixels=VISION_MIN_PIXELS, max_pixels=VISION_MAX_PIXELS
+    )
 
 
 def _pack_experts_mxfp4(model_dir: Path) -> None:

@@ -48,6 +48,7 @@ from engines.reference.model.weights import load_model
 from engines.reference.runtime.kv_cache import BlockManager
 from engines.reference.runtime.live import Embedding, Live
 from engines.reference.runtime.mailbox import Mailbox
+from engines.reference.runtime.media import MediaError, read_media
 from engines.reference.runtime.profiling import NO_PROFILER, NoProfiler, StepProfiler
 from engines.reference.runtime.resources import (
     load_tokenizer,
@@ -379,6 +380,16 @@ class ReferenceEngine:
         adapter = None
         if error is None and request.adapter is not None:
             adapter, error = adapter_for(self.adapters, request.adapter)
+        media = None
+        # A vision model's placeholder without pixels would run as a word: refused as well.
+        placeholder = self.config.image_token_id
+        if error is None and (
+            request.images or (placeholder is not None and placeholder in request.prompt_token_ids)
+        ):
+            try:
+                media = read_media(request.prompt_token_ids, request.images, self.config)
+            except MediaError as exc:
+                error = str(exc)
         grammar = None
         if error is None and request.sampling.response_format is not None:
             # Compiled on the caller's thread: a bad format is this row's error at once, and
@@ -387,7 +398,11 @@ class ReferenceEngine:
         live = Live(
             request=request,
             sched=Request(
-                request.request_id, list(request.prompt_token_ids), max_tokens, adapter=adapter
+                request.request_id,
+                list(request.prompt_token_ids),
+                max_tokens,
+                adapter=adapter,
+                media=media,
             ),
             sink=sink,
             metrics=metrics,
@@ -403,6 +418,8 @@ class ReferenceEngine:
         error = embed_error(request, self.config.vocab_size, self.max_model_len)
         if error is None and request.adapter is not None:
             error = "LoRA adapters apply to generation; embed with the base model (no adapter)"
+        if error is None and request.images:
+            error = "embeddings take text only; send the input without images"
         self._mailbox.put_embed(Embedding(request, sink, metrics, is_stream), error)
 
     def _check(self, request: GenerationRequest) -> tuple[str | None, int]:
@@ -412,6 +429,7 @@ class ReferenceEngine:
             vocab_size=self.config.vocab_size,
             max_model_len=self.max_model_len,
             takes_adapters=True,
+            takes_images=self.config.vision is not None,
         )
         if not admission.ok:
             return admission.error, 0

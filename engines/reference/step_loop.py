@@ -293,7 +293,7 @@ class StepLoop:
         self.runner.copy_blocks(copies)
         for member in forked:
             self.block_manager.cache_full_blocks(
-                member.request.request_id, member.sched.token_ids, member.sched.num_computed_tokens
+                member.request.request_id, member.sched.hash_ids, member.sched.num_computed_tokens
             )
         return list(zip(forked, tokens, strict=True))
 
@@ -398,6 +398,7 @@ class StepLoop:
                     self.block_manager.block_ids(chunk.request_id),
                     *prompt_rows(live, chunk),
                     adapter_slot=-1 if adapters is None else adapters.slot(chunk.request_id),
+                    media=live.sched.media,
                 )
             )
         return inputs

@@ -4,18 +4,21 @@ Supported families are decoder-only Llama (optional attention / MLP biases), Mis
 (q/k/v bias), Qwen3 (per-head q/k RMSNorm, optional attention bias), Qwen3-MoE (Qwen3's
 attention, a routed Mixture-of-Experts MLP in the sparse layers) and GPT-OSS (attention sinks,
 alternating sliding-window and full layers, YaRN RoPE, biased experts with a clamped SwiGLU,
-optionally MXFP4-packed). Anything else is refused with the list of what is supported, so a
-job fails at load time instead of producing garbage.
+optionally MXFP4-packed) and Qwen2.5-VL (Qwen2's decoder with multimodal rotary positions,
+behind a vision encoder: engines.reference.model.vision). Anything else is refused with the
+list of what is supported, so a job fails at load time instead of producing garbage.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from engines.api import EngineError
+from engines.reference.model.vision import VisionConfig
 from engines.requests import context_length, eos_token_ids, read_config
 
 
@@ -60,6 +63,10 @@ SUPPORTED_FAMILIES: dict[str, Family] = {
         sliding="masked",
         is_moe=True,
         default_attention_bias=True,
+    ),
+    # Qwen2's decoder; the vision encoder and mrope come from ModelConfig.vision / .mrope.
+    "qwen2_5_vl": Family(
+        "Qwen2_5_VLForConditionalGeneration", True, False, False, qk_norm=False, sliding="per_layer"
     ),
 }
 
@@ -136,6 +143,11 @@ class ModelConfig:
     # transformers keeps GPT-OSS's norm weights in fp32 in a bf16 model and rounds after the
     # weight multiply; the engine does the same so bf16 runs round alike.
     fp32_norms: bool = False
+    # Qwen2.5-VL: the image encoder, the prompt's image placeholder id, and how the head's
+    # rotary pairs split among (time, row, column) positions (`mrope_section`). None: text.
+    vision: VisionConfig | None = None
+    image_token_id: int | None = None
+    mrope_section: tuple[int, int, int] | None = None
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe is not None and layer in self.moe.sparse_layers
@@ -171,6 +183,8 @@ def _rope_config(raw: dict[str, Any], default_theta: float = 10000.0) -> RopeCon
     params.update(raw.get("rope_parameters") or {})
     theta = params.get("rope_theta", raw.get("rope_theta", default_theta))
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    if rope_type == "mrope":  # Qwen2-VL's 4.x spelling: default frequencies, 3D positions
+        rope_type = "default"
     if rope_type not in ("default", "llama3", "yarn"):
         raise EngineError(
             f"rope_type {rope_type!r} is not supported by the reference engine; "
@@ -359,6 +373,11 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     """Read and check `model_dir/config.json`; errors name the file and the field."""
     path = Path(model_dir) / "config.json"
     raw = read_config(model_dir)
+    wrapper = _read_wrapper(path)
+    if "vision_config" in wrapper:
+        # A vision-language wrapper: transformers 5 nests the decoder's fields in
+        # `text_config`; its ids (EOS, image placeholder) are the wrapper's.
+        raw = {**raw, **{k: v for k, v in wrapper.items() if k != "text_config"}}
     model_type = _detect_model_type(raw, path)
     family = SUPPORTED_FAMILIES[model_type]
     try:
@@ -401,9 +420,35 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
             window_layers=window_layers,
             attention_sinks=is_gpt_oss,
             fp32_norms=is_gpt_oss,
+            **_vision_fields(raw, model_type, head_dim, path),
         )
     except KeyError as exc:
         raise EngineError(f"{path}: required field {exc.args[0]!r} is missing") from exc
+
+
+def _read_wrapper(path: Path) -> dict[str, Any]:
+    """config.json as written (read_config already checked it exists and parses)."""
+    return json.loads(path.read_text())
+
+
+def _vision_fields(raw: dict[str, Any], model_type: str, head_dim: int, path: Path) -> dict:
+    """ModelConfig's vision fields: empty for a text model."""
+    if model_type != "qwen2_5_vl":
+        return {}
+    if "vision_config" not in raw or "image_token_id" not in raw:
+        raise EngineError(f"{path}: a Qwen2.5-VL config needs vision_config and image_token_id")
+    params = {**(raw.get("rope_scaling") or {}), **(raw.get("rope_parameters") or {})}
+    section = tuple(int(x) for x in params.get("mrope_section") or ())
+    if len(section) != 3 or sum(section) * 2 != head_dim:
+        raise EngineError(
+            f"{path}: rope mrope_section {list(section)} must be three numbers summing to "
+            f"head_dim / 2 = {head_dim // 2}"
+        )
+    return {
+        "vision": VisionConfig.from_json(raw["vision_config"]),
+        "image_token_id": int(raw["image_token_id"]),
+        "mrope_section": section,
+    }
 
 
 def rope_inv_freq(head_dim: int, rope: RopeConfig):

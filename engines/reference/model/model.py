@@ -38,6 +38,8 @@ from engines.reference.model import cpu_kernels
 from engines.reference.model.config import ModelConfig
 from engines.reference.model.mlp import MLP
 from engines.reference.model.moe import SparseMoeBlock
+from engines.reference.model.norm import RMSNorm
+from engines.reference.model.vision import VisionEncoder
 
 FP8_E4M3_MAX = 448.0
 
@@ -83,6 +85,14 @@ class PagedRows:
 
 
 @dataclass
+class ImageRows:
+    """The step's image-token rows and the encoder's embeddings for them (Qwen2.5-VL)."""
+
+    rows: torch.Tensor  # [I] int64 rows of the flat batch
+    embeds: torch.Tensor  # [I, hidden]
+
+
+@dataclass
 class AttentionBatch:
     """Where the step's tokens go in the KV cache and what each one attends to."""
 
@@ -90,29 +100,6 @@ class AttentionBatch:
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillSeq] = field(default_factory=list)
     paged: PagedRows | None = None  # every chunk, when the kernel runs them (nothing else then)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float, fp32_weight: bool = False) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(size))
-        self.eps = eps
-        # GPT-OSS: the weight stays fp32 in a bf16 model (the loader reads `param_dtype`) and
-        # the product is rounded once, after the multiply, as transformers' GptOssRMSNorm.
-        self.param_dtype = torch.float32 if fp32_weight else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight.dtype != x.dtype:
-            x32 = x.float()
-            x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-            return (self.weight * x32).to(x.dtype)
-        if cpu_kernels.use_kernels(x.device):
-            return cpu_kernels.rms_norm(x, self.weight, self.eps)
-        # Same order of operations as transformers (fp32 statistics) so greedy ids match.
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -363,6 +350,8 @@ class CausalLM(nn.Module):
         self.config = cfg
         self.model = DecoderModel(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # Qwen2.5-VL: the image encoder (`visual.*`); the runner calls it per image.
+        self.visual = VisionEncoder(cfg.vision) if cfg.vision is not None else None
 
     def forward(
         self,
@@ -372,9 +361,10 @@ class CausalLM(nn.Module):
         batch: AttentionBatch,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (K, V) block pools
         logits_rows: torch.Tensor,  # [S] int64 rows whose next-token logits are needed
+        images: ImageRows | None = None,  # image tokens' embeddings, in place of their ids'
     ) -> torch.Tensor:  # [S, vocab] float32
         # Only the sampling rows need the final norm and the (vocab-sized) LM head.
-        x = self.hidden_states(input_ids, cos, sin, batch, kv_caches, logits_rows)  # [S, hidden]
+        x = self.hidden_states(input_ids, cos, sin, batch, kv_caches, logits_rows, images)
         return self.lm_head(x).float()
 
     def hidden_states(
@@ -385,8 +375,11 @@ class CausalLM(nn.Module):
         batch: AttentionBatch,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         rows: torch.Tensor,  # [S] int64 rows whose states are needed
+        images: ImageRows | None = None,
     ) -> torch.Tensor:  # [S, hidden] after the final norm, in the compute dtype
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
+        if images is not None:
+            x.index_copy_(0, images.rows, images.embeds.to(x.dtype))
         for layer, (k_cache, v_cache) in zip(self.model.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, batch, k_cache, v_cache)
         return self.model.norm(x[rows])

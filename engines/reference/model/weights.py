@@ -69,6 +69,16 @@ def read_tensors(files: list[Path]) -> tuple[dict[str, torch.Tensor], dict[str, 
     return tensors, origin
 
 
+def _rename_wrapped(tensors: dict[str, torch.Tensor], origin: dict[str, Path]) -> None:
+    """Qwen2.5-VL checkpoints as transformers 4.5x saved them (`model.language_model.*`,
+    `model.visual.*`) under the released checkpoints' names (`model.*`, `visual.*`)."""
+    for old in [n for n in tensors if n.startswith(("model.language_model.", "model.visual."))]:
+        new = old.replace("model.language_model.", "model.", 1)
+        new = new.replace("model.visual.", "visual.", 1)
+        tensors[new] = tensors.pop(old)
+        origin[new] = origin.pop(old)
+
+
 def _split_fused_experts(tensors: dict[str, torch.Tensor], origin: dict[str, Path]) -> None:
     """Qwen3-MoE experts as per-expert tensors, in place.
 
@@ -282,6 +292,8 @@ def load_model(
     model_dir = Path(model_dir)
     files = checkpoint_files(model_dir)
     tensors, origin = read_tensors(files)
+    if cfg.vision is not None:
+        _rename_wrapped(tensors, origin)
     if cfg.moe is not None and cfg.moe.style == "gpt_oss":
         _split_gpt_oss_experts(tensors, origin, dtype)
     elif cfg.moe is not None:

@@ -19,9 +19,12 @@ from engines.reference.model.model import (
     AttentionBatch,
     CausalLM,
     DecodeGroup,
+    ImageRows,
     PagedRows,
     PrefillSeq,
 )
+from engines.reference.model.mrope import section_rows
+from engines.reference.runtime.media import PromptMedia
 from engines.reference.runtime.profiling import NO_PROFILER, NoProfiler
 from engines.reference.runtime.scheduler import ScheduledChunk
 
@@ -53,6 +56,7 @@ class StepInputs:
     layer_macs: int  # multiply-adds of one decoder layer (estimate): picks the thread count
     lora: tuple[LoraRows, ...] = ()  # the rows of each LoRA slot in use this step
     lora_slots: torch.Tensor | None = None  # [T] int64 each row's LoRA slot (-1: none)
+    images: ImageRows | None = None  # image tokens' encoder embeddings (vision models)
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,7 @@ class ChunkInput:
     prompt_rows: int = 0
     prompt_offset: int = 0
     adapter_slot: int = -1  # the LoRA slot its rows use (runtime/adapters.py); -1: base model
+    media: PromptMedia | None = None  # the request's images; None: a text prompt
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
@@ -158,6 +163,12 @@ class ModelRunner:
         scaling = rope_scaling_factor(cfg.rope)  # YaRN's attention factor, applied in fp32
         self.cos = (emb.cos() * scaling).to(dtype).to(device)
         self.sin = (emb.sin() * scaling).to(dtype).to(device)
+        # Qwen2.5-VL: which position row rotates each head dimension (model/mrope.py).
+        self._mrope = (
+            section_rows(cfg.head_dim, cfg.mrope_section).to(device)
+            if cfg.mrope_section is not None
+            else None
+        )
 
     def _slots(self, block_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return (
@@ -290,7 +301,13 @@ class ModelRunner:
         try:
             with intra_op_threads(1) if small else contextlib.nullcontext():
                 return self.model(
-                    step.input_ids, step.cos, step.sin, step.batch, self.kv_caches, step.logits_rows
+                    step.input_ids,
+                    step.cos,
+                    step.sin,
+                    step.batch,
+                    self.kv_caches,
+                    step.logits_rows,
+                    step.images,
                 )
         finally:
             if self.lora is not None:
@@ -382,6 +399,7 @@ class ModelRunner:
         logits_rows: list[int] = []
         prompt_rows: list[int] = []  # after all sampling rows, so theirs keep their places
         lora_rows: dict[int, list[int]] = {}  # LoRA slot -> its rows
+        media: list[tuple[int, ChunkInput]] = []  # chunks of prompts with images, by first row
         attended = 0  # (query, key) pairs over all chunks (causal ones counted whole)
         row = 0
         for item in inputs:
@@ -418,10 +436,13 @@ class ModelRunner:
             prompt_rows.extend(range(first, first + item.prompt_rows))
             if item.adapter_slot >= 0:
                 lora_rows.setdefault(item.adapter_slot, []).extend(range(row, row + n))
+            if item.media is not None:
+                media.append((row, item))
             row += n
 
         groups = [g for n, members in short.items() for g in self._decode_groups(n, *members)]
         pos_t = self._upload(torch.tensor(positions, dtype=torch.int64))
+        cos, sin = self._rotary(pos_t, media)
         batch = AttentionBatch(
             slot_mapping=self._upload(torch.tensor(slots, dtype=torch.int64)),
             decode_groups=groups,
@@ -430,8 +451,8 @@ class ModelRunner:
         )
         return StepInputs(
             input_ids=self._upload(torch.tensor(input_ids, dtype=torch.int64)),
-            cos=self.cos[pos_t].unsqueeze(1),  # [T, 1, D]
-            sin=self.sin[pos_t].unsqueeze(1),
+            cos=cos,
+            sin=sin,
             batch=batch,
             logits_rows=self._upload(torch.tensor(logits_rows + prompt_rows, dtype=torch.int64)),
             layer_macs=row * self._linear_macs + attended * self._attention_macs,
@@ -440,7 +461,57 @@ class ModelRunner:
                 for slot, rows in lora_rows.items()
             ),
             lora_slots=self._row_slots(row, lora_rows) if lora_rows else None,
+            images=self._image_rows(media) if media else None,
         )
+
+    def _rotary(
+        self, positions: torch.Tensor, media: list[tuple[int, ChunkInput]]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [T, 1, D] of the step's rows. Rows of prompts with images rotate by
+        their three mrope positions (model/mrope.py); every other row's three positions are
+        its index, where mrope equals the plain table lookup, so text-only steps take that."""
+        if not media or self._mrope is None:
+            return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        rows = positions.unsqueeze(0).repeat(3, 1)  # [3, T]
+        for first, item in media:
+            start, n = item.chunk.start, item.chunk.num_tokens
+            info = item.media
+            prompt_len = info.positions.shape[1]
+            cut = max(start, min(start + n, prompt_len))
+            at = first
+            if start < cut:  # the chunk's prompt tokens: their own three rows
+                rows[:, at : at + cut - start] = info.positions[:, start:cut].to(rows.device)
+                at += cut - start
+            if cut < start + n:  # generated tokens: index + delta in every row
+                rows[:, at : first + n] = positions[at : first + n] + info.delta
+        index = rows[self._mrope].T  # [T, D]: each dimension's position
+        return (
+            torch.gather(self.cos, 0, index).unsqueeze(1),
+            torch.gather(self.sin, 0, index).unsqueeze(1),
+        )
+
+    def _image_rows(self, media: list[tuple[int, ChunkInput]]) -> ImageRows | None:
+        """The encoder's embeddings for the image tokens among the step's rows. Each image is
+        encoded when a chunk first reaches it and kept until the chunk that takes its last
+        token (runtime/media.py)."""
+        rows: list[torch.Tensor] = []
+        embeds: list[torch.Tensor] = []
+        for first, item in media:
+            start, end = item.chunk.start, item.chunk.start + item.chunk.num_tokens
+            for image in item.media.images:
+                lo, hi = max(start, image.start), min(end, image.end)
+                if lo >= hi:
+                    continue
+                if image.embeds is None:
+                    pixels = image.pixels.to(self.device)
+                    image.embeds = self.model.visual(pixels, image.grid)
+                embeds.append(image.embeds[lo - image.start : hi - image.start])
+                rows.append(torch.arange(first + lo - start, first + hi - start))
+                if hi == image.end:
+                    image.embeds = None  # its last tokens run in this step
+        if not rows:
+            return None
+        return ImageRows(self._upload(torch.cat(rows)), torch.cat(embeds))
 
     def _row_slots(self, num_rows: int, lora_rows: dict[int, list[int]]) -> torch.Tensor:
         slots = torch.full((num_rows,), -1, dtype=torch.int64)

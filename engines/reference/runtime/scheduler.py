@@ -42,6 +42,7 @@ from enum import Enum
 from engines.lora.peft import LoraAdapter
 from engines.reference.runtime.adapters import AdapterSlots
 from engines.reference.runtime.kv_cache import BlockManager
+from engines.reference.runtime.media import PromptMedia
 
 
 class RequestStatus(Enum):
@@ -69,6 +70,13 @@ class Request:
     use_prefix_cache: bool = True
     # The LoRA adapter it runs with (read and checked already); None: the base model.
     adapter: LoraAdapter | None = None
+    # The prompt's images (placeholders, pixels, mrope positions); None: a text prompt.
+    media: PromptMedia | None = None
+
+    @property
+    def hash_ids(self) -> list[int]:
+        """The tokens as the prefix cache hashes them: each image keyed by its content."""
+        return self.token_ids if self.media is None else self.media.hash_ids(self.token_ids)
 
     @property
     def adapter_name(self) -> str | None:
@@ -233,7 +241,7 @@ class Scheduler:
             if name is not None and not self._adapters().can_acquire(name):
                 passed.append(self.waiting.popleft())
                 continue
-            cached = bm.find_cached_prefix(req.token_ids, name) if req.use_prefix_cache else []
+            cached = bm.find_cached_prefix(req.hash_ids, name) if req.use_prefix_cache else []
             num_cached = len(cached) * bm.block_size
             num_new = req.num_tokens - num_cached
             if num_new > budget:
@@ -313,7 +321,7 @@ class Scheduler:
                 self.block_manager.truncate(req.request_id, req.num_computed_tokens)
             req.token_ids.extend(tokens)
             self.block_manager.cache_full_blocks(
-                req.request_id, req.token_ids, req.num_computed_tokens, req.adapter_name
+                req.request_id, req.hash_ids, req.num_computed_tokens, req.adapter_name
             )
 
     def can_fork(self, parent: Request) -> bool:
