@@ -17,22 +17,35 @@ from pipeline.media.process import VisionProcessor
 IMAGE_SIZES = ((60, 90), (120, 80), (200, 150))
 
 
-def random_images(sizes: Sequence[tuple[int, int]] = IMAGE_SIZES, seed: int = 0) -> list:
+def random_images(
+    sizes: Sequence[tuple[int, int]] = IMAGE_SIZES, seed: int = 0, block: int = 1
+) -> list:
+    """Random RGB images; `block` > 1 makes them of block x block squares of one colour,
+    whose PNG is a few KB (a request body under a server's size limit)."""
     from PIL import Image
 
     rs = np.random.RandomState(seed)
-    return [Image.fromarray((rs.rand(h, w, 3) * 255).astype("uint8")) for h, w in sizes]
+    out = []
+    for h, w in sizes:
+        cells = (rs.rand(-(-h // block), -(-w // block), 3) * 255).astype("uint8")
+        pixels = cells.repeat(block, axis=0).repeat(block, axis=1)[:h, :w]
+        out.append(Image.fromarray(np.ascontiguousarray(pixels)))
+    return out
 
 
 def vision_requests(
-    model_dir: Path, cases: Sequence[tuple[list[dict], Sequence[int]]], max_tokens: int = 10
+    model_dir: Path,
+    cases: Sequence[tuple[list[dict], Sequence[int]]],
+    max_tokens: int = 10,
+    images: Sequence | None = None,
 ) -> tuple[list[GenerationRequest], list[ImageInput]]:
-    """One greedy request per (content parts, indexes of the images its image parts show)."""
+    """One greedy request per (content parts, indexes of the images its image parts show),
+    over `images` (default: random_images())."""
     from transformers import AutoTokenizer
 
     processor = VisionProcessor(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    inputs = [processor.process(image) for image in random_images()]
+    inputs = [processor.process(image) for image in images or random_images()]
     requests = []
     for parts, which in cases:
         ids = tokenizer.apply_chat_template(

@@ -79,7 +79,11 @@ SAMPLING_COLUMNS = (
 TOOL_PLAN = "tool_plan"
 # The response_format cell of a row that asks for free text although the job has a format.
 FREE_TEXT = '{"type": "text"}'
-STAGE_COLUMNS = (PROMPT_TOKEN_IDS, PROMPT_TOKENS, *SAMPLING_COLUMNS, TOOL_PLAN)
+# Rows with images: each image as the engine takes it (pixels float32 bytes, patch grid,
+# content digest: engines.api.ImageInput), in placeholder order; empty for text rows. Never
+# written to the output.
+IMAGES = "_images"
+STAGE_COLUMNS = (PROMPT_TOKEN_IDS, PROMPT_TOKENS, *SAMPLING_COLUMNS, TOOL_PLAN, IMAGES)
 
 # Start of the error of a row whose prompt + max_tokens exceed the context (plan counts them).
 TOO_LONG = "too long"

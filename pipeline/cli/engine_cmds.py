@@ -16,7 +16,9 @@ from pipeline.cli.app import app
 def make_tiny_model(
     out_dir: Path = typer.Argument(..., help="Directory to write the Hugging Face model to."),
     arch: str = typer.Option(
-        "llama", help="Architecture: llama, qwen2, qwen3, qwen3_moe or gpt_oss."
+        "llama",
+        help="Architecture: llama, qwen2, qwen3, qwen3_moe, gpt_oss or qwen2_5_vl (with its "
+        "image processor).",
     ),
     size: str = typer.Option("tiny", help="Preset: tiny (~0.3M params) or small (~35M)."),
     tied: bool = typer.Option(False, help="Tie the input embedding and the LM head."),

@@ -57,6 +57,11 @@ class DatasetColumns(StrictModel):
         description="Column naming each row's LoRA adapter (one of model.adapters); null or "
         "empty: the model itself.",
     )
+    image_columns: list[str] = Field(
+        default_factory=list,
+        description="Columns of image bytes or URL strings shown, in order, before the row's "
+        "text prompt (a vision-language model; docs/images.md). Chats carry image_url parts.",
+    )
 
 
 class ProcessorConfig(StrictModel):

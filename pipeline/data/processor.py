@@ -294,7 +294,7 @@ def prepare_rows(batch: pa.Table, spec: JobSpec, prompts: Any) -> list[dict[str,
         fields = ", ".join(f"{c!r} ({needed[c]})" for c in missing)
         problem = f"column(s) {fields} not found; the Dataset has {batch.column_names[:20]}"
     sources = [c for c in (inp.prompt_column, inp.messages_column) if c]
-    sources += spec.template_columns()
+    sources += spec.prompt_columns()
     prepared = []
     for position, values in enumerate(batch.to_pylist()):
         row: dict[str, Any] = {**values, ROW: position, PROMPT: None, MESSAGES: None}

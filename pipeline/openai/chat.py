@@ -4,8 +4,9 @@ a text) → the model's prompt token ids.
 - `load_tokenizer`: the model's Hugging Face tokenizer (its files only, no weights), one per
   process.
 - `chat_messages`: OpenAI `messages` (a list, or its JSON text) validated into the chat the
-  template reads: known roles, text content (text parts joined), `developer` as `system`, the
-  system prompt first when the chat has none.
+  template reads: known roles, text content (text parts joined; a message with image_url
+  parts keeps its parts, each image as {"type": "image"} for the template, `chat_images`
+  lists them), `developer` as `system`, the system prompt first when the chat has none.
 - `render_prompt`: one prompt's token ids. Chats go through the tokenizer's chat template with
   the generation prompt and the template's extra variables (`template_kwargs`: enable_thinking
   and reasoning_effort from `prompt`, a Serve request's chat_template_kwargs); a text does too
@@ -32,6 +33,11 @@ from pipeline.storage import materialize_model
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # Files a tokenizer needs; the weights are not downloaded to tokenize.
 TOKENIZER_FILES = ("*.json", "*.jinja", "*.model", "*.txt", "*.tiktoken", "*.py")
+
+
+# Keys of an image part of a validated chat (beside its "type": "image").
+IMAGE_URL = "url"
+IMAGE_WHERE = "where"
 
 
 class PromptError(ValueError):
@@ -66,19 +72,55 @@ def load_tokenizer(model: ModelSpec, storage: StorageSpec) -> Any:
 # --- chats ------------------------------------------------------------------------------------
 
 
-def _content_text(content: Any, index: int) -> str:
+def _content(content: Any, index: int) -> str | list[dict[str, Any]]:
+    """A message's content as the template reads it: text (text parts joined), or, when it
+    has images, its parts in order, each image as {"type": "image"} (the shape vision chat
+    templates place a placeholder for) carrying its URL and where it came from."""
     if isinstance(content, str):
         return content
-    # OpenAI content parts: [{"type": "text", "text": "..."}]; only text parts are supported.
-    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
-        kinds = {p.get("type") for p in content}
-        if kinds <= {"text"}:
-            return "".join(str(p.get("text", "")) for p in content)
+    if not (isinstance(content, (list, tuple)) and all(isinstance(p, Mapping) for p in content)):
         raise PromptError(
-            f"messages[{index}].content has {sorted(str(k) for k in kinds - {'text'})} parts; "
-            "only text is supported"
+            f"messages[{index}].content must be text or a list of content parts, got "
+            f"{type(content).__name__}"
         )
-    raise PromptError(f"messages[{index}].content must be text, got {type(content).__name__}")
+    kinds = {p.get("type") for p in content}
+    if kinds <= {"text"}:
+        return "".join(str(p.get("text", "")) for p in content)
+    parts: list[dict[str, Any]] = []
+    for j, part in enumerate(content):
+        # An image column's part names its column (pipeline.batch.stages.prompts).
+        where = part.get("where") or f"messages[{index}].content[{j}]"
+        kind = part.get("type")
+        if kind == "text":
+            parts.append({"type": "text", "text": str(part.get("text", ""))})
+        elif kind == "image_url":
+            image = part.get("image_url")
+            url = image.get("url") if isinstance(image, Mapping) else image
+            # bytes: an image column's cell (pipeline.batch.stages.prompts), never a request's
+            if not isinstance(url, (str, bytes)) or not url:
+                raise PromptError(f"{where}.image_url.url must be a non-empty string")
+            parts.append({"type": "image", IMAGE_URL: url, IMAGE_WHERE: where})
+        else:
+            raise PromptError(f"{where} has type {kind!r}; content parts may be text or image_url")
+    return parts
+
+
+def chat_images(chat: Sequence[Mapping[str, Any]]) -> list[tuple[str, str]]:
+    """(URL, where) of each image of a validated chat, in the order the template places
+    them (`where` names the part, e.g. messages[0].content[1])."""
+    return [
+        (part[IMAGE_URL], part[IMAGE_WHERE])
+        for message in chat
+        if isinstance(message["content"], list)
+        for part in message["content"]
+        if part.get("type") == "image"
+    ]
+
+
+def _has_content(content: str | list[dict[str, Any]]) -> bool:
+    if isinstance(content, str):
+        return bool(content.strip())
+    return any(p["type"] == "image" or p["text"].strip() for p in content)
 
 
 def _template_call(call: Any) -> dict[str, Any]:
@@ -120,14 +162,14 @@ def chat_messages(messages: str | Sequence[Any], system_prompt: str | None = Non
         # Chat templates know `system`; OpenAI's `developer` role means the same.
         turn: dict[str, Any] = {
             "role": "system" if role == "developer" else role,
-            "content": "" if content is None and calls else _content_text(content, index),
+            "content": "" if content is None and calls else _content(content, index),
         }
         if calls:
             turn["tool_calls"] = [_template_call(call) for call in calls]
         if message.get("tool_call_id") is not None:
             turn["tool_call_id"] = message["tool_call_id"]
         chat.append(turn)
-    if not any(m["content"].strip() or m.get("tool_calls") for m in chat):
+    if not any(_has_content(m["content"]) or m.get("tool_calls") for m in chat):
         raise PromptError("messages are all empty")
     if system_prompt and chat[0]["role"] != "system":
         chat.insert(0, {"role": "system", "content": system_prompt})

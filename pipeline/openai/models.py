@@ -131,11 +131,25 @@ class TextPart(BaseModel):
     text: str
 
 
+class ImageUrl(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    url: str  # data:image/...;base64,... always; http(s) only to configured hosts
+    detail: Literal["auto", "low", "high"] | None = None  # accepted; the model's processor decides
+
+
+class ImagePart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart | ImagePart] | None = None
     name: str | None = None
     refusal: str | None = None
     # An assistant turn's calls ({id, type, function: {name, arguments}}), and a tool turn's
@@ -145,7 +159,10 @@ class ChatMessage(BaseModel):
 
     def chat_dict(self) -> dict[str, Any]:
         """The message as the chat template takes it (pipeline.openai.chat.chat_messages)."""
-        out: dict[str, Any] = {"role": self.role, "content": self.text}
+        content: Any = self.text
+        if isinstance(self.content, list) and any(p.type == "image_url" for p in self.content):
+            content = [p.model_dump(exclude_none=True) for p in self.content]  # parts, in order
+        out: dict[str, Any] = {"role": self.role, "content": content}
         if self.tool_calls:
             out["tool_calls"] = self.tool_calls
         if self.tool_call_id is not None:
@@ -158,7 +175,7 @@ class ChatMessage(BaseModel):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text for part in self.content if isinstance(part, TextPart))
 
 
 class ChatCompletionRequest(_Request):

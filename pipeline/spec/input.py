@@ -70,6 +70,14 @@ class InputSpec(StrictModel):
         description="Column with a chat as a list of {role, content} (or its JSON string). "
         "Set this or prompt_column.",
     )
+    image_columns: list[str] = Field(
+        default_factory=list,
+        description="Columns holding each row's images (image bytes, or a URL / URI string: "
+        "data:, s3://, a local path, or http(s) from prompt.images.http_hosts), for a "
+        "vision-language model. The row's user message shows them in this order before its "
+        "text (the prompt column or prompt.template); a null cell shows no image. For chats, "
+        "put image_url parts in the messages instead.",
+    )
     adapter_column: str | None = Field(
         None,
         description="Column naming each row's LoRA adapter (one of model.adapters); a null or "

@@ -227,6 +227,16 @@ class JobSpec(StrictModel):
                 "input.messages_column needs prompt.chat_template: true (chats are rendered "
                 "with the tokenizer's chat template)"
             )
+        if inp.image_columns and (inp.messages_column or inp.format == "openai_batch"):
+            raise ValueError(
+                "input.image_columns adds images to a text prompt; chats (messages, "
+                "openai_batch lines) carry their images as image_url content parts instead"
+            )
+        if inp.image_columns and not prompt.chat_template:
+            raise ValueError(
+                "input.image_columns needs prompt.chat_template: true (the chat template "
+                "places each image's placeholder)"
+            )
         if not (inp.prompt_column or inp.messages_column or prompt.template):
             raise ValueError(
                 "no prompt source: set input.prompt_column, input.messages_column, or "
@@ -246,3 +256,9 @@ class JobSpec(StrictModel):
     def template_columns(self) -> list[str]:
         """Input columns the prompt template reads (besides the prompt column), sorted."""
         return [v for v in self.prompt.template_variables() if v != "prompt"]
+
+    def prompt_columns(self) -> list[str]:
+        """Input columns a row's prompt is made of besides its prompt or messages column: the
+        template's variables, then the image columns."""
+        names = [*self.template_columns(), *self.input.image_columns]
+        return list(dict.fromkeys(names))

@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from engines.strict import StrictModel
+from pipeline.spec.images import ImagesSpec
 
 
 class PromptSpec(StrictModel):
@@ -78,6 +79,11 @@ class PromptSpec(StrictModel):
         None,
         description="Whether an answer may make several calls (OpenAI's parallel_tool_calls). "
         "Null: yes.",
+    )
+    images: ImagesSpec = Field(
+        default_factory=ImagesSpec,
+        description="Where images in prompts may come from and their limits (image_url "
+        "parts of messages, input.image_columns); see docs/images.md.",
     )
 
     @model_validator(mode="after")

@@ -7,6 +7,7 @@ tests/unit/test_reserved_columns.py keeps the two equal."""
 
 RESERVED_COLUMNS: frozenset[str] = frozenset(
     {
+        "_images",
         "_row",
         "actor_id",
         "adapter",

@@ -20,6 +20,7 @@ from tests.e2e.serve_fixtures import (
     serve_model_dir,
     serve_workdir,
     server,
+    vision_model_dir,
 )
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "serve_model_dir",
     "serve_workdir",
     "server",
+    "vision_model_dir",
 ]
 
 # The shared head's engines sleep this long after every step: the Batch API's cancel tests

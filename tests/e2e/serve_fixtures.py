@@ -297,6 +297,27 @@ def reasoning_entries(models: dict[str, Path]) -> list[dict]:
 
 
 @pytest.fixture(scope="package")
+def vision_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Qwen2.5-VL (random weights, its image processor), served as `vision`."""
+    from engines.dev.tiny import make_tiny_model
+
+    return Path(make_tiny_model(tmp_path_factory.mktemp("vision") / "vl", arch="qwen2_5_vl"))
+
+
+def vision_entry(model_dir: Path) -> dict:
+    """The shared server's vision model: the reference engine on the tiny Qwen2.5-VL, at most
+    two images per request."""
+    engine = {**serve_config(model_dir)["models"][0]["engine"], "max_batch_size": 8}
+    return {
+        "name": "vision",
+        "model": {"path": str(model_dir)},
+        "engine": engine,
+        "prompt": {"images": {"max_images": 2}},
+        "replicas": {"cpus_per_replica": 0.1, "max_ongoing_requests": 16},
+    }
+
+
+@pytest.fixture(scope="package")
 def serve_workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The shared server's files: serve.yaml, usage.jsonl (its usage log), server.log."""
     return tmp_path_factory.mktemp("serve-config")
@@ -311,6 +332,7 @@ def server(
     serve_adapters: dict[str, Path],
     serve_workdir: Path,
     reasoning_models: dict[str, Path],
+    vision_model_dir: Path,
 ) -> Iterator[ServerProcess]:
     config = serve_workdir / "serve.yaml"
     data = serve_config(serve_model_dir, serve_adapters)
@@ -327,7 +349,11 @@ def server(
             "replicas": {"cpus_per_replica": 0.25, "stream_interval_s": 0},
         }
     )
-    data["models"] += [slashed_model(serve_model_dir), *reasoning_entries(reasoning_models)]
+    data["models"] += [
+        slashed_model(serve_model_dir),
+        *reasoning_entries(reasoning_models),
+        vision_entry(vision_model_dir),
+    ]
     data["usage_log"] = {"uri": str(serve_workdir / "usage.jsonl"), "flush_interval_s": 0.2}
     config.write_text(yaml.safe_dump(data))
     proc = start_server(config, {"TOKENMILL_API_KEYS": f"{API_KEY},{OTHER_KEY}"}, [])

@@ -119,22 +119,23 @@ def test_models_and_health(server: ServerProcess, client: openai.OpenAI) -> None
         "tiny",
         "tiny-all",
         "tiny-qv",
+        "vision",
     ]
     assert client.models.retrieve("tiny").id == "tiny"
     health = httpx.get(server.base_url + "/health", timeout=30)
     assert health.status_code == 200 and health.json() == {"status": "ok"}
-    # Seven models on engine deployments of their own (not one hop): /ready counts them and
+    # Eight models on engine deployments of their own (not one hop): /ready counts them and
     # names none. Its view is refreshed in the background, within seconds of the start.
     deadline = time.monotonic() + READY_WITHIN_S
     while (ready := httpx.get(server.base_url + "/ready", timeout=30)).status_code != 200:
         assert time.monotonic() < deadline, f"/ready {ready.status_code} for {READY_WITHIN_S} s"
         time.sleep(0.2)
     assert ready.json()["status"] == "ready"
-    assert (ready.json()["models"], ready.json()["models_serving"]) == (7, 7)
+    assert (ready.json()["models"], ready.json()["models_serving"]) == (8, 8)
     assert "tiny" not in ready.text and "narrow" not in ready.text and "scripted" not in ready.text
     # Either configured key works.
     other = openai.OpenAI(base_url=server.api_url, api_key=OTHER_KEY, max_retries=0)
-    assert len(other.models.list().data) == 9
+    assert len(other.models.list().data) == 10
 
 
 def test_chat_greedy_equals_engine(client: openai.OpenAI, engine, tokenizer) -> None:

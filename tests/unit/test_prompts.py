@@ -142,7 +142,11 @@ def test_developer_role_and_text_parts_are_normalized() -> None:
         ([{"role": "user", "content": 5}], r"messages\[0\].content must be text"),
         (
             [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
-            r"\['image_url'\] parts; only text",
+            r"messages\[0\].content\[0\].image_url.url must be a non-empty string",
+        ),
+        (
+            [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}],
+            r"messages\[0\].content\[0\] has type 'input_audio'; content parts may be text or",
         ),
         ([{"role": "user", "content": "  "}], "messages are all empty"),
     ],

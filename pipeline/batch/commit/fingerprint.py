@@ -147,13 +147,18 @@ _PROMPT_FIELDS_WHEN_SET = (
     "tools",
     "tool_choice",
     "parallel_tool_calls",
+    "images",
 )
 
 
 def _prompt_part(spec: JobSpec) -> dict[str, Any]:
     prompt = spec.prompt.model_dump(mode="json")
+    fields = type(spec.prompt).model_fields
     for name in _PROMPT_FIELDS_WHEN_SET:
-        if prompt[name] == type(spec.prompt).model_fields[name].default:
+        default = fields[name].get_default(call_default_factory=True)
+        if hasattr(default, "model_dump"):
+            default = default.model_dump(mode="json")
+        if prompt[name] == default:
             del prompt[name]
     return prompt
 
@@ -199,6 +204,7 @@ def job_fingerprint(
             "prompt_column": spec.input.prompt_column,
             "messages_column": spec.input.messages_column,
             **({"adapter_column": spec.input.adapter_column} if spec.input.adapter_column else {}),
+            **({"image_columns": spec.input.image_columns} if spec.input.image_columns else {}),
         },
         "input": {
             "files": input_listing(files),

@@ -68,6 +68,7 @@ from pipeline.batch.commit.stats import RowStats
 from pipeline.batch.metrics import BusyReporter
 from pipeline.batch.stages.devices import claim_devices
 from pipeline.batch.stages.heap import settle_after_load
+from pipeline.batch.stages.images import row_images
 from pipeline.batch.stages.rows import (
     GenerateConfig,
     RowOutcome,
@@ -171,6 +172,7 @@ class RowServer:
             request_id=f"{row['id']}#{self._request_prefix}.{next(self._request_seq)}",
             embed=self.embed,
             adapter=row.get(ADAPTER) or None,
+            images=row_images(row),
         )
         # n > 1: n requests of one group (the engine computes the prompt once for them).
         requests = fan_out(request, row_samples(row, self.sampling))

@@ -50,16 +50,20 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from engines import faults
-from pipeline.batch.columns import ERROR, ID, MESSAGES, PROMPT
+from pipeline.batch.columns import ERROR, ID, IMAGES, MESSAGES, PROMPT
 from pipeline.batch.commit.parts import read_part, read_part_record
 from pipeline.batch.stages.heap import settle_after_load
+from pipeline.batch.stages.images import images_cells, images_type, may_have_images
 from pipeline.batch.stages.read import override_columns, read_shard
 from pipeline.batch.units import PreparedInfo, RowRanges, RowSelection, WorkUnit
+from pipeline.media.prompt import PromptImages
 from pipeline.openai import params
 from pipeline.openai.chat import (
     RAW_COMPLETION,
+    TOKENIZER_FILES,
     PromptError,
     apply_chat_template,
+    chat_messages,
     load_tokenizer,
     prompt_chat,
     render_prompt,
@@ -158,6 +162,15 @@ def _row_prompt(row: Mapping[str, Any], spec: JobSpec) -> dict[str, Any]:
         return {"prompt_spec": spec.prompt, "messages": row[MESSAGES], "template_kwargs": kwargs}
     if spec.input.format == "openai_batch":
         return {"prompt_spec": RAW_COMPLETION, "text": render_user_text(row, RAW_COMPLETION)}
+    images = [(c, row.get(c)) for c in spec.input.image_columns if row.get(c) is not None]
+    if images:  # the row's image columns, shown before its text in one user turn
+        parts = [
+            {"type": "image_url", "image_url": {"url": cell}, "where": f"column {column!r}"}
+            for column, cell in images
+        ]
+        parts.append({"type": "text", "text": render_user_text(row, spec.prompt)})
+        messages = [{"role": "user", "content": parts}]
+        return {"prompt_spec": spec.prompt, "messages": messages, "template_kwargs": kwargs}
     return {
         "prompt_spec": spec.prompt,
         "text": render_user_text(row, spec.prompt),
@@ -338,6 +351,8 @@ class PromptStage:
         # unset). A tokenizer may hold several named templates; any of them will do to look.
         template = getattr(self.tokenizer, "chat_template", None)
         self.chat_template = json.dumps(template) if isinstance(template, dict) else template
+        # Rows with images: the model's image processor, loaded on the first such row.
+        self._images: PromptImages | None = None
 
     def process_row(self, row: Mapping[str, Any]) -> dict[str, Any]:
         """Stage columns and `error` for one row (a dict of the read columns)."""
@@ -349,7 +364,7 @@ class PromptStage:
             token_ids: list[int] | PromptError = render_row(row, self.spec, self.tokenizer)
         except PromptError as exc:
             token_ids = exc
-        return self._with_prompt(out, token_ids)
+        return self._with_prompt(out, self._with_images(row, token_ids, out))
 
     def process_rows(self, rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         """process_row over many rows, with the same result per row; the prompts of the rows
@@ -370,14 +385,58 @@ class PromptStage:
             self.tokenizer,
         )
         for i, token_ids in zip(pending, rendered, strict=True):
+            token_ids = self._with_images(rows[i], token_ids, outs[i])
             outs[i] = self._with_prompt(outs[i], token_ids)
         return outs
+
+    def images(self) -> PromptImages:
+        """The job's image reader (the model's config and processor files only: the same
+        files the tokenizer came from), made on the first row with images."""
+        if self._images is None:
+            spec = self.spec
+            model_dir = materialize_model(
+                spec.model.path,
+                spec.model.cache_dir,
+                spec.storage,
+                patterns=TOKENIZER_FILES,
+                field="model.path",
+            )
+            self._images = PromptImages(model_dir, spec.prompt.images, spec.storage)
+        return self._images
+
+    def _with_images(
+        self, row: Mapping[str, Any], token_ids: list[int] | PromptError, out: dict[str, Any]
+    ) -> list[int] | PromptError:
+        """For a row with images: its images processed into `out` (IMAGES) and its prompt with
+        their placeholders expanded; a bad image (or images to a text model) is the row's
+        error, over whatever the template made of the parts."""
+        if not may_have_images(row, self.spec):
+            return token_ids
+        try:
+            args = _row_prompt(row, self.spec)
+            if args.get("messages") is None:
+                return token_ids
+            chat = chat_messages(args["messages"], args["prompt_spec"].system_prompt)
+            images = self.images().inputs(chat)
+            if not images or isinstance(token_ids, PromptError):
+                return token_ids
+            expanded = self.images().expand(token_ids, images)
+        except PromptError as exc:
+            return exc
+        out[IMAGES] = images_cells(images)
+        return expanded
 
     def _sampling(self, row: Mapping[str, Any]) -> dict[str, Any]:
         """A row's stage columns before its prompt: sampling values, no tokens, and `error`:
         the row's own, or a bad override's. Rows with an error here are not rendered."""
         sampling, problem = resolve_sampling(row, self.spec, self.overrides)
-        out: dict[str, Any] = {PROMPT_TOKEN_IDS: [], PROMPT_TOKENS: 0, **sampling, TOOL_PLAN: None}
+        out: dict[str, Any] = {
+            PROMPT_TOKEN_IDS: [],
+            PROMPT_TOKENS: 0,
+            **sampling,
+            TOOL_PLAN: None,
+            IMAGES: [],
+        }
         out[ERROR] = row.get(ERROR)
         if out[ERROR] is None and problem:
             out[ERROR] = problem
@@ -442,6 +501,7 @@ class PromptStage:
     def __call__(self, batch: pa.Table) -> pa.Table:
         import pyarrow as pa
 
+        image_cells = images_type()
         results = self.process_rows(batch.to_pylist())
         columns = {
             PROMPT_TOKEN_IDS: pa.array(
@@ -458,6 +518,7 @@ class PromptStage:
             SAMPLES: pa.array([r[SAMPLES] for r in results], type=pa.int32()),
             REASONING_EFFORT: pa.array([r[REASONING_EFFORT] for r in results], type=pa.string()),
             TOOL_PLAN: pa.array([r[TOOL_PLAN] for r in results], type=pa.string()),
+            IMAGES: pa.array([r[IMAGES] for r in results], type=image_cells),
             ERROR: pa.array([r[ERROR] for r in results], type=pa.string()),
         }
         for name, array in columns.items():

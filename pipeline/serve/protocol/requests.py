@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from engines.api import EngineInfo, GenerationRequest, GenerationResult
+from engines.api import EngineInfo, GenerationRequest, GenerationResult, ImageInput
 from pipeline.cost import cost_usd, list_price_usd
 from pipeline.openai.errors import ApiError
 from pipeline.openai.models import (
@@ -99,6 +99,7 @@ def to_engine_request(
     `adapter`: the LoRA adapter of `served` the request named (an adapter shares its base
     model's tokenizer and chat template)."""
     echo: str | None = None
+    images: tuple[ImageInput, ...] = ()
     if isinstance(request, ChatCompletionRequest):
         if not served.prompt.chat_template or not tokenizer.has_chat_template:
             raise ApiError(
@@ -112,7 +113,11 @@ def to_engine_request(
         plan = request.tool_plan
         if plan is not None and plan.template_tools is not None:
             template_kwargs = {**(template_kwargs or {}), "tools": plan.template_tools}
-        prompt_ids = tokenizer.chat_ids(messages, template_kwargs)
+        if any(isinstance(m["content"], list) for m in messages):  # image parts
+            # Images per request and bytes per image: the model's prompt.images limits.
+            prompt_ids, images = tokenizer.chat_request(messages, template_kwargs)
+        else:
+            prompt_ids = tokenizer.chat_ids(messages, template_kwargs)
         prompt_param = "messages"
         default_max = served.limits.default_max_tokens
     else:
@@ -199,7 +204,9 @@ def to_engine_request(
     return Prepared(
         endpoint,
         served,
-        GenerationRequest(prompt_token_ids=prompt_ids, sampling=sampling, adapter=adapter),
+        GenerationRequest(
+            prompt_token_ids=prompt_ids, sampling=sampling, adapter=adapter, images=images
+        ),
         stream=request.stream,
         include_usage=request.include_usage,
         warnings=tuple(warnings),

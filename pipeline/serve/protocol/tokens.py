@@ -13,11 +13,21 @@ import json
 import logging
 from typing import Any
 
-from pipeline.openai.chat import RAW_COMPLETION, PromptError, load_tokenizer, render_prompt
+from engines.api import ImageInput
+from pipeline.media.prompt import PromptImages
+from pipeline.openai.chat import (
+    RAW_COMPLETION,
+    TOKENIZER_FILES,
+    PromptError,
+    chat_messages,
+    load_tokenizer,
+    render_prompt,
+)
 from pipeline.openai.errors import ApiError
 from pipeline.openai.reasoning import ReasoningParser, make_parser
 from pipeline.openai.tools import ToolParser, choose_parser
 from pipeline.spec import ModelSpec, PromptSpec, StorageSpec
+from pipeline.storage import materialize_model
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +53,39 @@ class PromptTokenizer:
         # the tokenizer lacks, when the format does not fit the model: the server does not start).
 
         self.reasoning: ReasoningParser | None = make_parser(prompt.reasoning, self._tokenizer)
+        # Image parts: the model's processor (loaded on the first image). A request never
+        # reads the server's files or buckets: data: URLs, and http(s) from the listed hosts.
+        self._model, self._storage = model, storage
+        self._images: PromptImages | None = None
+        self._image_limits = prompt.images.model_copy(update={"allow_local": False})
+
+    def chat_request(
+        self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None
+    ) -> tuple[list[int], tuple[ImageInput, ...]]:
+        """chat_ids, and the chat's images fetched and processed, their placeholders expanded
+        in the ids; a bad image is a 400 naming its part."""
+        try:
+            # Images first: a text model's template is never shown image parts.
+            chat = chat_messages(messages, self._prompt.system_prompt)
+            images = self._image_reader().inputs(chat)
+            prompt_ids = self.chat_ids(messages, template_kwargs)
+            if images:
+                prompt_ids = self._image_reader().expand(prompt_ids, images)
+        except PromptError as exc:
+            raise ApiError(400, str(exc), param="messages", code="invalid_value") from None
+        return prompt_ids, images
+
+    def _image_reader(self) -> PromptImages:
+        if self._images is None:
+            model_dir = materialize_model(
+                self._model.path,
+                self._model.cache_dir,
+                self._storage,
+                patterns=TOKENIZER_FILES,
+                field="model.path",
+            )
+            self._images = PromptImages(model_dir, self._image_limits, None)
+        return self._images
 
     def chat_ids(
         self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None

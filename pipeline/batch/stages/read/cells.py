@@ -108,7 +108,7 @@ def extra_columns(spec: JobSpec) -> list[str]:
     """Input columns read besides the prompt source: passthrough, template, override sources."""
     names = [
         *spec.input.passthrough_columns,
-        *spec.template_columns(),
+        *spec.prompt_columns(),
         *spec.sampling.overrides.values(),
     ]
     return list(dict.fromkeys(n for n in names if n not in CORE_COLUMNS))

@@ -73,7 +73,7 @@ def jsonl_row(spec: JobSpec, obj: dict[str, Any], row: dict[str, Any], where: st
     inp = spec.input
     # Passthrough and override keys may be absent from a line (null); the prompt source may not.
     required = [c for c in (inp.id_column, inp.prompt_column, inp.messages_column) if c]
-    required += spec.template_columns()
+    required += spec.prompt_columns()
     missing = [c for c in required if c not in obj]
     if inp.id_column and obj.get(inp.id_column) is not None:
         row[ID] = str(obj[inp.id_column])

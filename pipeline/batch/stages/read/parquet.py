@@ -40,6 +40,8 @@ def columns_needed(spec: JobSpec) -> dict[str, str]:
         needed.setdefault(c, "input.passthrough_columns")
     for c in spec.template_columns():
         needed.setdefault(c, "prompt.template")
+    for c in spec.input.image_columns:
+        needed.setdefault(c, "input.image_columns")
     for field, c in spec.sampling.overrides.items():
         needed.setdefault(c, f"sampling.overrides.{field}")
     return needed

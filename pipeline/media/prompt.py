@@ -1,0 +1,76 @@
+"""A prompt's images, end to end on a CPU worker: the chat's image parts fetched, decoded and
+processed with the model's own processor, and the rendered prompt's placeholders expanded.
+
+Shared by the batch prompt stage and Serve, so an image in a job and the same image in a
+request reach the engine as identical inputs. Errors name the part (messages[0].content[1],
+or the image column) and the reason; the caller makes them an error row or a 400.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from engines.api import ImageInput
+from pipeline.media.fetch import decode_image, fetch_image
+from pipeline.media.process import ImageError, VisionProcessor
+from pipeline.openai.chat import PromptError, chat_images
+from pipeline.spec import StorageSpec
+from pipeline.spec.images import ImagesSpec
+
+
+class PromptImages:
+    """Per process: the model's image processor (None for a text model), the limits and the
+    storage that s3:// images are read with."""
+
+    def __init__(
+        self, model_dir: str | Path, limits: ImagesSpec, storage: StorageSpec | None
+    ) -> None:
+        self.limits = limits
+        self.storage = storage
+        self.model_dir = Path(model_dir)
+        self._processor: VisionProcessor | None = None
+        self._refusal: str | None = None
+
+    def processor(self) -> VisionProcessor:
+        """The model's processor, loaded on the first image; PromptError for a text model."""
+        if self._processor is None and self._refusal is None:
+            try:
+                self._processor = VisionProcessor(self.model_dir)
+            except ImageError as exc:
+                self._refusal = str(exc)
+        if self._processor is None:
+            raise PromptError(f"the prompt has images, but {self._refusal}")
+        return self._processor
+
+    def inputs(self, chat: Sequence[Mapping[str, Any]]) -> tuple[ImageInput, ...]:
+        """The engine inputs of a validated chat's images, in order (none: empty)."""
+        images = chat_images(chat)
+        if not images:
+            return ()
+        processor = self.processor()
+        if len(images) > self.limits.max_images:
+            raise PromptError(
+                f"the prompt has {len(images)} images; at most {self.limits.max_images} "
+                "(prompt.images.max_images)"
+            )
+        out = []
+        for url, where in images:
+            try:
+                image = decode_image(fetch_image(url, self.limits, self.storage), self.limits)
+                out.append(processor.process(image))
+            except ImageError as exc:
+                raise PromptError(f"{where}: {exc}") from None
+            except Exception as exc:  # the model's processor on an image it cannot take
+                raise PromptError(
+                    f"{where}: the model's image processor failed ({type(exc).__name__}: {exc})"
+                ) from None
+        return tuple(out)
+
+    def expand(self, token_ids: Sequence[int], images: Sequence[ImageInput]) -> list[int]:
+        """The rendered prompt with each image's placeholder repeated for its tokens."""
+        try:
+            return self.processor().expand(token_ids, images)
+        except ImageError as exc:
+            raise PromptError(str(exc)) from None
