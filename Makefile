@@ -105,12 +105,14 @@ test-vllm: setup-vllm
 # transformers, tokenizers, xgrammar, numpy, pyarrow and fsspec/s3fs: the unit tests (Serve's
 # aside: its extra cannot install beside these pins, docs/deploy.md), the engine contract
 # (reference and the TensorRT-LLM stand-in), structured output, checkpoint loading and parity
-# with transformers, reading and committing on the S3 server, hf:// sources against the local
-# hub server (TensorRT-LLM pins huggingface_hub 0.36), and three batch jobs end to end
+# with transformers (Qwen2.5-VL with images included), reading and committing on the S3
+# server, hf:// sources against the local hub server (TensorRT-LLM pins huggingface_hub
+# 0.36), and three batch jobs end to end
 # (Parquet and OpenAI batch input on S3, structured rows); the rest of the batch suite runs in
 # .venv, on code these do not change.
 TRTLLM_PINS_TESTS := tests/unit tests/contract tests/integration/test_structured_output.py \
 	tests/integration/test_reference_models.py tests/integration/test_reference_loader.py \
+	tests/integration/test_reference_vision.py \
 	tests/integration/test_read.py tests/integration/test_read_tokenize.py \
 	tests/integration/test_commit.py tests/integration/test_hub_sources.py \
 	tests/integration/test_pipeline.py::test_parquet_s3_two_actors_every_id_once_with_documented_schema \

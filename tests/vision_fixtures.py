@@ -4,6 +4,7 @@ greedy ids for them (the baseline every engine path must reproduce)."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -66,6 +67,7 @@ def hf_vision_greedy(model_dir: Path, requests: Sequence[GenerationRequest]) -> 
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32)
     model.eval()
     image_token = model.config.image_token_id
+    takes_types = "mm_token_type_ids" in inspect.signature(model.model.get_rope_index).parameters
     outputs = []
     with torch.inference_mode():
         for request in requests:
@@ -79,9 +81,9 @@ def hf_vision_greedy(model_dir: Path, requests: Sequence[GenerationRequest]) -> 
                 extra = {
                     "pixel_values": torch.cat(pixels).view(-1, 1176),
                     "image_grid_thw": torch.tensor([i.grid_thw for i in request.images]),
-                    # what the processor returns beside the ids: without it, no 3D positions
-                    "mm_token_type_ids": (ids == image_token).int(),
                 }
+                if takes_types:  # transformers 5: without them, no 3D positions (4.5x: ids)
+                    extra["mm_token_type_ids"] = (ids == image_token).int()
             model.model.rope_deltas = None  # a text prompt must not reuse the last image's
             out = model.generate(
                 ids,

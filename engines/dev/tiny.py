@@ -329,9 +329,11 @@ def _vision_language_config(common: dict[str, Any], tokenizer: Any, shape: TinyM
     pairs = shape.hidden_size // shape.num_attention_heads // 2  # rotary pairs per head
     time = pairs // 4  # a quarter for the frame, the rest split between rows and columns
     section = [time, (pairs - time) // 2, pairs - time - (pairs - time) // 2]
+    # rope_scaling + rope_theta: the spelling transformers 4.5x reads and 5 still converts.
     text = {
         **common,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": section},
+        "rope_theta": 1e6,
+        "rope_scaling": {"type": "mrope", "mrope_section": section},
     }
     ids = {
         name: tokenizer.convert_tokens_to_ids(token)
@@ -372,9 +374,9 @@ def _image_processor():
     placeholder itself, so no video processor (torchvision) is needed."""
     import transformers
 
-    return transformers.Qwen2VLImageProcessorPil(
-        min_pixels=VISION_MIN_PIXELS, max_pixels=VISION_MAX_PIXELS
-    )
+    # transformers 5 names the PIL backend apart; 4.5x's Qwen2VLImageProcessor is that one.
+    kind = getattr(transformers, "Qwen2VLImageProcessorPil", transformers.Qwen2VLImageProcessor)
+    return kind(min_pixels=VISION_MIN_PIXELS, max_pixels=VISION_MAX_PIXELS)
 
 
 def _pack_experts_mxfp4(model_dir: Path) -> None:

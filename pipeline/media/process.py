@@ -89,9 +89,9 @@ def _load_image_processor(path: Path) -> Any:
     import transformers
 
     raw = json.loads((path / "preprocessor_config.json").read_text())
-    kind = raw.get("image_processor_type", "")
-    if kind.startswith("Qwen2VLImageProcessor") and hasattr(
-        transformers, "Qwen2VLImageProcessorPil"
-    ):
-        return transformers.Qwen2VLImageProcessorPil.from_pretrained(path)
+    if raw.get("image_processor_type", "").startswith("Qwen2VLImageProcessor"):
+        # transformers 5 names the PIL backend apart; 4.5x's Qwen2VLImageProcessor is that one
+        # (its fast sibling, which AutoImageProcessor may pick, needs torchvision).
+        kind = getattr(transformers, "Qwen2VLImageProcessorPil", None)
+        return (kind or transformers.Qwen2VLImageProcessor).from_pretrained(path)
     return transformers.AutoImageProcessor.from_pretrained(path)
