@@ -322,12 +322,30 @@ def test_cli_reports_invalid_job_with_exit_2(tmp_path: Path) -> None:
     assert "input" in result.output
 
 
+def _skip_sleeps(monkeypatch: pytest.MonkeyPatch, instead: Any) -> None:
+    """The submit's own sleeps (on this thread) go to `instead`. `sub.time` is the time module
+    itself: other threads of the test process (Ray Data's, a server's) keep their real sleep,
+    or a background loop would spin and land in the record."""
+    import threading
+    import time
+
+    real, here = time.sleep, threading.current_thread()
+
+    def sleep(seconds: float) -> None:
+        if threading.current_thread() is here:
+            instead(seconds)
+        else:
+            real(seconds)
+
+    monkeypatch.setattr(sub.time, "sleep", sleep)
+
+
 def test_cli_unreachable_cluster_exits_4(job_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from pipeline.cli import app
 
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     sleeps: list[float] = []
-    monkeypatch.setattr(sub.time, "sleep", sleeps.append)
+    _skip_sleeps(monkeypatch, sleeps.append)
     # Port 9 on loopback: nothing listens there, the connection is refused at once.
     result = CliRunner().invoke(
         app, ["submit", str(job_file), "--address", "http://127.0.0.1:9", "--date", "2026-11-28"]
@@ -437,7 +455,7 @@ def test_a_submit_whose_answer_was_lost_runs_once(
     finds it there, and the night runs once."""
     import requests
 
-    monkeypatch.setattr(sub.time, "sleep", lambda s: None)
+    _skip_sleeps(monkeypatch, lambda s: None)
 
     class LostAnswer(FakeClient):
         def submit_job(self, **kwargs: Any) -> str:
@@ -456,7 +474,7 @@ def test_a_submit_of_unknown_fate_says_the_job_may_be_running(
 ) -> None:
     import requests
 
-    monkeypatch.setattr(sub.time, "sleep", lambda s: None)
+    _skip_sleeps(monkeypatch, lambda s: None)
 
     class HeadAway(FakeClient):
         def submit_job(self, **kwargs: Any) -> str:

@@ -473,6 +473,14 @@ class PromptStage:
         self, out: dict[str, Any], token_ids: list[int] | PromptError
     ) -> dict[str, Any]:
         """`out` with the rendered prompt, or with the error when it fails or does not fit."""
+        out = self._checked_prompt(out, token_ids)
+        if out[ERROR] is not None:
+            out[IMAGES] = []  # an error row carries no pixels to the engine actors
+        return out
+
+    def _checked_prompt(
+        self, out: dict[str, Any], token_ids: list[int] | PromptError
+    ) -> dict[str, Any]:
         if isinstance(token_ids, PromptError):
             out[ERROR] = str(token_ids)
             return out
