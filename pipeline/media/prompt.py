@@ -15,9 +15,10 @@ from typing import Any
 from engines.api import ImageInput
 from pipeline.media.fetch import decode_image, fetch_image
 from pipeline.media.process import ImageError, VisionProcessor
-from pipeline.openai.chat import PromptError, chat_images
-from pipeline.spec import StorageSpec
+from pipeline.openai.chat import TOKENIZER_FILES, PromptError, chat_images
+from pipeline.spec import ModelSpec, StorageSpec
 from pipeline.spec.images import ImagesSpec
+from pipeline.storage import materialize_model
 
 
 class PromptImages:
@@ -32,6 +33,18 @@ class PromptImages:
         self.model_dir = Path(model_dir)
         self._processor: VisionProcessor | None = None
         self._refusal: str | None = None
+
+    @classmethod
+    def for_model(
+        cls, model: ModelSpec, limits: ImagesSpec, storage: StorageSpec, *, read_s3: bool
+    ) -> PromptImages:
+        """The reader of `model`'s images: its config and processor files only (the files its
+        tokenizer came from, so no weights are fetched). `read_s3`: whether s3:// images are
+        read with `storage` (batch jobs) or refused (Serve)."""
+        model_dir = materialize_model(
+            model.path, model.cache_dir, storage, patterns=TOKENIZER_FILES, field="model.path"
+        )
+        return cls(model_dir, limits, storage if read_s3 else None)
 
     def processor(self) -> VisionProcessor:
         """The model's processor, loaded on the first image; PromptError for a text model."""

@@ -67,12 +67,11 @@ def read_media(
             f"the prompt has {len(images)} image(s) but this model ({cfg.model_type}) takes "
             "text only; use a vision-language model (e.g. Qwen2.5-VL) or remove the images"
         )
-    starts = _placeholder_runs(prompt, cfg.image_token_id)
     merge = vision.spatial_merge_size
     spans = []
     parsed = []
     at = 0  # placeholders consumed
-    flat = [i for s, n in starts for i in range(s, s + n)]
+    flat = [i for i, token in enumerate(prompt) if token == cfg.image_token_id]  # their places
     for i, image in enumerate(images):
         t, h, w = image.grid_thw
         if min(t, h, w) < 1 or h % merge or w % merge:
@@ -112,16 +111,3 @@ def read_media(
         digest = hashlib.blake2b(given.content_hash.encode(), digest_size=8).digest()
         hash_prompt[image.start] = -1 - (int.from_bytes(digest, "big") >> 1)
     return PromptMedia(parsed, positions, delta, hash_prompt)
-
-
-def _placeholder_runs(prompt: Sequence[int], token: int) -> list[tuple[int, int]]:
-    """(start, length) of each run of `token` in the prompt."""
-    runs: list[tuple[int, int]] = []
-    for i, t in enumerate(prompt):
-        if t != token:
-            continue
-        if runs and runs[-1][0] + runs[-1][1] == i:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((i, 1))
-    return runs

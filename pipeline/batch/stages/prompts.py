@@ -60,7 +60,6 @@ from pipeline.media.prompt import PromptImages
 from pipeline.openai import params
 from pipeline.openai.chat import (
     RAW_COMPLETION,
-    TOKENIZER_FILES,
     PromptError,
     apply_chat_template,
     chat_messages,
@@ -394,14 +393,9 @@ class PromptStage:
         files the tokenizer came from), made on the first row with images."""
         if self._images is None:
             spec = self.spec
-            model_dir = materialize_model(
-                spec.model.path,
-                spec.model.cache_dir,
-                spec.storage,
-                patterns=TOKENIZER_FILES,
-                field="model.path",
+            self._images = PromptImages.for_model(
+                spec.model, spec.prompt.images, spec.storage, read_s3=True
             )
-            self._images = PromptImages(model_dir, spec.prompt.images, spec.storage)
         return self._images
 
     def _with_images(

@@ -17,7 +17,6 @@ from engines.api import ImageInput
 from pipeline.media.prompt import PromptImages
 from pipeline.openai.chat import (
     RAW_COMPLETION,
-    TOKENIZER_FILES,
     PromptError,
     chat_messages,
     load_tokenizer,
@@ -27,7 +26,6 @@ from pipeline.openai.errors import ApiError
 from pipeline.openai.reasoning import ReasoningParser, make_parser
 from pipeline.openai.tools import ToolParser, choose_parser
 from pipeline.spec import ModelSpec, PromptSpec, StorageSpec
-from pipeline.storage import materialize_model
 
 logger = logging.getLogger(__name__)
 
@@ -77,14 +75,9 @@ class PromptTokenizer:
 
     def _image_reader(self) -> PromptImages:
         if self._images is None:
-            model_dir = materialize_model(
-                self._model.path,
-                self._model.cache_dir,
-                self._storage,
-                patterns=TOKENIZER_FILES,
-                field="model.path",
+            self._images = PromptImages.for_model(
+                self._model, self._image_limits, self._storage, read_s3=False
             )
-            self._images = PromptImages(model_dir, self._image_limits, None)
         return self._images
 
     def chat_ids(
