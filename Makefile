@@ -24,7 +24,8 @@ UV := $(BIN)/uv
 # from source on import: the suite took 49 min instead of 38.
 UV_INSTALL = $(UV) pip install -q --compile-bytecode $(if $(wildcard $(WHEELS)),--find-links $(WHEELS)) --python
 
-.PHONY: setup setup-dev setup-vllm setup-trtllm demo test test-vllm test-trtllm-pins lint format \
+.PHONY: setup setup-dev setup-vllm setup-trtllm demo test test-engines test-vllm test-trtllm-pins \
+	lint format \
 	bench images push-images clean
 
 # .venv keeps pip: tests/integration/test_install_targets.py resolves with pip's own resolver,
@@ -89,10 +90,31 @@ lint: setup-dev
 
 # .venv-trtllm first: the default suite runs engine processes under its interpreter (Serve
 # with replicas.engine_python, the engine contract "elsewhere").
+#
+# The default suite and the engine suites (vLLM, then TensorRT-LLM's pins) run side by side:
+# the default suite keeps two cores only ~60% busy (its time goes to processes starting and
+# jobs waiting on each other), and the engine suites fill the rest. They share nothing but
+# the machine: each Ray is private (address "local"), every server takes a free port, and
+# pytest's numbered temp dirs are taken atomically. The engine suites' output is kept in
+# $(ENGINES_LOG) and printed after the default suite's; either failing fails `make test`.
+ENGINES_LOG ?= .pytest-engines.log
+
 test: setup-dev setup-trtllm lint
-	TOKENMILL_CHECKOV=$(CURDIR)/$(CHECKOV_VENV)/bin/checkov $(BIN)/pytest
-	$(MAKE) test-vllm
-	$(MAKE) test-trtllm-pins
+	@rm -f $(ENGINES_LOG)
+	@$(MAKE) --no-print-directory test-engines > $(ENGINES_LOG) 2>&1 & engines=$$!; \
+	TOKENMILL_CHECKOV=$(CURDIR)/$(CHECKOV_VENV)/bin/checkov $(BIN)/pytest; default=$$?; \
+	echo "--- default suite: exit $$default; waiting for the engine suites"; \
+	wait $$engines; other=$$?; \
+	cat $(ENGINES_LOG); \
+	echo "--- default suite: exit $$default; engine suites (vLLM, TensorRT-LLM pins): exit $$other"; \
+	test $$default -eq 0 && test $$other -eq 0
+
+# The vLLM suite, then our code under TensorRT-LLM's pins (one after the other: with the
+# default suite beside them, a third stream would only slow all three).
+test-engines:
+	@$(MAKE) --no-print-directory test-vllm; vllm=$$?; \
+	$(MAKE) --no-print-directory test-trtllm-pins; pins=$$?; \
+	test $$vllm -eq 0 && test $$pins -eq 0
 
 # The tests marked vllm (they skip in .venv): the engine contract, greedy parity with the
 # reference engine, a pipeline job and the Serve endpoint on engine.kind vllm. Those also
