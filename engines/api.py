@@ -321,15 +321,22 @@ class EmbedParams:
 @dataclass(frozen=True)
 class ImageInput:
     """One image of a prompt as the model's own processor made it (in the prompt stage, on CPU
-    workers): the engine only runs the encoder. The prompt holds the image's placeholder
-    tokens already expanded, one per image token, in the order of `images`."""
+    workers): the reference engine only runs the encoder. The prompt holds the image's
+    placeholder tokens already expanded, one per image token, in the order of `images`.
+
+    Engines that run the model's processor themselves (TensorRT-LLM) take `source`, the image
+    file, instead of the pixels; the prompt stage fills the one the engine kind reads."""
 
     # float32 [patches, channels x frames x patch x patch], row-major bytes of a numpy array,
-    # so the type stays torch-free and pickles compactly across Ray and process pipes.
+    # so the type stays torch-free and pickles compactly across Ray and process pipes. Empty
+    # when the engine reads `source` (pixels are ~2,300x the size of a JPEG's bytes).
     pixel_values: bytes
     grid_thw: tuple[int, int, int]  # patch grid (frames, rows, columns) of the processed image
     # Digest of the image's pixels: equal images share prefix-cache blocks, different never.
     content_hash: str
+    # The image file as it was read (PNG, JPEG, ...; already decoded once within the limits of
+    # prompt.images), for engines that process it themselves; empty for the reference engine.
+    source: bytes = b""
 
     @property
     def num_patches(self) -> int:

@@ -18,6 +18,9 @@ against tests/standins/tensorrt_llm, a stand-in written to the same signatures a
   an empty prompt, an out-of-vocabulary id or a prompt that fills the context is a row error,
   and max_tokens is clipped to the context (finish_reason "length" there). Then the
   TensorRT-LLM-only check: a prompt longer than max_num_tokens without chunked prefill.
+- Images (a vision-language checkpoint): each image's placeholder run collapsed back to one
+  and the image file sent as a PIL image in `multi_modal_data`, which TensorRT-LLM's input
+  processor expands and processes itself (engines/trtllm_images.py).
 - Token accounting matches the reference engine. TensorRT-LLM removes a matched stop word
   (stop_token_ids entry or tokenized stop string) from token_ids unless
   include_stop_str_in_output, and its C++ decoder (TensorRT backend) never returns the end_id
@@ -141,6 +144,7 @@ from engines.requests import (
 from engines.settings import default
 from engines.speculative import resolve
 from engines.trtllm_args import PARALLEL_ARGS, accepted
+from engines.trtllm_images import VisionTokens
 from engines.trtllm_logits import SamplingProcessor, needs_processor, processing_fields
 
 log = logging.getLogger(__name__)
@@ -337,6 +341,8 @@ class TrtllmEngine(VendorAdapter):
         self._chunked_prefill = enable_chunked_prefill
         self._max_model_len = max_model_len or context_length(config)
         self._eos_ids = eos_token_ids(config, model_dir)
+        # A vision-language checkpoint: requests may carry images (engines/trtllm_images.py).
+        self._vision = VisionTokens.read(model_dir)
         self._backend = backend
         self._model_dir = model_dir
         self._speculative = spec is not None
@@ -492,9 +498,15 @@ class TrtllmEngine(VendorAdapter):
             vocab_size=self._vocab_size,
             max_model_len=self._max_model_len,
             takes_adapters=self._adapters is not None,
+            takes_images=self._vision is not None,
         )
         if not admission.ok:
             return admission.error, 0
+        if request.images and self._vision is not None:
+            try:
+                self._vision.check(request)
+            except ValueError as exc:
+                return str(exc), 0
         if request.adapter is not None and self._adapters is not None:
             try:
                 self._adapters.get(request.adapter)  # known, and its config fits
@@ -630,9 +642,12 @@ class TrtllmEngine(VendorAdapter):
         self._check_alive()
         rules = self._stop_rules(request)
         params = self._sampling(request, max_tokens, rules)
+        inputs: Any = list(request.prompt_token_ids)
+        if request.images and self._vision is not None:
+            inputs = self._vision.inputs(request)  # checked by _admit
         try:
             out = self._llm.generate_async(
-                list(request.prompt_token_ids),
+                inputs,
                 sampling_params=params,
                 streaming=streaming,
                 **self._lora_request(request.adapter),

@@ -44,7 +44,7 @@ class VisionProcessor:
             )
         self.image_token_id = int(config["image_token_id"])
         self.merge = int(vision.get("spatial_merge_size", 2))
-        self._images = _load_image_processor(path)
+        self._images = load_image_processor(path)
 
     def process(self, image: Any) -> ImageInput:
         """A PIL image into the engine's input (pixels float32, grid, content digest)."""
@@ -84,7 +84,7 @@ class VisionProcessor:
         return out
 
 
-def _load_image_processor(path: Path) -> Any:
+def load_image_processor(path: Path) -> Any:
     """transformers' image processor of the model, without torchvision (the PIL backend)."""
     import transformers
 

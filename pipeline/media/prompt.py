@@ -8,6 +8,7 @@ or the image column) and the reason; the caller makes them an error row or a 400
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -20,31 +21,56 @@ from pipeline.spec import ModelSpec, StorageSpec
 from pipeline.spec.images import ImagesSpec
 from pipeline.storage import materialize_model
 
+# Engine kinds that run the model's image processor themselves and take each image's file
+# (ImageInput.source) instead of the prompt stage's pixels: TensorRT-LLM 1.2 re-processes
+# every image from its decoded form. The prompt stage still processes the image, for its
+# token count (context checks, cost), but sends no pixels.
+SOURCE_KINDS = frozenset({"trtllm"})
+
 
 class PromptImages:
     """Per process: the model's image processor (None for a text model), the limits and the
     storage that s3:// images are read with."""
 
     def __init__(
-        self, model_dir: str | Path, limits: ImagesSpec, storage: StorageSpec | None
+        self,
+        model_dir: str | Path,
+        limits: ImagesSpec,
+        storage: StorageSpec | None,
+        *,
+        source: bool = False,
     ) -> None:
         self.limits = limits
         self.storage = storage
+        # True: each input carries the image file and no pixels (SOURCE_KINDS).
+        self.source = source
         self.model_dir = Path(model_dir)
         self._processor: VisionProcessor | None = None
         self._refusal: str | None = None
 
     @classmethod
     def for_model(
-        cls, model: ModelSpec, limits: ImagesSpec, storage: StorageSpec, *, read_s3: bool
+        cls,
+        model: ModelSpec,
+        limits: ImagesSpec,
+        storage: StorageSpec,
+        *,
+        read_s3: bool,
+        engine_kind: str,
     ) -> PromptImages:
         """The reader of `model`'s images: its config and processor files only (the files its
         tokenizer came from, so no weights are fetched). `read_s3`: whether s3:// images are
-        read with `storage` (batch jobs) or refused (Serve)."""
+        read with `storage` (batch jobs) or refused (Serve). `engine_kind`: what the images
+        are made for (pixels, or the file for SOURCE_KINDS)."""
         model_dir = materialize_model(
             model.path, model.cache_dir, storage, patterns=TOKENIZER_FILES, field="model.path"
         )
-        return cls(model_dir, limits, storage if read_s3 else None)
+        return cls(
+            model_dir,
+            limits,
+            storage if read_s3 else None,
+            source=engine_kind in SOURCE_KINDS,
+        )
 
     def processor(self) -> VisionProcessor:
         """The model's processor, loaded on the first image; PromptError for a text model."""
@@ -71,8 +97,11 @@ class PromptImages:
         out = []
         for url, where in images:
             try:
-                image = decode_image(fetch_image(url, self.limits, self.storage), self.limits)
-                out.append(processor.process(image))
+                data = fetch_image(url, self.limits, self.storage)
+                made = processor.process(decode_image(data, self.limits))
+                if self.source:
+                    made = dataclasses.replace(made, pixel_values=b"", source=data)
+                out.append(made)
             except ImageError as exc:
                 raise PromptError(f"{where}: {exc}") from None
             except Exception as exc:  # the model's processor on an image it cannot take

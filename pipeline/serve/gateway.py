@@ -149,7 +149,8 @@ class Gateway:
         self.spec = spec
         self.engines: dict[str, DeploymentHandle] = engines
         self.tokenizers = {
-            m.name: PromptTokenizer(m.model, m.prompt, spec.storage) for m in spec.models
+            m.name: PromptTokenizer(m.model, m.prompt, spec.storage, m.engine.kind)
+            for m in spec.models
         }
         # One shared fetch per model: concurrent first requests must not each send an info
         # call, since those calls take engine slots like requests do.

@@ -16,8 +16,9 @@ if TYPE_CHECKING:
 
 
 def images_type() -> pa.DataType:
-    """list<struct<pixel_values, grid_thw, hash>>; large_binary: one image's pixels can pass
-    2 GiB over a batch of rows."""
+    """list<struct<pixel_values, grid_thw, hash, source>>; large_binary: one image's pixels
+    can pass 2 GiB over a batch of rows. One of pixel_values and source is empty (the engine
+    kind reads the other: pipeline/media/prompt.py SOURCE_KINDS)."""
     import pyarrow as pa
 
     return pa.list_(
@@ -26,6 +27,7 @@ def images_type() -> pa.DataType:
                 pa.field("pixel_values", pa.large_binary()),
                 pa.field("grid_thw", pa.list_(pa.int32())),
                 pa.field("hash", pa.string()),
+                pa.field("source", pa.large_binary()),
             ]
         )
     )
@@ -34,7 +36,12 @@ def images_type() -> pa.DataType:
 def images_cells(images: Sequence[ImageInput]) -> list[dict[str, Any]]:
     """A row's IMAGES cell."""
     return [
-        {"pixel_values": i.pixel_values, "grid_thw": list(i.grid_thw), "hash": i.content_hash}
+        {
+            "pixel_values": i.pixel_values,
+            "grid_thw": list(i.grid_thw),
+            "hash": i.content_hash,
+            "source": i.source,
+        }
         for i in images
     ]
 
@@ -46,6 +53,7 @@ def row_images(row: Mapping[str, Any]) -> tuple[ImageInput, ...]:
             pixel_values=bytes(cell["pixel_values"]),
             grid_thw=tuple(int(x) for x in cell["grid_thw"]),  # type: ignore[arg-type]
             content_hash=str(cell["hash"]),
+            source=bytes(cell.get("source") or b""),
         )
         for cell in row.get(IMAGES) or ()
     )

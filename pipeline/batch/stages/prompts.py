@@ -394,7 +394,11 @@ class PromptStage:
         if self._images is None:
             spec = self.spec
             self._images = PromptImages.for_model(
-                spec.model, spec.prompt.images, spec.storage, read_s3=True
+                spec.model,
+                spec.prompt.images,
+                spec.storage,
+                read_s3=True,
+                engine_kind=spec.engine.kind,
             )
         return self._images
 

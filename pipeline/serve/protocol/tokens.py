@@ -36,7 +36,9 @@ TOKEN_TEXT_CACHE = 200_000
 class PromptTokenizer:
     """One model's tokenizer, loaded once per ingress replica."""
 
-    def __init__(self, model: ModelSpec, prompt: PromptSpec, storage: StorageSpec) -> None:
+    def __init__(
+        self, model: ModelSpec, prompt: PromptSpec, storage: StorageSpec, engine_kind: str
+    ) -> None:
         self._tokenizer = load_tokenizer(model, storage)
         self._prompt = prompt
         self.has_chat_template = bool(getattr(self._tokenizer, "chat_template", None))
@@ -53,7 +55,7 @@ class PromptTokenizer:
         self.reasoning: ReasoningParser | None = make_parser(prompt.reasoning, self._tokenizer)
         # Image parts: the model's processor (loaded on the first image). A request never
         # reads the server's files or buckets: data: URLs, and http(s) from the listed hosts.
-        self._model, self._storage = model, storage
+        self._model, self._storage, self._engine_kind = model, storage, engine_kind
         self._images: PromptImages | None = None
         self._image_limits = prompt.images.model_copy(update={"allow_local": False})
 
@@ -76,7 +78,11 @@ class PromptTokenizer:
     def _image_reader(self) -> PromptImages:
         if self._images is None:
             self._images = PromptImages.for_model(
-                self._model, self._image_limits, self._storage, read_s3=False
+                self._model,
+                self._image_limits,
+                self._storage,
+                read_s3=False,
+                engine_kind=self._engine_kind,
             )
         return self._images
 

@@ -65,6 +65,7 @@ from engines.trtllm_args import (
     PYTORCH_ONLY_ARGS,
     TENSORRT_ONLY_ARGS,
 )
+from tensorrt_llm._multimodal import ToyVisionInput
 from tensorrt_llm.executor.result import Logprob
 from tensorrt_llm.executor.utils import RequestError
 from tensorrt_llm.llmapi import DecodingBaseConfig, KvCacheConfig, SchedulerConfig
@@ -179,13 +180,22 @@ class RequestOutput:
     streaming=True; `abort()` cancels."""
 
     def __init__(
-        self, llm: Any, request_id: int, prompt_token_ids: list[int], params, streaming, lora=None
+        self,
+        llm: Any,
+        request_id: int,
+        prompt_token_ids: list[int],
+        params,
+        streaming,
+        lora=None,
+        toy_key: list[int] | None = None,
     ):
         self._llm = llm
         self.lora_request = lora
         self.request_id = request_id
         self.prompt = None
         self.prompt_token_ids = prompt_token_ids
+        # What the toy model reads: the prompt, plus one value per image for multimodal ones.
+        self._key = prompt_token_ids if toy_key is None else toy_key
         self.outputs = [CompletionOutput(index=0)]
         self.finished = False
         self.cached_tokens = 0
@@ -210,7 +220,7 @@ class RequestOutput:
                 reason = FinishReason.CANCELLED
             else:
                 self._timing.first_scheduled_time = _td(time.monotonic())
-                self.cached_tokens = self._llm._reuse_prefix(self.prompt_token_ids)
+                self.cached_tokens = self._llm._reuse_prefix(self._key)
                 reason = await self._generate()
             self._finish(reason)
         except (RequestError, RuntimeError) as exc:  # one request failed, or the executor died
@@ -231,13 +241,13 @@ class RequestOutput:
             if self._fail_after is not None and len(ids) >= self._fail_after[1]:
                 raise RequestError(self._fail_after[0])
             adapter = 0 if self.lora_request is None else self.lora_request.lora_int_id
-            token = self._llm._next_token(self.prompt_token_ids, len(ids), p, self._rng, adapter)
+            token = self._llm._next_token(self._key, len(ids), p, self._rng, adapter)
             if p.logits_processor is not None:
                 token = self._llm._processed_token(self, ids, token)
             if self._matcher is not None:
                 token = self._llm._guide.constrain(self._matcher, token, p.end_id)
             if p.logprobs:
-                greedy = toy_token(self.prompt_token_ids, len(ids))
+                greedy = toy_token(self._key, len(ids))
                 out.logprobs.append(self._llm._toy_logprobs(greedy, token, p.logprobs))
             ids.append(token)
             now = _td(time.monotonic())
@@ -387,7 +397,8 @@ class LlmCore:
             raise ValueError(f"Unsupported guided decoding backend {guide_backend}")
         self._guide: _Guide | None = None
         config = json.loads((Path(model) / "config.json").read_text())
-        self._vocab_size = int(config["vocab_size"])
+        # A multimodal checkpoint's language model is its text_config (as AutoConfig reads it).
+        self._vocab_size = int(config.get("vocab_size") or config["text_config"]["vocab_size"])
         self._log_norm: dict[int, float] = {}
         spec = self.args["speculative_config"]
         if spec is not None:
@@ -403,6 +414,9 @@ class LlmCore:
         self.lora_requests: list[Any] = []  # each submitted request's lora_request (or None)
         self.live: dict[int, RequestOutput] = {}
         self.tokenizer = ToyTokenizer(model)
+        self.model_dir = model
+        self.vision_input: ToyVisionInput | None = None  # made on the first multimodal input
+        self.multimodal_inputs: list[dict[str, Any]] = []  # each multimodal request's inputs
         self._seen_prompts: list[list[int]] = []
         self._next_id = 0
         self._injected: list[tuple[str, int]] = []
@@ -540,7 +554,7 @@ class LlmCore:
         if params.end_id is None:
             # LLM._prepare_sampling_params: end_id from the tokenizer, stop strings tokenized.
             params._setup(self.tokenizer)
-        prompt = list(inputs["prompt_token_ids"] if isinstance(inputs, dict) else inputs)
+        prompt, toy_key = self._prompt_of(inputs)
         if not self.args["enable_chunked_prefill"] and len(prompt) > self.args["max_num_tokens"]:
             raise ValueError(
                 f"The sum of prompt length ({len(prompt)}) should not exceed max_num_tokens "
@@ -562,9 +576,28 @@ class LlmCore:
         self.submitted.append((prompt, params, streaming))
         self.lora_requests.append(lora_request)
         self._next_id += 1
-        out = RequestOutput(self, self._next_id, prompt, params, streaming, lora_request)
+        out = RequestOutput(self, self._next_id, prompt, params, streaming, lora_request, toy_key)
         self.live[out.request_id] = out
         return out
+
+    def _prompt_of(self, inputs: Any) -> tuple[list[int], list[int]]:
+        """(the prompt's token ids as the model runs them, the toy model's key): a token list,
+        or a TokensPrompt dict, whose multi_modal_data the multimodal input processor expands
+        (_multimodal.py)."""
+        if not isinstance(inputs, dict):
+            prompt = list(inputs)
+            return prompt, prompt
+        unknown = set(inputs) - {"prompt_token_ids", "multi_modal_data"}
+        if unknown:
+            raise TypeError(f"the stand-in's TokensPrompt takes no {sorted(unknown)}")
+        prompt = list(inputs["prompt_token_ids"])
+        media = inputs.get("multi_modal_data")
+        if not media:
+            return prompt, prompt
+        if self.vision_input is None:
+            self.vision_input = ToyVisionInput(self.model_dir)
+        self.multimodal_inputs.append(inputs)
+        return self.vision_input.expand(prompt, media)
 
     def _reuse_prefix(self, prompt: list[int]) -> int:
         if not self.kv_cache_config.enable_block_reuse:
