@@ -24,7 +24,7 @@ UV := $(BIN)/uv
 # from source on import: the suite took 49 min instead of 38.
 UV_INSTALL = $(UV) pip install -q --compile-bytecode $(if $(wildcard $(WHEELS)),--find-links $(WHEELS)) --python
 
-.PHONY: setup setup-dev setup-vllm setup-trtllm demo test test-engines test-vllm test-trtllm-pins \
+.PHONY: setup setup-dev setup-vllm setup-trtllm demo test test-side test-vllm test-trtllm-pins \
 	lint format \
 	bench images push-images clean
 
@@ -91,30 +91,36 @@ lint: setup-dev
 # .venv-trtllm first: the default suite runs engine processes under its interpreter (Serve
 # with replicas.engine_python, the engine contract "elsewhere").
 #
-# The default suite and the engine suites (vLLM, then TensorRT-LLM's pins) run side by side:
-# the default suite keeps two cores only ~60% busy (its time goes to processes starting and
-# jobs waiting on each other), and the engine suites fill the rest. They share nothing but
-# the machine: each Ray is private (address "local"), every server takes a free port, and
-# pytest's numbered temp dirs are taken atomically. The engine suites' output is kept in
-# $(ENGINES_LOG) and printed after the default suite's; either failing fails `make test`.
-ENGINES_LOG ?= .pytest-engines.log
+# Two streams side by side, each about half of the run: the end-to-end, contract and unit
+# tests, then our code under TensorRT-LLM's pins; and the integration tests, then the vLLM
+# suite. One stream alone keeps two cores only ~60% busy (its time goes to processes starting
+# and jobs waiting on each other); two fill them. They share nothing but the machine: each
+# Ray is private (address "local"), every server takes a free port, each stream's session
+# fixtures are its own (the integration tests' S3 server and Ray are theirs alone), and
+# pytest's numbered temp dirs are taken atomically. The second stream's output is kept in
+# $(SIDE_LOG) and printed after the first's; any part failing fails `make test`, and every
+# part runs.
+SIDE_LOG ?= .pytest-side.log
 
 test: setup-dev setup-trtllm lint
-	@rm -f $(ENGINES_LOG)
-	@$(MAKE) --no-print-directory test-engines > $(ENGINES_LOG) 2>&1 & engines=$$!; \
-	TOKENMILL_CHECKOV=$(CURDIR)/$(CHECKOV_VENV)/bin/checkov $(BIN)/pytest; default=$$?; \
-	echo "--- default suite: exit $$default; waiting for the engine suites"; \
-	wait $$engines; other=$$?; \
-	cat $(ENGINES_LOG); \
-	echo "--- default suite: exit $$default; engine suites (vLLM, TensorRT-LLM pins): exit $$other"; \
-	test $$default -eq 0 && test $$other -eq 0
-
-# The vLLM suite, then our code under TensorRT-LLM's pins (one after the other: with the
-# default suite beside them, a third stream would only slow all three).
-test-engines:
-	@$(MAKE) --no-print-directory test-vllm; vllm=$$?; \
+	@rm -f $(SIDE_LOG)
+	@$(MAKE) --no-print-directory test-side > $(SIDE_LOG) 2>&1 & side=$$!; \
+	TOKENMILL_CHECKOV=$(CURDIR)/$(CHECKOV_VENV)/bin/checkov $(BIN)/pytest \
+		--ignore=tests/integration; main=$$?; \
 	$(MAKE) --no-print-directory test-trtllm-pins; pins=$$?; \
-	test $$vllm -eq 0 && test $$pins -eq 0
+	echo "--- end-to-end, contract and unit tests: exit $$main; TensorRT-LLM pins: exit $$pins"; \
+	echo "--- waiting for the integration and vLLM suites"; \
+	wait $$side; other=$$?; \
+	cat $(SIDE_LOG); \
+	echo "--- end-to-end, contract and unit tests: exit $$main; TensorRT-LLM pins: exit $$pins;" \
+		"integration and vLLM suites: exit $$other"; \
+	test $$main -eq 0 && test $$pins -eq 0 && test $$other -eq 0
+
+# The second stream of `make test`: the vLLM suite runs even when the integration tests failed.
+test-side: setup-dev setup-trtllm
+	@$(BIN)/pytest tests/integration; integration=$$?; \
+	$(MAKE) --no-print-directory test-vllm; vllm=$$?; \
+	test $$integration -eq 0 && test $$vllm -eq 0
 
 # The tests marked vllm (they skip in .venv): the engine contract, greedy parity with the
 # reference engine, a pipeline job and the Serve endpoint on engine.kind vllm. Those also
