@@ -77,9 +77,8 @@ SHUTDOWN_TIMEOUT_S = 30.0
 # What crosses the socket, versioned: raise it with any change to the messages above or to
 # the engines.api types they carry. Both sides also check tokenmill's own version, since the
 # pickled types are tokenmill's.
-PROTOCOL = (
-    4  # 2: GenerationRequest.adapter (LoRA); 3: GenerationRequest.images; 4: ImageInput.source
-)
+# 2: GenerationRequest.adapter (LoRA); 3: GenerationRequest.images; 4: ImageInput.source.
+PROTOCOL = 4
 # A child that has not said hello this long after starting never will (an interpreter that
 # cannot import tokenmill exits at once; one that hangs while importing is as useless).
 HELLO_TIMEOUT_S = 120.0
