@@ -1,7 +1,8 @@
 """Images through Serve with the official client, on the shared server's `vision` model (the
 reference engine on the tiny Qwen2.5-VL): a data: URL part answers what transformers' greedy
 decoding answers for the same image, whole and streamed, beside a text-only request; bad images,
-too many images, a remote URL and an image to a text model are 400s naming the part."""
+too many images, a remote URL and an image to a text model are 400s naming the part. The
+Responses API's input_image parts answer as the chat's image_url parts do."""
 
 from __future__ import annotations
 
@@ -108,3 +109,35 @@ def test_bad_images_are_400s_naming_the_part(client: openai.OpenAI) -> None:
             max_tokens=2,
         )
     assert "text-only model" in str(err.value)
+
+
+def test_the_responses_api_takes_input_image_parts(
+    client: openai.OpenAI, expected: list[str]
+) -> None:
+    image = _images()[0]
+    content = [
+        {"type": "input_image", "image_url": _data_url(image)},
+        {"type": "input_text", "text": TEXT["text"]},
+    ]
+    response = client.responses.create(
+        model="vision",
+        input=[{"role": "user", "content": content}],
+        max_output_tokens=MAX_TOKENS,
+        temperature=0.0,
+        extra_body={"ignore_eos": True},
+    )
+    assert response.output_text == expected[1]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(
+            model="vision",
+            input=[
+                {
+                    "role": "user",
+                    "content": [{**content[0], "image_url": "data:image/png;base64,AAAA"}],
+                }
+            ],
+            max_output_tokens=MAX_TOKENS,
+        )
+    # The chat path's 400 in this request's terms: the part named as the Responses one.
+    assert caught.value.body["param"] == "input"
+    assert "input[0].content[0]" in caught.value.body["message"]

@@ -239,7 +239,8 @@ def test_processor_rows_with_images(ray_local: Any) -> None:
 
 
 def test_openai_batch_lines_with_images(ray_local: Any, s3_server: S3Server) -> None:
-    """Batch API lines carry images as image_url parts; the export lines are OpenAI's."""
+    """Batch API lines carry images as image_url parts (input_image parts in /v1/responses
+    lines); the export lines are OpenAI's."""
     model = tiny_model("qwen2_5_vl")
     images = random_images()
     url = "data:image/png;base64," + base64.b64encode(_png(images[0])).decode()
@@ -253,7 +254,18 @@ def test_openai_batch_lines_with_images(ray_local: Any, s3_server: S3Server) -> 
         body = {"model": "tiny", "messages": [{"role": "user", "content": content}]}
         return {"custom_id": i, "method": "POST", "url": "/v1/chat/completions", "body": body}
 
-    lines = [line("good", url), line("broken", broken)]
+    # The Responses API's form of the good line: input_image, then input_text.
+    responses_content = [
+        {"type": "input_image", "image_url": url},
+        {"type": "input_text", "text": TEXT},
+    ]
+    responses = {
+        "custom_id": "responses",
+        "method": "POST",
+        "url": "/v1/responses",
+        "body": {"model": "tiny", "input": [{"role": "user", "content": responses_content}]},
+    }
+    lines = [line("good", url), line("broken", broken), responses]
     bucket = s3_server.make_bucket()
     s3_server.put(f"s3://{bucket}/in/b.jsonl", "".join(json.dumps(x) + "\n" for x in lines))
     spec = make_spec(
@@ -271,9 +283,10 @@ def test_openai_batch_lines_with_images(ray_local: Any, s3_server: S3Server) -> 
     )
     assert run_job(spec).status == "complete"
     out, names = read_output(s3_server, spec.output.uri)
-    assert_exactly_once(out, ["good", "broken"])
+    assert_exactly_once(out, ["good", "broken", "responses"])
     rows = {r["id"]: r for r in out.to_pylist()}
     assert rows["good"]["completion_token_ids"] == _expected(model, images[:1], 6)[0]
+    assert rows["responses"]["completion_token_ids"] == rows["good"]["completion_token_ids"]
     assert "messages[0].content[0]" in rows["broken"]["error"]
     errors = [n for n in names if n.startswith("openai-errors-")]
     (error_line,) = s3_server.get(f"{spec.output.uri}{errors[0]}").decode().splitlines()

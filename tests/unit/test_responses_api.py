@@ -108,6 +108,26 @@ def test_fields_map_onto_chat_and_back() -> None:
             {"input": [{"type": "function_call", "name": "w", "arguments": "{}"}]},
             "input[0].call_id",
         ),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]},
+            "input[0].content[0].file_id",
+        ),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image"}]}]},
+            "input[0].content[0].image_url",
+        ),
+        (
+            {
+                "input": [
+                    {
+                        "type": "function_call_output",
+                        "call_id": "c",
+                        "output": [{"type": "input_image", "image_url": "data:,"}],
+                    }
+                ]
+            },
+            "input[0].output[0].type",
+        ),
         ({"tools": [{"type": "file_search"}]}, "tools[0].type"),
         ({"tool_choice": {"type": "allowed_tools"}}, "tool_choice.type"),
         ({"text": {"format": "json"}}, "text.format"),
@@ -118,6 +138,29 @@ def test_what_cannot_be_honoured_is_refused_by_name(body: dict, param: str) -> N
     with pytest.raises(ApiError) as caught:
         translate({"model": "m", "input": "hi", **body})
     assert caught.value.status == 400 and caught.value.param == param
+
+
+def test_input_image_parts_become_the_chats_image_parts_in_order() -> None:
+    url = "data:image/png;base64,AAAA"
+    content = [
+        {"type": "input_text", "text": "Compare "},
+        {"type": "input_image", "image_url": url, "detail": "low"},
+        {"type": "input_image", "image_url": "https://img.example/a.png"},
+        {"type": "input_text", "text": "please."},
+    ]
+    got = translate({"model": "m", "input": [{"role": "user", "content": content}]})
+    (message,) = got.chat["messages"]
+    assert message["content"] == [
+        {"type": "text", "text": "Compare "},
+        {"type": "image_url", "image_url": {"url": url, "detail": "low"}},
+        {"type": "image_url", "image_url": {"url": "https://img.example/a.png"}},
+        {"type": "text", "text": "please."},
+    ]
+    # One chat part per Responses part: a chat error about a part names the same part here.
+    assert got.param("messages[0].content[2].image_url") == "input[0].content[2].image_url"
+    # Text parts alone still make one text.
+    text = translate({"model": "m", "input": [{"role": "user", "content": content[::3]}]})
+    assert text.chat["messages"][0]["content"] == "Compare please."
 
 
 def _chat_chunks() -> list[dict | None]:

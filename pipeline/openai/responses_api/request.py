@@ -128,31 +128,71 @@ class Translation:
 
 
 def _text_of(content: Any, where: str) -> str:
-    """A message's or a call output's text: a string, or text parts joined."""
+    """A call output's text: a string, or text parts joined (no images)."""
+    parts = _content_of(content, where)
+    if isinstance(parts, str):
+        return parts
+    j = next(j for j, part in enumerate(parts) if part["type"] != "text")
+    raise _error(
+        f"'{where}[{j}]' is an input_image part; only a message's content takes images",
+        f"{where}[{j}].type",
+        "unsupported_value",
+    )
+
+
+def _content_of(content: Any, where: str) -> str | list[dict[str, Any]]:
+    """A message's content as the chat takes it: its text (a string, or text parts joined),
+    or, when it has input_image parts, chat content parts one for one in order (so a chat
+    error naming messages[i].content[j] names the same part of this request)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise _error(f"'{where}' must be text or a list of content parts", where)
-    texts = []
+    parts: list[dict[str, Any]] = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, Mapping) else None
         if kind in _TEXT_PARTS and isinstance(part.get("text"), str):
-            texts.append(part["text"])
-        elif kind in ("input_image", "input_file", "input_audio"):
+            parts.append({"type": "text", "text": part["text"]})
+        elif kind == "input_image":
+            parts.append(_image_part(part, f"{where}[{j}]"))
+        elif kind in ("input_file", "input_audio"):
             raise _error(
-                f"'{where}[{j}]' is an {kind} part; this server reads text parts only",
+                f"'{where}[{j}]' is an {kind} part; this server reads text and image parts",
                 f"{where}[{j}].type",
                 "unsupported_value",
             )
         elif kind == "refusal":
-            texts.append(str(part.get("refusal", "")))
+            parts.append({"type": "text", "text": str(part.get("refusal", ""))})
         else:
             raise _error(
-                f"'{where}[{j}]' must be a content part with type input_text or output_text "
-                "and its text",
+                f"'{where}[{j}]' must be a content part with type input_text, output_text or "
+                "input_image",
                 f"{where}[{j}]",
             )
-    return "".join(texts)
+    if all(part["type"] == "text" for part in parts):
+        return "".join(part["text"] for part in parts)
+    return parts
+
+
+def _image_part(part: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """An input_image part as the chat's image_url part (the URL is read, within the model's
+    prompt.images limits, by the chat path)."""
+    if part.get("file_id") is not None:
+        raise _error(
+            f"'{where}.file_id': uploaded files are not read as images here; send the image "
+            "as image_url (a data: URL)",
+            f"{where}.file_id",
+            "unsupported_value",
+        )
+    url = part.get("image_url")
+    if not isinstance(url, str) or not url:
+        raise _error(
+            f"'{where}.image_url' must be the image's URL (e.g. a data: URL)", f"{where}.image_url"
+        )
+    image: dict[str, Any] = {"url": url}
+    if part.get("detail") is not None:
+        image["detail"] = part["detail"]
+    return {"type": "image_url", "image_url": image}
 
 
 class _Conversation:
@@ -166,7 +206,7 @@ class _Conversation:
         self.paths[f"messages[{len(self.messages)}]"] = where
         self.messages.append(message)
 
-    def message(self, role: str, content: str, where: str) -> None:
+    def message(self, role: str, content: str | list[dict[str, Any]], where: str) -> None:
         self._add({"role": role, "content": content}, where)
 
     def call(self, item: Mapping[str, Any], where: str) -> None:
@@ -238,7 +278,7 @@ def _messages(body: Mapping[str, Any], paths: dict[str, str]) -> list[dict[str, 
                     f"'{where}.role' must be one of {', '.join(_ROLES)}, got {role!r}",
                     f"{where}.role",
                 )
-            conversation.message(role, _text_of(item.get("content"), f"{where}.content"), where)
+            conversation.message(role, _content_of(item.get("content"), f"{where}.content"), where)
         elif kind == "function_call":
             conversation.call(item, where)
         elif kind == "function_call_output":
