@@ -9,6 +9,7 @@ or the image column) and the reason; the caller makes them an error row or a 400
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,7 @@ class PromptImages:
         self.model_dir = Path(model_dir)
         self._processor: VisionProcessor | None = None
         self._refusal: str | None = None
+        self._loading = threading.Lock()  # Serve reads images on several threads
 
     @classmethod
     def for_model(
@@ -74,11 +76,12 @@ class PromptImages:
 
     def processor(self) -> VisionProcessor:
         """The model's processor, loaded on the first image; PromptError for a text model."""
-        if self._processor is None and self._refusal is None:
-            try:
-                self._processor = VisionProcessor(self.model_dir)
-            except ImageError as exc:
-                self._refusal = str(exc)
+        with self._loading:
+            if self._processor is None and self._refusal is None:
+                try:
+                    self._processor = VisionProcessor(self.model_dir)
+                except ImageError as exc:
+                    self._refusal = str(exc)
         if self._processor is None:
             raise PromptError(f"the prompt has images, but {self._refusal}")
         return self._processor

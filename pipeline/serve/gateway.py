@@ -45,7 +45,9 @@ from pipeline.serve.metrics import ServeMetrics
 from pipeline.serve.protocol.requests import (
     Prepared,
     check_prompt_bytes,
+    has_image_parts,
     parse_request,
+    read_images,
     to_engine_request,
     usage_of_all,
 )
@@ -57,6 +59,9 @@ from pipeline.serve.usage import CLIENT_CLOSED, UsageAccounting, UsageLog, sink_
 logger = logging.getLogger(__name__)
 
 REPLICA_HEADER = "x-tokenmill-replica"  # which engine replica served a response
+# Threads per ingress replica reading requests' images: fetches wait on remote hosts, and the
+# image processor (numpy, Pillow) releases the GIL for most of its work.
+IMAGE_THREADS = 4
 
 
 def replica_id() -> str:
@@ -156,6 +161,12 @@ class Gateway:
         # call, since those calls take engine slots like requests do.
         self._infos: dict[str, asyncio.Future[EngineInfo]] = {}
         self.tokenize_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+        # Images are fetched, decoded and processed apart from the tokenizer's one thread: a
+        # slow remote host (up to prompt.images.http_timeout_s) must not hold up the requests
+        # queued to be tokenized behind it.
+        self.image_threads = ThreadPoolExecutor(
+            max_workers=IMAGE_THREADS, thread_name_prefix="images"
+        )
         self.metrics = ServeMetrics()
         self.created = int(time.time())
         self.app_name = app_name(spec.name)
@@ -371,7 +382,13 @@ class Gateway:
             # streams this ingress is sending meanwhile do not stall, on one thread because a
             # Hugging Face tokenizer must not be used by two threads at once ("Already
             # borrowed").
-            return await asyncio.get_running_loop().run_in_executor(
+            loop = asyncio.get_running_loop()
+            images = None
+            if has_image_parts(request):
+                images = await loop.run_in_executor(
+                    self.image_threads, read_images, request, tokenizer
+                )
+            return await loop.run_in_executor(
                 self.tokenize_thread,
                 to_engine_request,
                 request,
@@ -380,6 +397,7 @@ class Gateway:
                 tokenizer,
                 info,
                 adapter,
+                images,
             )
         finally:
             self.tokenize_slots.give()

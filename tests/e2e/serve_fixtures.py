@@ -306,13 +306,14 @@ def vision_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def vision_entry(model_dir: Path) -> dict:
     """The shared server's vision model: the reference engine on the tiny Qwen2.5-VL, at most
-    two images per request."""
+    two images per request, http images from this machine only (a test's own image host)."""
     engine = {**serve_config(model_dir)["models"][0]["engine"], "max_batch_size": 8}
     return {
         "name": "vision",
         "model": {"path": str(model_dir)},
         "engine": engine,
-        "prompt": {"images": {"max_images": 2}},
+        # A held fetch outlasts the quick requests sent meanwhile on any machine.
+        "prompt": {"images": {"max_images": 2, "http_hosts": ["127.0.0.1"], "http_timeout_s": 60}},
         "replicas": {"cpus_per_replica": 0.1, "max_ongoing_requests": 16},
     }
 

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import base64
 import io
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import openai
@@ -141,3 +144,44 @@ def test_the_responses_api_takes_input_image_parts(
     # The chat path's 400 in this request's terms: the part named as the Responses one.
     assert caught.value.body["param"] == "input"
     assert "input[0].content[0]" in caught.value.body["message"]
+
+
+def test_a_slow_image_host_holds_up_only_its_own_request(
+    client: openai.OpenAI, expected: list[str]
+) -> None:
+    """An image on a host that has not answered yet: a text request sent meanwhile to the same
+    ingress is tokenized and answered (images are read on their own threads, not the
+    tokenizer's); the image request answers once the host does."""
+    body = io.BytesIO()
+    _images()[0].save(body, format="PNG")
+    asked, release = threading.Event(), threading.Event()
+
+    class SlowHost(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            asked.set()
+            release.wait(60)
+            self.send_response(200)
+            self.send_header("Content-Type", "image/png")
+            self.send_header("Content-Length", str(len(body.getvalue())))
+            self.end_headers()
+            self.wfile.write(body.getvalue())
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    host = ThreadingHTTPServer(("127.0.0.1", 0), SlowHost)
+    threading.Thread(target=host.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{host.server_address[1]}/image.png"
+    quick = client.with_options(timeout=30)
+    try:
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            slow = pool.submit(_chat, client, [_image(url), TEXT])
+            assert asked.wait(60), "the server never fetched the image"
+            text = _chat(quick, [TEXT])  # would wait on the held fetch on a shared thread
+            assert text.choices[0].message.content == expected[0]
+            assert not slow.done()
+            release.set()
+            assert slow.result(timeout=120).choices[0].message.content == expected[1]
+    finally:
+        release.set()
+        host.shutdown()

@@ -87,6 +87,20 @@ def parse_request(
     return parse_completion_request(data, strict=strict)
 
 
+def has_image_parts(request: ChatCompletionRequest | CompletionRequest) -> bool:
+    """Whether the request is a chat with content parts (image parts among them)."""
+    return isinstance(request, ChatCompletionRequest) and any(
+        isinstance(m.content, list) for m in request.messages
+    )
+
+
+def read_images(
+    request: ChatCompletionRequest, tokenizer: PromptTokenizer
+) -> tuple[ImageInput, ...]:
+    """A chat's images fetched, decoded and processed (to_engine_request's `images`)."""
+    return tokenizer.chat_images([m.chat_dict() for m in request.messages])
+
+
 def to_engine_request(
     request: ChatCompletionRequest | CompletionRequest,
     endpoint: Endpoint,
@@ -94,12 +108,13 @@ def to_engine_request(
     tokenizer: PromptTokenizer,
     info: EngineInfo,
     adapter: str | None = None,
+    images: tuple[ImageInput, ...] | None = None,
 ) -> Prepared:
     """Tokenize, apply the caps and OpenAI's defaults; ApiError (400) names what to change.
     `adapter`: the LoRA adapter of `served` the request named (an adapter shares its base
-    model's tokenizer and chat template)."""
+    model's tokenizer and chat template). `images`: the chat's images as read_images read
+    them (on other threads than the tokenizer's), or None to read them here."""
     echo: str | None = None
-    images: tuple[ImageInput, ...] = ()
     if isinstance(request, ChatCompletionRequest):
         if not served.prompt.chat_template or not tokenizer.has_chat_template:
             raise ApiError(
@@ -113,15 +128,15 @@ def to_engine_request(
         plan = request.tool_plan
         if plan is not None and plan.template_tools is not None:
             template_kwargs = {**(template_kwargs or {}), "tools": plan.template_tools}
-        if any(isinstance(m["content"], list) for m in messages):  # image parts
+        if has_image_parts(request):
             # Images per request and bytes per image: the model's prompt.images limits.
-            prompt_ids, images = tokenizer.chat_request(messages, template_kwargs)
+            prompt_ids, images = tokenizer.chat_request(messages, template_kwargs, images)
         else:
-            prompt_ids = tokenizer.chat_ids(messages, template_kwargs)
+            prompt_ids, images = tokenizer.chat_ids(messages, template_kwargs), ()
         prompt_param = "messages"
         default_max = served.limits.default_max_tokens
     else:
-        prompt_ids = completion_prompt_ids(request, tokenizer)
+        prompt_ids, images = completion_prompt_ids(request, tokenizer), ()
         prompt_param = "prompt"
         default_max = COMPLETIONS_DEFAULT_MAX_TOKENS
         if request.echo:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from typing import Any
 
 from engines.api import ImageInput
@@ -57,17 +58,30 @@ class PromptTokenizer:
         # reads the server's files or buckets: data: URLs, and http(s) from the listed hosts.
         self._model, self._storage, self._engine_kind = model, storage, engine_kind
         self._images: PromptImages | None = None
+        self._image_lock = threading.Lock()
         self._image_limits = prompt.images.model_copy(update={"allow_local": False})
 
-    def chat_request(
-        self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None
-    ) -> tuple[list[int], tuple[ImageInput, ...]]:
-        """chat_ids, and the chat's images fetched and processed, their placeholders expanded
-        in the ids; a bad image is a 400 naming its part."""
+    def chat_images(self, messages: list[dict[str, Any]]) -> tuple[ImageInput, ...]:
+        """The chat's images fetched, decoded and processed, in order; a bad image (or any
+        image to a text model) is a 400 naming its part. Thread-safe, and apart from the
+        tokenizer: Serve runs it on its image threads (pipeline/serve/gateway.py)."""
         try:
+            return self._image_reader().inputs(chat_messages(messages, self._prompt.system_prompt))
+        except PromptError as exc:
+            raise ApiError(400, str(exc), param="messages", code="invalid_value") from None
+
+    def chat_request(
+        self,
+        messages: list[dict[str, Any]],
+        template_kwargs: dict[str, Any] | None = None,
+        images: tuple[ImageInput, ...] | None = None,
+    ) -> tuple[list[int], tuple[ImageInput, ...]]:
+        """chat_ids with the chat's images' placeholders expanded, and the images: `images`
+        as chat_images read them, or read here when None."""
+        if images is None:
             # Images first: a text model's template is never shown image parts.
-            chat = chat_messages(messages, self._prompt.system_prompt)
-            images = self._image_reader().inputs(chat)
+            images = self.chat_images(messages)
+        try:
             prompt_ids = self.chat_ids(messages, template_kwargs)
             if images:
                 prompt_ids = self._image_reader().expand(prompt_ids, images)
@@ -76,15 +90,16 @@ class PromptTokenizer:
         return prompt_ids, images
 
     def _image_reader(self) -> PromptImages:
-        if self._images is None:
-            self._images = PromptImages.for_model(
-                self._model,
-                self._image_limits,
-                self._storage,
-                read_s3=False,
-                engine_kind=self._engine_kind,
-            )
-        return self._images
+        with self._image_lock:  # made once, whichever thread asks first
+            if self._images is None:
+                self._images = PromptImages.for_model(
+                    self._model,
+                    self._image_limits,
+                    self._storage,
+                    read_s3=False,
+                    engine_kind=self._engine_kind,
+                )
+            return self._images
 
     def chat_ids(
         self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None
