@@ -88,9 +88,10 @@ def parse_request(
 
 
 def has_image_parts(request: ChatCompletionRequest | CompletionRequest) -> bool:
-    """Whether the request is a chat with content parts (image parts among them)."""
+    """Whether the request is a chat with image parts (text-only part lists are text)."""
     return isinstance(request, ChatCompletionRequest) and any(
-        isinstance(m.content, list) for m in request.messages
+        isinstance(m.content, list) and any(p.type == "image_url" for p in m.content)
+        for m in request.messages
     )
 
 
