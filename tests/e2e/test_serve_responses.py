@@ -208,11 +208,22 @@ def test_a_second_turn_carries_calls_and_outputs(client: openai.OpenAI) -> None:
                 "input": [
                     {
                         "role": "user",
-                        "content": [{"type": "input_image", "image_url": "data:image/png;base64,"}],
+                        "content": [{"type": "input_file", "file_id": "file-1"}],
                     }
                 ]
             },
             "input[0].content[0].type",
+        ),
+        (  # images are read, but this model takes text only (the message names the part)
+            {
+                "input": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "input_image", "image_url": "data:image/png;base64,"}],
+                    }
+                ]
+            },
+            "input",
         ),
         ({"max_output_tokens": 0}, "max_output_tokens"),
         ({"text": {"format": {"type": "json_schema", "name": "x", "schema": 5}}}, "text.format"),
